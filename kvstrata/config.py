@@ -1,0 +1,93 @@
+"""Engine configuration: one small msgspec Struct per component, gathered in
+EngineConfig. Each component is handed its own section, never the root.
+
+``EngineConfig.validate()`` checks every field at start and raises
+ValueError naming the field (``"scheduler.max_num_seqs must be >= 1"``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Which model to run. ``model`` is a local Hugging Face directory
+    (config.json + safetensors); None builds the default seeded random model."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The device KV cache: paging, prefix caching, hashing."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_mib: int = 512
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256"
+    kv_layout: str = "per_layer"
+    cache_namespace: str | None = None
+    random_hash_root: bool = False
+    metrics_sample_rate: float = 0.01
+    kv_events_endpoint: str | None = None
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Token budget and admission."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    max_waiting_requests: int = 4096
+    enable_chunked_prefill: bool = True
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything the engine needs at start.
+
+    ``executor`` is "model" (run the model) or "null" (a benchmark executor
+    that returns tokens at no cost, for measuring engine overhead).
+    """
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    device: str = "auto"
+    executor: str = "model"
+    log_level: str = "INFO"
+
+    def validate(self) -> None:
+        c, s = self.cache, self.scheduler
+        _positive("cache.block_size", c.block_size)
+        if c.num_blocks is not None:
+            _positive("cache.num_blocks", c.num_blocks)
+        _positive("cache.kv_cache_memory_mib", c.kv_cache_memory_mib)
+        if not 0.0 <= c.metrics_sample_rate <= 1.0:
+            raise ValueError("cache.metrics_sample_rate must be in [0, 1]")
+        if c.kv_layout not in ("per_layer", "cross_layer"):
+            raise ValueError(f"cache.kv_layout must be 'per_layer' or 'cross_layer', got {c.kv_layout!r}")
+        _positive("scheduler.max_num_batched_tokens", s.max_num_batched_tokens)
+        _positive("scheduler.max_num_seqs", s.max_num_seqs)
+        _positive("scheduler.max_waiting_requests", s.max_waiting_requests)
+        if s.long_prefill_token_threshold < 0:
+            raise ValueError("scheduler.long_prefill_token_threshold must be >= 0")
+        if s.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduler.policy must be 'fcfs' or 'priority', got {s.policy!r}")
+        if self.model.dtype not in ("float32", "float16", "bfloat16", "auto"):
+            raise ValueError(f"model.dtype must be float32, float16, bfloat16 or auto, got {self.model.dtype!r}")
+        if self.model.max_model_len is not None:
+            _positive("model.max_model_len", self.model.max_model_len)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.executor not in ("model", "null"):
+            raise ValueError(f"executor must be 'model' or 'null', got {self.executor!r}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

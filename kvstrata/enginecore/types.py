@@ -1,0 +1,204 @@
+"""Boundary objects of the engine core: sampling parameters, the scheduler's
+output (what one model step must compute) and the model runner's output.
+
+These are the contract between the scheduler (which owns requests and KV
+state on the event loop) and the model runner (which executes a step off the
+loop). They are frozen msgspec Structs of plain data: no tensors, no live
+objects.
+
+SchedulerOutput is a diff, in the manner of vLLM v1:
+
+    step N   scheduled_new_reqs   = [A(full prompt, block ids)]
+    step N+1 scheduled_cached_reqs = [A(new block ids only, num_computed_tokens)]
+
+A request the runner has seen keeps its state in the runner's persistent
+batch; the scheduler only sends what changed. A preempted request is named in
+``preempted_req_ids`` (the runner drops its state); when it is scheduled again
+it comes back in ``scheduled_new_reqs`` with all its tokens so far.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NewType
+
+import msgspec
+
+RequestId = NewType("RequestId", str)
+
+_INT64_MAX = 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """How to pick each next token and when to stop.
+
+    ``top_k`` of -1 or 0 disables top-k; ``top_p`` of 1.0 and ``min_p`` of 0.0
+    disable theirs. ``temperature`` 0 means greedy. ``logprobs`` asks for the
+    log-probabilities of the sampled token and the top-n alternatives.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.seed is not None and not (-_INT64_MAX - 1 <= self.seed <= _INT64_MAX):
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if any((not isinstance(s, str)) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):
+    """A request the runner has not seen (or sees again after preemption).
+
+    ``token_ids`` holds every known token (prompt, then outputs so far when
+    resumed); ``num_prompt_tokens`` says where the prompt ends.
+    ``block_ids`` has one list per KV cache group.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    lora_name: str | None = None
+
+
+class CachedRequestData(msgspec.Struct, frozen=True, kw_only=True):
+    """Deltas for requests the runner already holds, as parallel lists.
+
+    ``new_block_ids[i]`` is None when request i got no new blocks this step,
+    else one list per KV cache group, to append to its block table.
+    ``num_computed_tokens[i]`` is the count before this step's tokens.
+    """
+
+    req_ids: list[str] = []
+    new_block_ids: list[tuple[list[int], ...] | None] = []
+    num_computed_tokens: list[int] = []
+
+    @classmethod
+    def empty(cls) -> "CachedRequestData":
+        return cls()
+
+
+class SchedulerOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine step computes.
+
+    ``num_scheduled_tokens[req_id]`` tokens are computed for each scheduled
+    request (a chunk of prompt, or one decode token), their sum is
+    ``total_num_scheduled_tokens`` and never exceeds the token budget.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+    num_common_prefix_blocks: list[int] = []
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class Logprobs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """Log-probabilities at one position: the sampled token first, then the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int = 0
+
+
+class ModelRunnerOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """Result of one step, indexed like ``req_ids``.
+
+    ``sampled_token_ids[i]`` is empty for a request whose prefill chunk did
+    not reach the end of its prompt (nothing is sampled for it this step).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Logprobs | None] | None = None
+    finished_sending: list[str] = []
+    finished_recving: list[str] = []
+    invalid_block_ids: list[int] = []
+    kv_connector_stats: Any = None
+
+    @classmethod
+    def empty(cls) -> "ModelRunnerOutput":
+        return cls(req_ids=[], sampled_token_ids=[])
+
+
+class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One streamed piece of a request's result (the delta since the last one).
+
+    ``finish_reason`` is None while the request runs, then one of
+    "stop", "length", "abort", "error"; ``error`` carries the message when
+    the request failed (a bad parameter, an engine fault).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Logprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the engine's counters, for `/metrics` and the load tests.
+
+    ``extra`` carries component-specific gauges and counters by dotted name
+    (for example ``"kv.evictions"`` or ``"store.cpu.hit_tokens"``).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    extra: dict[str, float] = {}
