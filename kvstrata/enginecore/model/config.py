@@ -1,0 +1,149 @@
+"""The architecture of a Llama-family checkpoint, read from its config.json.
+
+Both spellings of the RoPE settings are accepted: transformers 4.x writes
+``rope_theta`` + ``rope_scaling``; transformers 5.x writes one
+``rope_parameters`` dict (``{"rope_type": ..., "rope_theta": ..., ...}``).
+They are normalised into ``LlamaArchConfig.rope`` (a ``RopeConfig``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: the message names the
+    directory and the file, field or tensor that is wrong."""
+
+
+class UnsupportedArchitectureError(CheckpointError):
+    """config.json names an architecture (or a RoPE variant) we do not run."""
+
+
+class RopeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """RoPE settings; the llama3 fields are used only when ``rope_type`` is "llama3"."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+class LlamaArchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The shape of the network; what the loader builds and the runner sizes the KV cache by."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None
+
+
+def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
+    """Validate a config.json dict; ``where`` (the file path) goes into every error."""
+    archs = raw.get("architectures")
+    if archs is None:
+        if raw.get("model_type") != "llama":
+            raise UnsupportedArchitectureError(
+                f"{where}: model_type {raw.get('model_type')!r} is not supported "
+                f"(supported: 'llama'; no 'architectures' field given)"
+            )
+    elif not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UnsupportedArchitectureError(
+            f"{where}: architectures {archs!r} are not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitectureError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
+    hidden = _int(raw, "hidden_size", where)
+    heads = _int(raw, "num_attention_heads", where)
+    kv_heads = _int(raw, "num_key_value_heads", where, default=heads)
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    head_dim = raw.get("head_dim") or hidden // heads
+    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise CheckpointError(f"{where}: head_dim must be a positive even integer, got {head_dim!r}")
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return LlamaArchConfig(
+        vocab_size=_int(raw, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size", where),
+        num_hidden_layers=_int(raw, "num_hidden_layers", where),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=_int(raw, "max_position_embeddings", where, default=2048),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(raw, where),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    if scaling:
+        params = {**params, **scaling}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        reason = (
+            " (its frequencies depend on the running sequence length, which a paged KV cache cannot honour)"
+            if rope_type == "dynamic"
+            else ""
+        )
+        raise UnsupportedArchitectureError(
+            f"{where}: rope_scaling type {rope_type!r} is not supported{reason}; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedArchitectureError(f"{where}: rope partial_rotary_factor != 1 is not supported")
+    fields: dict[str, Any] = {"rope_type": rope_type, "theta": float(theta)}
+    if rope_type in ("linear", "llama3"):
+        if "factor" not in params:
+            raise CheckpointError(f"{where}: rope_scaling type {rope_type!r} needs 'factor'")
+        fields["factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise CheckpointError(f"{where}: rope_scaling type 'llama3' needs {key!r}")
+        fields["low_freq_factor"] = float(params["low_freq_factor"])
+        fields["high_freq_factor"] = float(params["high_freq_factor"])
+        fields["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return RopeConfig(**fields)
+
+
+def _int(raw: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        raise CheckpointError(f"{where}: missing field {key!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"{where}: field {key!r} must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,301 @@
+"""ModelRunner driven by hand-built SchedulerOutputs, against HF ``generate``.
+
+``StepDriver`` stands in for the scheduler only to *build* SchedulerOutputs
+(new requests in full, running ones as deltas, block ids from a counter,
+prefills chunked under a token budget); everything it drives is the real
+runner, model, kernels and sampler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_utils import build_tiny_llama, hf_greedy, hf_logits
+
+from kvstrata.config import CacheConfig, ModelConfig
+from kvstrata.enginecore.model_runner import ModelRunner
+from kvstrata.enginecore.null_runner import NullModelRunner
+from kvstrata.enginecore.tokenizer import ByteTokenizer
+from kvstrata.enginecore.types import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+BS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+class _Req:
+    def __init__(self, req_id, prompt, params, blocks, num_computed):
+        self.req_id, self.params = req_id, params
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.blocks = list(blocks)
+        self.num_computed = num_computed
+        self.sent = False
+        self.outputs: list[int] = []
+        self.done = False
+
+
+class StepDriver:
+    def __init__(self, runner, budget: int = 1000, eos: int = 257, first_block: int = 1, block_size: int = BS):
+        self.runner, self.budget, self.eos, self.block_size = runner, budget, eos, block_size
+        self.next_block = first_block
+        self.reqs: dict[str, _Req] = {}
+        self.finished: list[str] = []
+        self.preempted: list[str] = []
+        self.outputs = []
+
+    def add(self, req_id, prompt, params=GREEDY, blocks=(), num_computed=0):
+        self.reqs[req_id] = _Req(req_id, prompt, params, blocks, num_computed)
+        return self.reqs[req_id]
+
+    def preempt(self, req_id):
+        r = self.reqs[req_id]
+        r.sent, r.blocks, r.num_computed = False, [], 0
+        self.preempted.append(req_id)
+
+    def step(self):
+        budget, sched, new, cached = self.budget, {}, [], CachedRequestData()
+        c_ids, c_blocks, c_computed = [], [], []
+        for r in self.reqs.values():
+            n = min(len(r.tokens) - r.num_computed, budget)
+            if r.done or n <= 0:
+                continue
+            fresh = []
+            while len(r.blocks) * self.block_size < r.num_computed + n:
+                fresh.append(self.next_block)
+                r.blocks.append(self.next_block)
+                self.next_block += 1
+            if not r.sent:
+                new.append(NewRequestData(req_id=r.req_id, token_ids=list(r.tokens), num_prompt_tokens=r.num_prompt,
+                                          sampling_params=r.params, block_ids=(list(r.blocks),),
+                                          num_computed_tokens=r.num_computed))
+                r.sent = True
+            else:
+                c_ids.append(r.req_id)
+                c_blocks.append((fresh,) if fresh else None)
+                c_computed.append(r.num_computed)
+            sched[r.req_id] = n
+            budget -= n
+        cached = CachedRequestData(req_ids=c_ids, new_block_ids=c_blocks, num_computed_tokens=c_computed)
+        so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=sched,
+                             total_num_scheduled_tokens=sum(sched.values()), finished_req_ids=self.finished,
+                             preempted_req_ids=self.preempted)
+        self.finished, self.preempted = [], []
+        out = self.runner.execute_model(so)
+        assert out.req_ids == list(sched)
+        for req_id, toks in zip(out.req_ids, out.sampled_token_ids):
+            r = self.reqs[req_id]
+            r.num_computed += sched[req_id]
+            r.tokens += toks
+            r.outputs += toks
+            if toks and (len(r.outputs) >= r.params.max_tokens or toks[-1] == self.eos):
+                r.done = True
+                self.finished.append(req_id)
+        self.outputs.append(out)
+        return out
+
+    def run(self, max_steps: int = 500):
+        for _ in range(max_steps):
+            if all(r.done for r in self.reqs.values()):
+                return {rid: r.outputs for rid, r in self.reqs.items()}
+            self.step()
+        raise AssertionError("requests did not finish")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return str(d), build_tiny_llama(d)
+
+
+def make_runner(path, num_blocks=256, **cache):
+    runner = ModelRunner(ModelConfig(model=path), CacheConfig(block_size=BS, **cache))
+    runner.initialize_kv_cache(num_blocks)
+    return runner
+
+
+PROMPTS = {
+    "a": [256, 5, 9, 200, 31],
+    "b": [256, *range(40, 52)],
+    "c": [256, *[(i * 37) % 250 for i in range(28)]],
+    "d": [256, *[(i * 11) % 255 for i in range(39)]],
+}
+
+
+def test_batch_with_chunked_prefill_matches_hf_greedy(tiny):
+    path, hf = tiny
+    driver = StepDriver(make_runner(path), budget=16)
+    for rid, prompt in PROMPTS.items():
+        driver.add(rid, prompt)
+    got = driver.run()
+    partial = [o for o in driver.outputs if any(len(t) == 0 for t in o.sampled_token_ids)]
+    assert partial, "the budget must have forced chunked prefills"
+    mixed = [o for o in driver.outputs if {0, 1} <= {len(t) for t in o.sampled_token_ids}]
+    assert mixed, "a step must mix a partial prefill with sampled requests"
+    for rid, prompt in PROMPTS.items():
+        assert got[rid] == hf_greedy(hf, prompt, GREEDY.max_tokens), rid
+
+
+def test_prefix_cache_hit_reuses_shared_blocks(tiny):
+    path, hf = tiny
+    prefix = PROMPTS["d"][:24]  # 6 full blocks
+    driver = StepDriver(make_runner(path))
+    a = driver.add("a", prefix + [7, 7, 7])
+    driver.step()  # a's prompt is now in blocks a.blocks
+    driver.step()
+    # b and c arrive while a still decodes, their first 5 blocks taken from a's.
+    b = driver.add("b", prefix + [99, 98], blocks=a.blocks[:5], num_computed=20)
+    c = driver.add("c", prefix[:21], blocks=a.blocks[:5], num_computed=20)  # hit ends mid-block 6 of 6
+    got = driver.run()
+    assert b.blocks[:5] == a.blocks[:5] and c.blocks[:5] == a.blocks[:5]
+    assert got["a"] == hf_greedy(hf, prefix + [7, 7, 7], GREEDY.max_tokens)
+    assert got["b"] == hf_greedy(hf, prefix + [99, 98], GREEDY.max_tokens)
+    assert got["c"] == hf_greedy(hf, prefix[:21], GREEDY.max_tokens)
+
+
+def test_preempted_request_resumes_with_its_outputs(tiny):
+    path, hf = tiny
+    driver = StepDriver(make_runner(path))
+    r = driver.add("p", PROMPTS["c"])
+    for _ in range(4):
+        driver.step()
+    assert len(r.outputs) == 4
+    driver.preempt("p")  # runner drops it; it comes back as new with prompt + 4 outputs
+    got = driver.run()
+    assert got["p"] == hf_greedy(hf, PROMPTS["c"], GREEDY.max_tokens)
+    assert len(driver.runner.batch) == 1
+    assert driver.step().req_ids == []  # an empty step that only carries finished_req_ids
+    assert len(driver.runner.batch) == 0  # finished requests leave the persistent batch
+
+
+def test_partial_prefill_samples_nothing(tiny):
+    path, _ = tiny
+    driver = StepDriver(make_runner(path), budget=10)
+    driver.add("b", PROMPTS["b"])  # 13 tokens: 10, then 3 + sample
+    first = driver.step()
+    second = driver.step()
+    assert first.sampled_token_ids == [[]] and first.logprobs is None
+    assert len(second.sampled_token_ids[0]) == 1
+
+
+def test_cross_layer_layout_gives_the_same_tokens(tiny):
+    path, hf = tiny
+    driver = StepDriver(make_runner(path, kv_layout="cross_layer"), budget=12)
+    driver.add("c", PROMPTS["c"])
+    driver.add("a", PROMPTS["a"])
+    got = driver.run()
+    assert got["c"] == hf_greedy(hf, PROMPTS["c"], GREEDY.max_tokens)
+    assert got["a"] == hf_greedy(hf, PROMPTS["a"], GREEDY.max_tokens)
+
+
+def test_logprobs_are_those_of_the_model(tiny):
+    path, hf = tiny
+    driver = StepDriver(make_runner(path))
+    driver.add("l", PROMPTS["b"], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3))
+    driver.add("n", PROMPTS["a"], SamplingParams(temperature=0.0, max_tokens=1))
+    out = driver.step()
+    lp, none = out.logprobs
+    assert none is None
+    ref = torch.log_softmax(hf_logits(hf, PROMPTS["b"])[-1], dim=-1)
+    top = ref.topk(3)
+    assert lp.token_ids == [out.sampled_token_ids[0][0], *top.indices.tolist()]
+    assert lp.token_ids[0] == lp.token_ids[1] and lp.sampled_rank == 0
+    torch.testing.assert_close(torch.tensor(lp.logprobs), torch.tensor([top.values[0], *top.values]), atol=1e-5, rtol=0)
+
+
+def _seeded_tokens(path, others: int, preempt_at: int | None) -> list[int]:
+    driver = StepDriver(make_runner(path))
+    params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=12)
+    req = driver.add("s", PROMPTS["c"], params)
+    for i in range(others):
+        driver.add(f"o{i}", PROMPTS["d"][: 10 + i], SamplingParams(temperature=0.8, max_tokens=12))
+    while not req.done:
+        if preempt_at is not None and len(req.outputs) == preempt_at:
+            driver.preempt("s")
+            preempt_at = None
+        driver.step()
+    return req.outputs
+
+
+def test_seeded_request_ignores_batch_and_preemption(tiny):
+    path, _ = tiny
+    alone = _seeded_tokens(path, others=0, preempt_at=None)
+    assert len(set(alone)) > 3  # actually random, not greedy
+    assert _seeded_tokens(path, others=3, preempt_at=None) == alone
+    assert _seeded_tokens(path, others=2, preempt_at=5) == alone
+
+
+def test_unseeded_random_requests_differ(tiny):
+    path, _ = tiny
+    driver = StepDriver(make_runner(path))
+    params = SamplingParams(temperature=1.5, max_tokens=12)
+    driver.add("x", PROMPTS["a"], params)
+    driver.add("y", PROMPTS["a"], params)
+    got = driver.run()
+    assert got["x"] != got["y"]
+
+
+def test_runner_properties_and_kv_spec(tiny):
+    path, _ = tiny
+    runner = ModelRunner(ModelConfig(model=path, max_model_len=256), CacheConfig(block_size=BS))
+    assert isinstance(runner.tokenizer, ByteTokenizer)
+    assert (runner.max_model_len, runner.vocab_size, runner.eos_token_id) == (256, 320, 257)
+    spec = runner.kv_cache_spec()
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype, spec.block_size) == (2, 2, 16, "float32", 4)
+    assert spec.layer_names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert spec.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
+    assert runner.num_blocks_for_memory(1) == 1024 * 1024 // 2048
+    with pytest.raises(RuntimeError, match="initialize_kv_cache"):
+        runner.execute_model(SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+                                             num_scheduled_tokens={}, total_num_scheduled_tokens=0))
+    runner.initialize_kv_cache(10)
+    assert len(runner.kv_caches) == 2 and runner.kv_caches[0][0].shape == (10, 4, 2, 16)
+
+
+def test_max_model_len_beyond_checkpoint_is_refused(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match=r"model.max_model_len \(4096\) exceeds.*\(512\)"):
+        ModelRunner(ModelConfig(model=path, max_model_len=4096), CacheConfig())
+
+
+def test_default_model_runs_with_byte_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
+    runner = ModelRunner(ModelConfig(model=None), CacheConfig(block_size=16))
+    assert isinstance(runner.tokenizer, ByteTokenizer)
+    assert (runner.vocab_size, runner.eos_token_id, runner.max_model_len) == (258, 257, 8192)
+    spec = runner.kv_cache_spec()
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_size) == (8, 4, 64)
+    runner.initialize_kv_cache(8)
+    driver = StepDriver(runner, block_size=16)
+    driver.add("r", runner.tokenizer.encode("hello, world"), SamplingParams(temperature=0.0, max_tokens=3))
+    assert len(driver.run()["r"]) == 3
+
+
+def test_null_runner_matches_interface_without_a_model(tiny):
+    path, _ = tiny
+    null = NullModelRunner(ModelConfig(model=path), CacheConfig(block_size=BS))
+    real = ModelRunner(ModelConfig(model=path), CacheConfig(block_size=BS))
+    assert null.kv_cache_spec() == real.kv_cache_spec()
+    assert (null.max_model_len, null.vocab_size, null.eos_token_id) == (real.max_model_len, 320, 257)
+    assert null.num_blocks_for_memory(1) == real.num_blocks_for_memory(1)
+    null.initialize_kv_cache(64)
+    driver = StepDriver(null, budget=8)
+    driver.add("a", PROMPTS["a"], SamplingParams(max_tokens=4))   # 5 tokens
+    driver.add("b", PROMPTS["b"], SamplingParams(max_tokens=3))   # 13 tokens, chunked
+    got = driver.run()
+    # letters a..z by position: a's outputs sit at positions 5..8, b's at 13..15
+    assert got["a"] == [97 + 5, 97 + 6, 97 + 7, 97 + 8]
+    assert got["b"] == [97 + 13, 97 + 14, 97 + 15]
+    assert driver.outputs[0].sampled_token_ids == [[97 + 5], []]
+
+
+def test_triton_interpreted_kernels_give_the_same_tokens(tiny, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels dispatch to the Triton interpreter per call
+    path, hf = tiny
+    driver = StepDriver(make_runner(path, num_blocks=16), budget=4)  # a 4-token chunk, then extend + decode
+    driver.add("a", PROMPTS["a"], SamplingParams(temperature=0.0, max_tokens=3))
+    assert driver.run()["a"] == hf_greedy(hf, PROMPTS["a"], 3)

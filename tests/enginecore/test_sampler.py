@@ -1,0 +1,173 @@
+"""Sampler: greedy, temperature, top-k / top-p / min-p masks, seeds, logprobs, bans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.enginecore.input_batch import RequestState, sampling_metadata, step_seed
+from kvstrata.enginecore.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_min_p,
+    apply_top_k_top_p,
+    gather_logprobs,
+)
+from kvstrata.enginecore.types import NewRequestData, SamplingParams
+
+NEG = float("-inf")
+
+
+def meta(temps, **kw) -> SamplingMetadata:
+    t = torch.tensor(temps, dtype=torch.float32)
+    return SamplingMetadata(temperature=t, all_greedy=bool((t == 0).all()), all_random=bool((t != 0).all()), **kw)
+
+
+def distinct_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(vocab, generator=g).float() * 0.37 for _ in range(rows)])
+
+
+def test_greedy_is_argmax():
+    logits = distinct_logits(5, 50)
+    tokens, lps = Sampler()(logits, meta([0.0] * 5))
+    assert tokens == logits.argmax(-1).tolist() and lps is None
+
+
+def test_mixed_batch_greedy_rows_stay_greedy():
+    logits = distinct_logits(4, 30)
+    tokens, _ = Sampler(torch.Generator().manual_seed(0))(logits, meta([0.0, 5.0, 0.0, 5.0]))
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+
+
+@given(st.integers(1, 40), st.integers(0, 1000))
+@settings(max_examples=40, deadline=None)
+def test_top_k_keeps_exactly_k(k, seed):
+    logits = distinct_logits(3, 40, seed)
+    out = apply_top_k_top_p(logits, torch.tensor([k, 0, 100]), None)
+    for row, kk in enumerate([k, 40, 40]):
+        kept = torch.isfinite(out[row])
+        assert int(kept.sum()) == kk
+        assert set(kept.nonzero().flatten().tolist()) == set(logits[row].topk(kk).indices.tolist())
+        assert torch.equal(out[row][kept], logits[row][kept])
+
+
+@given(st.floats(0.01, 1.0), st.integers(0, 1000))
+@settings(max_examples=40, deadline=None)
+def test_top_p_keeps_the_smallest_set_reaching_p(p, seed):
+    logits = distinct_logits(2, 25, seed) * 0.2
+    out = apply_top_k_top_p(logits, None, torch.tensor([p, 1.0]))
+    probs = torch.softmax(logits[0].double(), -1)
+    order = probs.argsort(descending=True)
+    cum = probs[order].cumsum(0)
+    n = int((cum < p - 1e-6).sum()) + 1  # brute force: first prefix whose mass reaches p
+    kept = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+    near_boundary = abs(float(cum[n - 1]) - p) < 1e-5 or (n > 1 and abs(float(cum[n - 2]) - p) < 1e-5)
+    if not near_boundary:
+        assert kept == set(order[:n].tolist())
+    assert bool(torch.isfinite(out[1]).all())
+
+
+def test_top_k_and_top_p_compose():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    out = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.7]))
+    # top-k 3 leaves {0.4, 0.3, 0.2}; renormalised 0.44, 0.33, 0.22: top-p 0.7 keeps the first two
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+
+
+def test_min_p_mask_is_exact():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04], [0.5, 0.3, 0.1, 0.06, 0.04]]))
+    out = apply_min_p(logits, torch.tensor([0.15, 0.0]))  # threshold 0.075
+    assert torch.isfinite(out).tolist() == [[True, True, True, False, False], [True] * 5]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = probs.log().expand(4000, 4).contiguous()
+    tokens, _ = Sampler(torch.Generator().manual_seed(1))(logits, meta([1.0] * 4000))
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_low_temperature_concentrates_and_top_k_1_is_greedy():
+    logits = distinct_logits(200, 20)
+    s = Sampler(torch.Generator().manual_seed(2))
+    cold, _ = s(logits, meta([1e-3] * 200))
+    top1, _ = s(logits, meta([1.0] * 200, top_k=torch.ones(200, dtype=torch.int64)))
+    assert cold == top1 == logits.argmax(-1).tolist()
+
+
+def test_seeded_rows_reproduce_and_differ_by_seed():
+    logits = torch.zeros(3, 1000)
+
+    def draw(seeds):
+        gens = {i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds) if s is not None}
+        return Sampler(torch.Generator().manual_seed(99))(logits, meta([1.0] * 3, generators=gens))[0]
+
+    first = draw([7, None, 8])
+    again = draw([7, 123, 8])
+    assert first[0] == again[0] and first[2] == again[2]
+    assert draw([8, None, 7])[0] == first[2]  # the seed, not the row, decides
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.tensor([[10.0, 0.0, 0.0], [10.0, 0.0, 0.0]])
+    tokens, _ = Sampler()(logits, meta([0.0, 0.0], banned_token_ids={0: [0]}))
+    assert tokens == [1, 0] or tokens == [2, 0]
+
+
+def test_logprobs_sampled_first_then_top_n_with_rank():
+    raw = torch.log_softmax(torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 1.0, 2.0, 3.0]]), -1)
+    out = gather_logprobs(raw, torch.tensor([1, 3]), [2, None])
+    assert out[1] is None
+    lp = out[0]
+    assert lp.token_ids == [1, 0, 2] and lp.sampled_rank == 2
+    assert lp.logprobs == pytest.approx([raw[0, 1].item(), raw[0, 0].item(), raw[0, 2].item()])
+    zero = gather_logprobs(raw, torch.tensor([0, 3]), [0, 0])
+    assert [z.token_ids for z in zero] == [[0], [3]] and [z.sampled_rank for z in zero] == [0, 0]
+
+
+def test_logprobs_come_from_raw_logits_not_processed_ones():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    _, lps = Sampler()(logits, meta([0.0], num_logprobs=[1], banned_token_ids={0: [0]}))
+    assert lps[0].token_ids == [1, 0]
+    assert lps[0].logprobs == pytest.approx(torch.log_softmax(logits[0], -1)[[1, 0]].tolist())
+    assert lps[0].sampled_rank == 1
+
+
+def _state(params, prompt_len=3, outputs=0):
+    data = NewRequestData(req_id="r", token_ids=list(range(prompt_len + outputs)), num_prompt_tokens=prompt_len,
+                          sampling_params=params, block_ids=([1],), num_computed_tokens=0)
+    return RequestState(data, 0, torch.device("cpu"))
+
+
+def test_metadata_bans_stop_tokens_until_min_tokens():
+    p = SamplingParams(min_tokens=2, stop_token_ids=[5], temperature=0.0)
+    m = sampling_metadata([_state(p, outputs=1), _state(p, outputs=2),
+                           _state(SamplingParams(min_tokens=2, ignore_eos=True), outputs=0)], (257,), torch.device("cpu"))
+    assert m.banned_token_ids == {0: [5, 257]}
+    assert m.top_k is None and m.top_p is None and m.min_p is None
+
+
+def test_metadata_seeds_generators_by_position():
+    p = SamplingParams(seed=5, temperature=1.0, top_p=0.9)
+    s1, s2 = _state(p, outputs=0), _state(p, outputs=0)
+    m = sampling_metadata([s1, s2], (), torch.device("cpu"))
+    assert m.top_p.tolist() == pytest.approx([0.9, 0.9]) and set(m.generators) == {0, 1}
+    assert m.generators[0].initial_seed() == m.generators[1].initial_seed() == step_seed(5, 3)
+    assert step_seed(5, 3) != step_seed(5, 4) and step_seed(5, 3) != step_seed(6, 3)
+    assert _state(SamplingParams(seed=5, temperature=0.0)).generator is None  # greedy: no generator
+
+
+def test_random_draws_stay_inside_the_masks():
+    logits = distinct_logits(500, 40, seed=3) * 0.05  # flat: every token would be likely
+    m = meta([1.0] * 500, top_k=torch.full((500,), 3), min_p=torch.zeros(500),
+             banned_token_ids={i: logits[i].topk(1).indices.tolist() for i in range(0, 500, 2)})
+    tokens, _ = Sampler(torch.Generator().manual_seed(4))(logits, m)
+    for i, tok in enumerate(tokens):
+        ranked = logits[i].topk(4).indices.tolist()
+        # Even rows ban their best token first, so top-k keeps the next three.
+        assert tok in (ranked[1:] if i % 2 == 0 else ranked[:3])
+    assert len(set(tokens)) > 10
