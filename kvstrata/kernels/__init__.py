@@ -1,1 +1,56 @@
-"""kvstrata.kernels."""
+"""kvstrata.kernels: device-side KV cache operations and their stream handling.
+
+Every operation has a torch reference and a Triton kernel; which one runs is
+decided per call (``dispatch.py``): CUDA tensors -> compiled Triton, CPU
+tensors -> the torch reference, or the Triton interpreter when
+``TRITON_INTERPRET=1`` or ``impl="triton"``. Importing this package never
+imports triton and never needs a GPU.
+
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                    seq_lens, scale, sliding_window=None, out=None) -> Tensor
+    gather_kv(kv_caches, slot_mapping, out=None) -> [L, 2, n, Hkv, D]
+    scatter_kv(chunk, kv_caches, slot_mapping)
+    gather_kv_layer(key_cache, value_cache, slot_mapping, out=None) -> [2, n, Hkv, D]
+    scatter_kv_layer(chunk, key_cache, value_cache, slot_mapping)
+    allocate_kv_caches(KVCacheShape(...), "per_layer" | "cross_layer", dtype, device)
+    KVStreams(device, num_layers)
+
+All kernel entry points also take ``impl="auto" | "torch" | "triton"``.
+"""
+
+from kvstrata.kernels._checks import KernelArgumentError
+from kvstrata.kernels.attention import paged_attention, paged_attention_ref
+from kvstrata.kernels.cache_write import reshape_and_cache, reshape_and_cache_ref
+from kvstrata.kernels.dispatch import interpret_requested, use_triton
+from kvstrata.kernels.layout import KV_LAYOUTS, KVCacheShape, allocate_kv_caches
+from kvstrata.kernels.streams import KVStreams, KVTransfer
+from kvstrata.kernels.transfer import (
+    gather_kv,
+    gather_kv_layer,
+    gather_kv_layer_ref,
+    scatter_kv,
+    scatter_kv_layer,
+    scatter_kv_layer_ref,
+)
+
+__all__ = [
+    "KV_LAYOUTS",
+    "KVCacheShape",
+    "KVStreams",
+    "KVTransfer",
+    "KernelArgumentError",
+    "allocate_kv_caches",
+    "gather_kv",
+    "gather_kv_layer",
+    "gather_kv_layer_ref",
+    "interpret_requested",
+    "paged_attention",
+    "paged_attention_ref",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "scatter_kv",
+    "scatter_kv_layer",
+    "scatter_kv_layer_ref",
+    "use_triton",
+]

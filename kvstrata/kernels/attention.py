@@ -1,0 +1,230 @@
+"""Paged attention over the block tables: varlen prefill/extend and decode in one call.
+
+    query            [T, Hq, D]     new tokens of B sequences back to back
+    query_start_loc  int [B+1]      cumulative: seq b's tokens are query[qsl[b]:qsl[b+1]]
+    seq_lens         int [B]        context length of seq b *including* its new tokens
+    block_tables     int [B, M]     physical block of each logical block; padding = 0
+    key_cache        [num_blocks, block_size, Hkv, D]   (value_cache alike)
+
+New token j of seq b (q_len_b = qsl[b+1] - qsl[b]) sits at position
+``seq_lens[b] - q_len_b + j`` and attends to positions ``p <= pos`` (and
+``p > pos - sliding_window`` when a window is set). Hq % Hkv == 0: query head
+h reads KV head ``h // (Hq // Hkv)``. Scores, softmax and the weighted sum
+run in fp32; the output has the query's dtype.
+
+Block 0 is the null block: it pads tables and replaces blocks that slid out
+of the window. Its contents are never trusted: a block is read only when it
+holds a position some query may attend to, and the batched decode path
+zeroes the K/V rows it gathers for masked positions, so NaN garbage in the null
+block cannot leak into the output (0 * NaN is NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels._checks import (
+    INDEX_DTYPES,
+    KV_DTYPES,
+    KernelArgumentError,
+    check_cache_pair,
+    check_inner_contiguous,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
+from kvstrata.kernels.dispatch import use_triton
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Attention of the new tokens over their sequences' paged KV. Returns ``out`` ([T, Hq, D])."""
+    _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if query.shape[0] == 0:
+        return out
+    if use_triton(impl, query.device):
+        from kvstrata.kernels._triton_attention import paged_attention_triton
+
+        paged_attention_triton(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), sliding_window, out
+        )
+    else:
+        paged_attention_ref(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), sliding_window, out
+        )
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of :func:`paged_attention` (no argument checks).
+
+    Sequences with one new token (decode) are batched into one padded SDPA
+    call; longer ones (prefill/extend) run one SDPA call each over the
+    blocks they can see. No Python work per token.
+    """
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode = [b for b in range(len(lens)) if qsl[b + 1] - qsl[b] == 1]
+    if decode:
+        _decode_batch(query, key_cache, value_cache, block_tables, qsl, lens, decode, scale, sliding_window, out)
+    for b in range(len(lens)):
+        q_len = qsl[b + 1] - qsl[b]
+        if q_len > 1:
+            _extend_one(
+                query, key_cache, value_cache, block_tables[b], qsl[b], q_len, lens[b], scale, sliding_window, out
+            )
+    return out
+
+
+def _first_visible(first_pos: int, sliding_window: int | None) -> int:
+    """Lowest position the earliest query at ``first_pos`` may attend to."""
+    return 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+
+
+def _extend_one(query, key_cache, value_cache, table, q_start, q_len, seq_len, scale, window, out) -> None:
+    block_size = key_cache.shape[1]
+    first_pos = seq_len - q_len
+    lo_block = _first_visible(first_pos, window) // block_size
+    hi_block = (seq_len + block_size - 1) // block_size
+    blocks = table[lo_block:hi_block].to(device=key_cache.device, dtype=torch.int64)
+    kv_start = lo_block * block_size
+    k = _gather_tokens(key_cache, blocks, seq_len - kv_start)  # [S, Hkv, D]
+    v = _gather_tokens(value_cache, blocks, seq_len - kv_start)
+    mask = None
+    if window is not None or first_pos > 0:
+        q_pos = torch.arange(first_pos, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(kv_start, seq_len, device=query.device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+    q = query[q_start : q_start + q_len].float().transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    k = k.float().transpose(0, 1).unsqueeze(0)
+    v = v.float().transpose(0, 1).unsqueeze(0)
+    # A whole prompt without a window is plain causal attention (SDPA's
+    # top-left alignment is right when q_len == kv_len): no mask to build.
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    out[q_start : q_start + q_len] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` token rows of ``blocks``, as [num_tokens, Hkv, D] (a copy)."""
+    return _gather_blocks(cache, blocks).view(-1, *cache.shape[2:])[:num_tokens]
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` as [n, block_size * Hkv * D]. index_select over the
+    2-D block view is far faster than over the 4-D cache on CPU, and the
+    view exists for both layouts (each block's rows are contiguous)."""
+    return cache.flatten(1).index_select(0, blocks)
+
+
+def _decode_batch(query, key_cache, value_cache, block_tables, qsl, lens, seqs, scale, window, out) -> None:
+    device = query.device
+    block_size = key_cache.shape[1]
+    rows = torch.tensor([qsl[b] for b in seqs], device=device)
+    seq_len = torch.tensor([lens[b] for b in seqs], device=device)
+    max_blocks = (max(lens[b] for b in seqs) + block_size - 1) // block_size
+    table = block_tables.index_select(0, torch.tensor(seqs, device=block_tables.device))[:, :max_blocks]
+    table = table.to(device=device, dtype=torch.int64)
+    nseq, kv_len = len(seqs), max_blocks * block_size
+    flat = table.reshape(-1)
+    k = _gather_blocks(key_cache, flat).view(nseq * kv_len, -1)
+    v = _gather_blocks(value_cache, flat).view(nseq * kv_len, -1)
+    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+    q_pos = (seq_len - 1).unsqueeze(1)
+    mask = k_pos <= q_pos  # [nseq, kv_len]
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    # Padding and out-of-window positions may come from the null block (or
+    # unwritten tails): zero those K/V rows so garbage there cannot turn
+    # masked terms into NaN. Only the hidden rows are touched.
+    hidden = (~mask).view(-1).nonzero().squeeze(1)
+    attn_mask = None
+    if hidden.numel():
+        k.index_fill_(0, hidden, 0.0)
+        v.index_fill_(0, hidden, 0.0)
+        attn_mask = mask[:, None, None, :]
+    shape = (nseq, kv_len, *key_cache.shape[2:])
+    k = k.view(shape).float().transpose(1, 2)  # [nseq, Hkv, kv_len, D]
+    v = v.view(shape).float().transpose(1, 2)
+    q = query.index_select(0, rows).float().unsqueeze(2)  # [nseq, Hq, 1, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+    out.index_copy_(0, rows, o.squeeze(2).to(out.dtype))
+
+
+def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window, out) -> None:
+    check_tensor("query", query, 3, KV_DTYPES)
+    _, block_size, kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    check_same_dtype("query", query, key_cache=key_cache)
+    num_tokens, q_heads, q_dim = query.shape
+    if q_dim != head_dim:
+        raise KernelArgumentError(f"query head_dim {q_dim} differs from key_cache head_dim {head_dim}")
+    if q_heads % kv_heads != 0:
+        raise KernelArgumentError(f"query heads ({q_heads}) must be a multiple of key_cache heads ({kv_heads})")
+    check_inner_contiguous("query", query, 2)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
+    check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
+    num_seqs = seq_lens.shape[0]
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    if block_tables.shape[0] != num_seqs:
+        raise KernelArgumentError(f"block_tables must have {num_seqs} rows (one per seq), got {block_tables.shape[0]}")
+    if block_tables.stride(1) != 1:
+        raise KernelArgumentError(f"block_tables rows must be contiguous, got strides {tuple(block_tables.stride())}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise KernelArgumentError(f"scale must be a positive float, got {scale!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise KernelArgumentError(f"sliding_window must be None or an int >= 1, got {window!r}")
+    tensors = dict(query=query, key_cache=key_cache, block_tables=block_tables,
+                   query_start_loc=query_start_loc, seq_lens=seq_lens)
+    if out is not None:
+        check_tensor("out", out, 3, KV_DTYPES)
+        check_shape("out", out, tuple(query.shape))
+        check_same_dtype("query", query, out=out)
+        check_inner_contiguous("out", out, 2)
+        tensors["out"] = out
+    check_same_device(**tensors)
+    if query.device.type == "cpu":
+        _check_lengths(query_start_loc, seq_lens, num_tokens, block_size, block_tables.shape[1])
+
+
+def _check_lengths(query_start_loc, seq_lens, num_tokens, block_size, max_blocks) -> None:
+    """CPU only (free there; on CUDA it would cost a sync): the varlen metadata is consistent."""
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or qsl[-1] != num_tokens:
+        raise KernelArgumentError(f"query_start_loc must start at 0 and end at {num_tokens}, got {qsl[0]}..{qsl[-1]}")
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_len = qsl[b + 1] - qsl[b]
+        if q_len < 0:
+            raise KernelArgumentError(f"query_start_loc must be non-decreasing, got {qsl[b]} then {qsl[b + 1]}")
+        if q_len > seq_len:
+            raise KernelArgumentError(f"seq_lens[{b}]={seq_len} is shorter than its {q_len} new tokens")
+        if (seq_len + block_size - 1) // block_size > max_blocks:
+            raise KernelArgumentError(
+                f"seq_lens[{b}]={seq_len} needs more than the {max_blocks} blocks in block_tables"
+            )

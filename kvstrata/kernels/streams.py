@@ -1,0 +1,278 @@
+"""KVStreams: the compute, store (device -> host) and load (host -> device)
+streams, and the events that order KV transfers against the forward pass.
+
+Ordering, per layer, within one forward step:
+
+    load stream     H2D copy ─ scatter ─[loaded[l]]
+                                          │ wait_layer_loaded(l)
+    compute stream  ... ──────────────────┴─ reshape_and_cache + attention(l) ─[written[l]] ─ ...
+                                                                                  │ store_layer(l)
+    store stream                                              gather ─ D2H copy ──┴─[done]
+
+* a layer's load completes before its attention reads it (the compute
+  stream waits on ``loaded[l]``);
+* a store starts only after that layer's KV is written (the store stream
+  waits on an event recorded on the compute stream when ``store_layer`` is
+  called, i.e. after the caller issued the layer's writes);
+* a load starts only after the compute work already issued (the load stream
+  waits on the compute stream's position at submission), so a block that an
+  earlier step still reads is never overwritten by a reload into it;
+* buffers are not reused before their copy completes: every transfer returns
+  a :class:`KVTransfer` that keeps its host and device buffers (and the slot
+  mapping) alive until its event has completed, and tensors created on one
+  stream and read on another are marked with ``record_stream`` so the caching
+  allocator cannot hand their memory out early.
+
+Host buffers come from :meth:`KVStreams.alloc_host` (pinned on CUDA hosts, so
+copies are truly asynchronous). On CPU there are no streams: every call runs
+inline and returns a transfer that is already done, so the engine code is the
+same on both.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from kvstrata.kernels._checks import (
+    INDEX_DTYPES,
+    KV_DTYPES,
+    KernelArgumentError,
+    check_kv_caches,
+    check_shape,
+    check_tensor,
+)
+from kvstrata.kernels.transfer import gather_kv, gather_kv_layer, scatter_kv, scatter_kv_layer
+
+log = structlog.get_logger(__name__)
+
+
+class KVTransfer:
+    """One submitted copy. Owns: references to the buffers the copy touches,
+    held until the copy's event completes (then released by ``done``/``wait``)."""
+
+    __slots__ = ("_event", "_buffers", "result")
+
+    def __init__(self, event: torch.cuda.Event | None, buffers: tuple[torch.Tensor, ...], result: torch.Tensor | None):
+        self._event = event
+        self._buffers: tuple[torch.Tensor, ...] | None = buffers if event is not None else None
+        self.result = result  # the host chunk of a store; None for a load
+
+    def done(self) -> bool:
+        """True once the copy has completed; never blocks."""
+        if self._event is None or self._event.query():
+            self._event, self._buffers = None, None
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Block the calling thread until the copy has completed (never call on an event loop)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event, self._buffers = None, None
+
+
+class KVStreams:
+    """Stream and event plumbing for KV offload (store) and reload (load).
+
+    Owns: the store and load streams, the per-layer ``loaded`` events of the
+    current step, and the list of in-flight transfers. The compute stream is
+    whatever stream is current on the calling thread at each call. Not
+    thread-safe: one model runner thread drives it.
+    """
+
+    __slots__ = ("device", "num_layers", "_store", "_load", "_loaded", "_inflight")
+
+    def __init__(self, device: torch.device | str, num_layers: int) -> None:
+        device = torch.device(device)
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, got {device}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device is cuda but CUDA is not available")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+        self.device = device
+        self.num_layers = num_layers
+        self._loaded: list[torch.cuda.Event | None] = [None] * num_layers
+        self._inflight: list[KVTransfer] = []
+        if device.type == "cuda":
+            self._store: torch.cuda.Stream | None = torch.cuda.Stream(device)
+            self._load: torch.cuda.Stream | None = torch.cuda.Stream(device)
+        else:
+            self._store = self._load = None
+        log.info("kv_streams_created", device=str(device), num_layers=num_layers)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._store is not None
+
+    @property
+    def compute_stream(self) -> torch.cuda.Stream | None:
+        """The stream compute runs on: the calling thread's current stream (None on CPU)."""
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    @property
+    def store_stream(self) -> torch.cuda.Stream | None:
+        return self._store
+
+    @property
+    def load_stream(self) -> torch.cuda.Stream | None:
+        return self._load
+
+    def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for chunks: pinned on CUDA hosts, plain memory otherwise."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    # ---- load: host -> device ------------------------------------------------
+
+    def load_layer(
+        self,
+        layer: int,
+        host_chunk: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> KVTransfer:
+        """Copy ``host_chunk`` [2, n, Hkv, D] into layer ``layer``'s slots on the
+        load stream; :meth:`wait_layer_loaded` orders that layer's attention after it."""
+        self._check_layer(layer)
+        if self._load is None:
+            scatter_kv_layer(host_chunk, key_cache, value_cache, slot_mapping)
+            return KVTransfer(None, (), None)
+        self._load.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._load):
+            dev_chunk = self._on_side_stream(host_chunk, self._load)
+            dev_slots = self._on_side_stream(slot_mapping, self._load)
+            scatter_kv_layer(dev_chunk, key_cache, value_cache, dev_slots)
+            event = torch.cuda.Event()
+            event.record(self._load)
+        self._loaded[layer] = event
+        return self._track(KVTransfer(event, (host_chunk, dev_chunk, dev_slots), None))
+
+    def load_all(self, host_chunk: torch.Tensor, kv_caches, slot_mapping: torch.Tensor) -> KVTransfer:
+        """Copy ``host_chunk`` [L, 2, n, Hkv, D] into every layer's slots on the
+        load stream; every layer's :meth:`wait_layer_loaded` orders after it."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
+        if self._load is None:
+            scatter_kv(host_chunk, kv_caches, slot_mapping)
+            return KVTransfer(None, (), None)
+        self._load.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._load):
+            dev_chunk = self._on_side_stream(host_chunk, self._load)
+            dev_slots = self._on_side_stream(slot_mapping, self._load)
+            scatter_kv(dev_chunk, kv_caches, dev_slots)
+            event = torch.cuda.Event()
+            event.record(self._load)
+        self._loaded = [event] * self.num_layers
+        return self._track(KVTransfer(event, (host_chunk, dev_chunk, dev_slots), None))
+
+    def wait_layer_loaded(self, layer: int) -> None:
+        """Make the compute stream wait for the pending load of ``layer`` (no-op if none).
+
+        Loads run in order on one stream, so waiting for the layer's latest
+        load covers every earlier one."""
+        self._check_layer(layer)
+        event = self._loaded[layer]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            self._loaded[layer] = None
+
+    # ---- store: device -> host -----------------------------------------------
+
+    def store_layer(
+        self,
+        layer: int,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        host_out: torch.Tensor | None = None,
+    ) -> KVTransfer:
+        """Copy layer ``layer``'s K/V at the slots to the host as [2, n, Hkv, D] on
+        the store stream, after everything already issued on the compute stream
+        (the layer's reshape_and_cache). ``result`` is the host chunk; read it
+        only once the transfer is done."""
+        self._check_layer(layer)
+        check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+        check_tensor("key_cache", key_cache, 4, KV_DTYPES)
+        shape = (2, slot_mapping.shape[0], key_cache.shape[2], key_cache.shape[3])
+        host_out = self._host_buffer(host_out, shape, key_cache.dtype)
+        if self._store is None:
+            gather_kv_layer(key_cache, value_cache, slot_mapping, out=host_out)
+            return KVTransfer(None, (), host_out)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store):
+            self._store.wait_event(written)
+            dev_slots = self._on_side_stream(slot_mapping, self._store)
+            staging = gather_kv_layer(key_cache, value_cache, dev_slots)
+            host_out.copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._store)
+        return self._track(KVTransfer(event, (host_out, staging, dev_slots), host_out))
+
+    def store_all(self, kv_caches, slot_mapping: torch.Tensor, host_out: torch.Tensor | None = None) -> KVTransfer:
+        """Like :meth:`store_layer` for every layer at once: host chunk [L, 2, n, Hkv, D]."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
+        check_kv_caches(kv_caches)
+        check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+        key0 = kv_caches[0][0]
+        shape = (self.num_layers, 2, slot_mapping.shape[0], key0.shape[2], key0.shape[3])
+        host_out = self._host_buffer(host_out, shape, key0.dtype)
+        if self._store is None:
+            gather_kv(kv_caches, slot_mapping, out=host_out)
+            return KVTransfer(None, (), host_out)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store):
+            self._store.wait_event(written)
+            dev_slots = self._on_side_stream(slot_mapping, self._store)
+            staging = gather_kv(kv_caches, dev_slots)
+            host_out.copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._store)
+        return self._track(KVTransfer(event, (host_out, staging, dev_slots), host_out))
+
+    # ---- bookkeeping -----------------------------------------------------------
+
+    def num_inflight(self) -> int:
+        """Transfers not yet known to be complete (reaps finished ones first)."""
+        self._inflight = [t for t in self._inflight if not t.done()]
+        return len(self._inflight)
+
+    def synchronize(self) -> None:
+        """Block until every submitted transfer has completed."""
+        for t in self._inflight:
+            t.wait()
+        self._inflight.clear()
+
+    def _track(self, transfer: KVTransfer) -> KVTransfer:
+        self._inflight.append(transfer)
+        if len(self._inflight) > 64:
+            self._inflight = [t for t in self._inflight if not t.done()]
+        return transfer
+
+    def _host_buffer(self, host_out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if host_out is None:
+            return self.alloc_host(shape, dtype)
+        check_tensor("host_out", host_out, len(shape), (dtype,))
+        check_shape("host_out", host_out, shape)
+        if not host_out.is_contiguous():
+            raise KernelArgumentError(f"host_out must be contiguous, got strides {tuple(host_out.stride())}")
+        return host_out
+
+    def _on_side_stream(self, t: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+        """``t`` on the device, safe to read on ``stream``: a host tensor is copied
+        there on ``stream``; a device tensor from the compute stream is marked so
+        the allocator keeps its memory until ``stream``'s work is done."""
+        if t.device.type != "cuda":
+            return t.to(self.device, non_blocking=True)
+        t.record_stream(stream)
+        return t
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")

@@ -1,0 +1,178 @@
+"""KV transfer between the paged cache and contiguous chunk buffers.
+
+The offload/reload path of the tiered store: gather the tokens at a list of
+slots (a chunk, which may start or end inside a block) into one contiguous
+buffer, and scatter such a buffer back into given slots.
+
+    all layers:  chunk [num_layers, 2, n, Hkv, D]   (index 0 = K, 1 = V)
+    one layer:   chunk [2, n, Hkv, D]
+
+``kv_caches`` is the per-layer list of (key_cache, value_cache) pairs, each
+[num_blocks, block_size, Hkv, D]; per-layer tensors and cross-layer views
+(``layout.py``) are both accepted. A negative slot is padding: gather writes
+zeros for it and scatter skips it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstrata.kernels._checks import (
+    INDEX_DTYPES,
+    KV_DTYPES,
+    KernelArgumentError,
+    check_cache_pair,
+    check_inner_contiguous,
+    check_kv_caches,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+from kvstrata.kernels.cache_write import check_slots_in_range, slot_rows, token_rows
+from kvstrata.kernels.dispatch import use_triton
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def gather_kv(
+    kv_caches: KVCaches, slot_mapping: torch.Tensor, out: torch.Tensor | None = None, *, impl: str = "auto"
+) -> torch.Tensor:
+    """All layers' K/V at ``slot_mapping`` as one contiguous chunk [L, 2, n, Hkv, D]."""
+    nb, bs, h, d = check_kv_caches(kv_caches)
+    key0 = kv_caches[0][0]
+    n = _check_slots(slot_mapping, key0, nb * bs)
+    shape = (len(kv_caches), 2, n, h, d)
+    out = _chunk_out(out, shape, key0)
+    if n == 0:
+        return out
+    if use_triton(impl, key0.device):
+        from kvstrata.kernels._triton_transfer import transfer_triton
+
+        transfer_triton(list(kv_caches), out, slot_mapping, to_cache=False)
+    else:
+        for layer, (k, v) in enumerate(kv_caches):
+            gather_kv_layer_ref(k, v, slot_mapping, out[layer])
+    return out
+
+
+def scatter_kv(chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, *, impl: str = "auto") -> None:
+    """Inverse of :func:`gather_kv`: write ``chunk`` [L, 2, n, Hkv, D] to the slots (in place)."""
+    nb, bs, h, d = check_kv_caches(kv_caches)
+    key0 = kv_caches[0][0]
+    n = _check_slots(slot_mapping, key0, nb * bs)
+    _check_chunk(chunk, (len(kv_caches), 2, n, h, d), key0)
+    if n == 0:
+        return
+    if use_triton(impl, key0.device):
+        from kvstrata.kernels._triton_transfer import transfer_triton
+
+        transfer_triton(list(kv_caches), chunk, slot_mapping, to_cache=True)
+    else:
+        for layer, (k, v) in enumerate(kv_caches):
+            scatter_kv_layer_ref(chunk[layer], k, v, slot_mapping)
+
+
+def gather_kv_layer(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """One layer's K/V at ``slot_mapping`` as a contiguous chunk [2, n, Hkv, D]."""
+    nb, bs, h, d = check_cache_pair(key_cache, value_cache)
+    n = _check_slots(slot_mapping, key_cache, nb * bs)
+    out = _chunk_out(out, (2, n, h, d), key_cache)
+    if n == 0:
+        return out
+    if use_triton(impl, key_cache.device):
+        from kvstrata.kernels._triton_transfer import transfer_triton
+
+        transfer_triton([(key_cache, value_cache)], out.unsqueeze(0), slot_mapping, to_cache=False)
+    else:
+        gather_kv_layer_ref(key_cache, value_cache, slot_mapping, out)
+    return out
+
+
+def scatter_kv_layer(
+    chunk: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> None:
+    """Inverse of :func:`gather_kv_layer`: write ``chunk`` [2, n, Hkv, D] to the slots (in place)."""
+    nb, bs, h, d = check_cache_pair(key_cache, value_cache)
+    n = _check_slots(slot_mapping, key_cache, nb * bs)
+    _check_chunk(chunk, (2, n, h, d), key_cache)
+    if n == 0:
+        return
+    if use_triton(impl, key_cache.device):
+        from kvstrata.kernels._triton_transfer import transfer_triton
+
+        transfer_triton([(key_cache, value_cache)], chunk.unsqueeze(0), slot_mapping, to_cache=True)
+    else:
+        scatter_kv_layer_ref(chunk, key_cache, value_cache, slot_mapping)
+
+
+def gather_kv_layer_ref(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Torch reference of one layer's gather into ``out`` [2, n, Hkv, D] (contiguous)."""
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.to(torch.int64)
+    pad = slots < 0
+    any_pad = bool(pad.any())
+    rows = slot_rows(key_cache, slots.clamp(min=0) if any_pad else slots)
+    flat = out.view(2, n, -1)
+    torch.index_select(token_rows(key_cache), 0, rows, out=flat[0])
+    torch.index_select(token_rows(value_cache), 0, rows, out=flat[1])
+    if any_pad:
+        flat[:, pad] = 0
+    return out
+
+
+def scatter_kv_layer_ref(
+    chunk: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Torch reference of one layer's scatter of ``chunk`` [2, n, Hkv, D]."""
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    flat = chunk.reshape(2, chunk.shape[1], -1)
+    k, v = flat[0], flat[1]
+    if not bool(keep.all()):
+        idx = keep.nonzero().squeeze(1)
+        slots, k, v = slots[idx], k[idx], v[idx]
+    rows = slot_rows(key_cache, slots)
+    token_rows(key_cache).index_copy_(0, rows, k)
+    token_rows(value_cache).index_copy_(0, rows, v)
+
+
+def _check_slots(slot_mapping: object, cache: torch.Tensor, num_slots: int) -> int:
+    check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+    check_same_device(cache=cache, slot_mapping=slot_mapping)
+    if slot_mapping.device.type == "cpu":
+        check_slots_in_range(slot_mapping, num_slots)
+    return slot_mapping.shape[0]
+
+
+def _chunk_out(out: torch.Tensor | None, shape: tuple[int, ...], cache: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=cache.dtype, device=cache.device)
+    _check_chunk(out, shape, cache, name="out")
+    return out
+
+
+def _check_chunk(chunk: object, shape: tuple[int, ...], cache: torch.Tensor, name: str = "chunk") -> None:
+    check_tensor(name, chunk, len(shape), KV_DTYPES)
+    check_shape(name, chunk, shape)
+    if chunk.dtype != cache.dtype:
+        raise KernelArgumentError(f"{name} dtype {chunk.dtype} differs from the cache dtype {cache.dtype}")
+    if not chunk.is_contiguous():
+        raise KernelArgumentError(f"{name} must be contiguous, got strides {tuple(chunk.stride())}")
+    check_inner_contiguous(name, chunk, 2)
+    check_same_device(cache=cache, **{name: chunk})
