@@ -1,0 +1,46 @@
+"""Options of the offload connector (``KVTransferConfig.options``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvstrata.io.config import StoreConfig, check_float, check_int
+
+
+class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The offload connector over ``kvstrata.io``.
+
+    ``chunk_size`` tokens per stored object (a multiple of the block size).
+    Saves happen when a chunk fills during prefill, during decode when
+    ``save_decode``, and for the chunks still unsaved when a request finishes
+    (``save_on_finish``: its blocks are held until the save is done) or is
+    preempted (``save_on_preempt``). ``load_mode``: "auto" loads chunks that
+    are all ready in CPU memory within the step (layer by layer) and anything
+    that needs disk or network I/O asynchronously (the request waits in
+    WAITING_FOR_REMOTE_KVS); "async" always waits; "sync" never does (chunks
+    on lower tiers are then first promoted while the request stays waiting).
+    A lookup or load slower than its timeout counts as a miss (recompute).
+    ``enable_events`` publishes BlockStored/BlockRemoved for every tier.
+    """
+
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    chunk_size: int = 256
+    save_decode: bool = False
+    save_on_finish: bool = True
+    save_on_preempt: bool = True
+    load_mode: Literal["auto", "async", "sync"] = "auto"
+    lookup_timeout_s: float = 5.0
+    load_timeout_s: float = 10.0
+    enable_events: bool = False
+
+    def validate(self, prefix: str = "kv_transfer.options") -> None:
+        self.store.validate()
+        check_int(f"{prefix}.chunk_size", self.chunk_size)
+        check_float(f"{prefix}.lookup_timeout_s", self.lookup_timeout_s)
+        check_float(f"{prefix}.load_timeout_s", self.load_timeout_s)
+        if self.load_mode not in ("auto", "async", "sync"):
+            raise ValueError(f"{prefix}.load_mode must be 'auto', 'async' or 'sync', got {self.load_mode!r}")
+
+

@@ -1,0 +1,67 @@
+"""KV cache events for external routers (which replica holds which prefix).
+
+Wire types: frozen, tagged, array-like msgspec Structs, so a batch crosses
+ZMQ as compact msgpack and decodes back into the same classes. ``medium``
+says which tier the event is about ("device" for the paged device cache;
+the tiered store uses "cpu", "disk", ...).
+
+The block pool records events only when asked to (``enable_events``); the
+engine drains them with ``KVCacheManager.take_events()`` once per step and
+hands a :class:`KVEventBatch` to a publisher.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+DEVICE_MEDIUM = "device"
+
+
+class KVCacheEvent(
+    msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag=True
+):
+    """Base of the three event kinds (the tag is the class name)."""
+
+
+class BlockStored(KVCacheEvent, frozen=True):
+    """Full blocks were cached: ``block_hashes[i]`` names the i-th block of
+    ``token_ids`` (``block_size`` tokens each); ``parent_block_hash`` is the
+    hash of the block before the first one, None at the start of a chain."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = DEVICE_MEDIUM
+    group_idx: int = 0
+
+
+class BlockRemoved(KVCacheEvent, frozen=True):
+    """Cached blocks were evicted; their hashes no longer hit on this medium."""
+
+    block_hashes: list[bytes]
+    medium: str | None = DEVICE_MEDIUM
+    group_idx: int = 0
+
+
+class AllBlocksCleared(KVCacheEvent, frozen=True):
+    """The whole prefix cache of this medium was reset."""
+
+    medium: str | None = DEVICE_MEDIUM
+
+
+AnyKVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """The events of one engine step, stamped with wall-clock time."""
+
+    ts: float
+    events: list[AnyKVCacheEvent]
+    data_parallel_rank: int | None = None
+
+
+def make_batch_decoder() -> msgspec.msgpack.Decoder:
+    """A decoder for the publisher's payloads (one per consumer thread)."""
+    return msgspec.msgpack.Decoder(KVEventBatch)

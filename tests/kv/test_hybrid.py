@@ -1,0 +1,122 @@
+"""Coordinators: unitary vs hybrid, granularity views, the fixed point."""
+
+import pytest
+
+from kvstrata.kv import (
+    BlockHashesView,
+    HybridCoordinator,
+    MambaSpec,
+    NoPrefixCacheCoordinator,
+    SlidingWindowSpec,
+    UnitaryCoordinator,
+)
+
+from .builders import full_spec, make_manager, make_request
+
+
+def _sw(bs=4, window=8):
+    return SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, sliding_window=window)
+
+
+def test_coordinator_choice_follows_caching_and_group_count():
+    assert type(make_manager(8).coordinator) is UnitaryCoordinator
+    assert type(make_manager(8, enable_caching=False).coordinator) is NoPrefixCacheCoordinator
+    assert type(make_manager(8, specs=[full_spec(4), _sw()]).coordinator) is HybridCoordinator
+
+
+def test_block_hashes_view_reads_the_last_small_hash_of_each_big_block():
+    hashes = [bytes([i]) for i in range(7)]
+    view = BlockHashesView(hashes, 2)
+    assert len(view) == 3
+    assert list(view) == [b"\x01", b"\x03", b"\x05"]
+    assert [view[0], view[-1]] == [b"\x01", b"\x05"]
+    assert view[1:3] == [b"\x03", b"\x05"]
+    with pytest.raises(IndexError):
+        view[3]
+    hashes.append(b"\x07")  # grows with the request
+    assert list(view) == [b"\x01", b"\x03", b"\x05", b"\x07"]
+
+
+def test_hash_block_size_must_divide_every_block_size():
+    with pytest.raises(ValueError, match="hash_block_size 3 must divide"):
+        make_manager(8, specs=[full_spec(4)], hash_block_size=3)
+
+
+def _hybrid_same_size():
+    m = make_manager(40, specs=[full_spec(4), _sw(4, 8)])
+    r0 = make_request("r0", range(25), block_size=4)
+    m.allocate_slots(r0, 25)
+    m.free(r0)
+    return m, r0
+
+
+def test_hybrid_hit_when_every_group_has_the_prefix():
+    m, r0 = _hybrid_same_size()
+    r1 = make_request("r1", range(25), block_size=4)
+    hit, n_hit = m.get_computed_blocks(r1)
+    full, sw = hit.get_block_ids()
+    assert n_hit == 24
+    assert full == [1, 2, 3, 4, 5, 6]
+    assert sw == [0, 0, 0, 0, 12, 13]
+
+
+def test_hybrid_fixed_point_shortens_every_group_to_the_common_hit():
+    m, r0 = _hybrid_same_size()
+    sw_block_of_last = m.block_pool.hash_maps[1].get_one(r0.block_hashes[5])
+    m.evict_blocks([sw_block_of_last.block_id])
+    r1 = make_request("r1", range(25), block_size=4)
+    hit, n_hit = m.get_computed_blocks(r1)
+    full, sw = hit.get_block_ids()
+    assert n_hit == 20
+    assert full == [1, 2, 3, 4, 5]
+    assert sw == [0, 0, 0, 11, 12]
+
+
+def test_hybrid_groups_with_different_block_sizes_hash_at_the_smallest():
+    m = make_manager(40, specs=[full_spec(8), _sw(4, 8)])
+    assert m.hash_block_size == 4 and m.coordinator.alignment == 8
+    r0 = make_request("r0", range(33), block_size=4)  # 8 small hashes
+    m.allocate_slots(r0, 33)
+    full_ids, sw_ids = m.get_block_ids("r0")
+    assert (len(full_ids), len(sw_ids)) == (5, 9)
+    # the 8-token group's blocks are cached under every second small hash
+    full_pool = m.block_pool.hash_maps[0]
+    assert [full_pool.get_one(r0.block_hashes[i]).block_id for i in (1, 3, 5, 7)] == full_ids[:4]
+    assert full_pool.get_one(r0.block_hashes[0]) is None
+    m.free(r0)
+    r1 = make_request("r1", range(33), block_size=4)
+    hit, n_hit = m.get_computed_blocks(r1)
+    assert n_hit == 32
+    assert hit.get_block_ids() == (full_ids[:4], [0] * 6 + sw_ids[6:8])
+
+
+def test_hybrid_hit_is_aligned_to_the_lcm_of_block_sizes():
+    m = make_manager(40, specs=[full_spec(8), _sw(4, 8)])
+    r0 = make_request("r0", range(33), block_size=4)
+    m.allocate_slots(r0, 33)
+    _, sw_ids = m.get_block_ids("r0")
+    m.free(r0)
+    m.evict_blocks([sw_ids[7]])  # the window ending at 32 is broken
+    r1 = make_request("r1", range(33), block_size=4)
+    hit, n_hit = m.get_computed_blocks(r1)
+    # a window ending at 28 exists but 28 is not a multiple of 8: 24 it is
+    assert n_hit == 24
+    full, sw = hit.get_block_ids()
+    assert len(full) == 3 and sw == [0, 0, 0, 0] + sw_ids[4:6]
+
+
+def test_hybrid_with_mamba_none_has_no_hits():
+    m = make_manager(40, specs=[full_spec(16), MambaSpec(block_size=16, mamba_cache_mode="none")])
+    r0 = make_request("r0", range(40))
+    m.allocate_slots(r0, 40)
+    m.free(r0)
+    hit, n_hit = m.get_computed_blocks(make_request("r1", range(40)))
+    assert n_hit == 0 and hit.get_block_ids() == ([], [])
+
+
+def test_hybrid_allocation_counts_both_groups_against_room():
+    m = make_manager(8, specs=[full_spec(4), _sw(4, 8)])  # 7 usable
+    r0 = make_request("r0", range(16), block_size=4)
+    assert m.allocate_slots(r0, 16) is None  # 4 + 4 > 7, nothing changed
+    assert m.num_free_blocks == 7 and not m.has_request("r0")
+    assert m.allocate_slots(r0, 12).get_block_ids() == ([1, 2, 3], [4, 5, 6])
