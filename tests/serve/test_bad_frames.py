@@ -1,0 +1,85 @@
+"""Bad input over the wire: each bad frame gets a ProtocolError back to its
+sender only, is counted, and the engine keeps serving everyone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvstrata.enginecore.types import SamplingParams
+from kvstrata.serve import protocol as P
+from kvstrata.serve.mp_client import MPEngineClient
+from serve_helpers import TEST_MAX_FRAME_BYTES
+
+enc = msgspec.msgpack.encode
+
+
+def _bad_frames() -> list[list[bytes]]:
+    kinds = [
+        lambda i: [b"\xc1" + bytes([i % 256])],                     # malformed msgpack
+        lambda i: [enc([f"tag{i}", 1, 2])],                          # unknown tag
+        lambda i: [enc(["add", i, "prompt"])],                       # request_id of the wrong type
+        lambda i: [enc(["add", f"r{i}", {"not": "a prompt"}])],      # prompt of the wrong type
+        lambda i: [enc(["utility", "x", "stats"])],                  # call_id of the wrong type
+        lambda i: [enc(["abort", [f"nobody-{i}"]])],                 # unknown request id
+        lambda i: [b"\x00" * (TEST_MAX_FRAME_BYTES + 1)],            # oversized
+        lambda i: [enc(P.Outputs([]))],                              # an outbound message sent inbound
+        lambda i: [b"", b""],                                        # two frames
+        lambda i: [enc({"t": "add"})],                               # a map, not an array
+    ]
+    return [kinds[i % len(kinds)](i) for i in range(1000)]
+
+
+async def test_1000_malformed_frames_then_still_serving(engine_url):
+    ctx = zmq.asyncio.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(engine_url)
+    good = await MPEngineClient.connect(engine_url)
+    try:
+        before = (await good.health()).num_protocol_errors
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        during = asyncio.create_task(_count_tokens(good, params))
+        for frames in _bad_frames():
+            await raw.send_multipart(frames)
+        dec = P.make_outbound_decoder()
+        replies = []
+        async with asyncio.timeout(30):
+            while len(replies) < 1000:
+                replies.append(dec.decode(await raw.recv()))
+        assert all(isinstance(r, P.ProtocolError) for r in replies)
+        assert [r.num_errors for r in replies] == list(range(1, 1001))
+        assert "exceeds the limit" in replies[6].message
+        assert "unknown request ids" in replies[5].message
+        assert await during == 200
+        assert await _count_tokens(good, params) == 200
+        health = await good.health()
+        assert health.healthy
+        assert health.num_protocol_errors - before == 1000
+        assert good.num_protocol_errors == 0  # nothing leaked to the well-behaved client
+    finally:
+        raw.close(linger=0)
+        await good.aclose()
+
+
+async def test_unknown_utility_method_is_an_error_to_the_caller(engine_url):
+    ctx = zmq.asyncio.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(engine_url)
+    try:
+        await raw.send(enc(P.Utility(41, "format_disk")))
+        dec = P.make_outbound_decoder()
+        async with asyncio.timeout(10):
+            got = [dec.decode(await raw.recv()) for _ in range(2)]
+        assert isinstance(got[0], P.ProtocolError) and "format_disk" in got[0].message
+        assert got[1] == P.UtilityResult(41, None, "unknown utility method 'format_disk'")
+    finally:
+        raw.close(linger=0)
+
+
+async def _count_tokens(client, params) -> int:
+    return sum([len(o.new_token_ids) async for o in client.generate("ok", params)])

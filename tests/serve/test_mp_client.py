@@ -1,0 +1,187 @@
+"""The engine subprocess through real ZMQ sockets: streaming, abort, several
+clients, a client that goes away, rejected requests, the handshake."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from kvstrata.enginecore.async_engine import AsyncEngine
+from kvstrata.enginecore.errors import RequestError
+from kvstrata.enginecore.types import SamplingParams
+from kvstrata.serve.addresses import check_address, make_address
+from kvstrata.serve.mp_client import MPEngineClient
+
+from serve_helpers import null_config
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+async def _collect(engine, prompt, params=GREEDY, **kw):
+    return [o async for o in engine.generate(prompt, params, **kw)]
+
+
+async def _settled(client, timeout_s: float = 10.0):
+    """Stats once the engine holds no request (bounded wait, never a hang)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            stats = await client.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                return stats
+            await asyncio.sleep(0.02)
+
+
+async def test_generate_streams_the_same_outputs_as_in_process(engine_url):
+    engine = await AsyncEngine.start(null_config())
+    try:
+        local = await _collect(engine, "hello world", request_id="a")
+    finally:
+        await engine.aclose()
+    async with await MPEngineClient.connect(engine_url) as client:
+        remote = await _collect(client, "hello world", request_id="a")
+        remote_ids = await _collect(client, [104, 105, 106], request_id="b")
+    assert remote == local
+    assert [len(o.new_token_ids) for o in remote] == [1] * 6
+    assert remote[-1].finished and remote[-1].finish_reason == "length"
+    assert all(not o.finished for o in remote[:-1])
+    assert remote_ids[-1].num_prompt_tokens == 3 and sum(len(o.new_token_ids) for o in remote_ids) == 6
+
+
+async def test_handshake_reports_config_and_health(engine_url):
+    async with await MPEngineClient.connect(engine_url) as client:
+        assert client.config == null_config()
+        assert client.info.ready and client.info.pid != os.getpid()
+        health = await client.health()
+        assert health.healthy and health.num_clients >= 1
+        assert await client.reset_prefix_cache() is True
+
+
+async def test_abort_ends_the_stream_with_abort(engine_url):
+    async with await MPEngineClient.connect(engine_url) as client:
+        params = SamplingParams(max_tokens=8000, ignore_eos=True)
+        outs = []
+        async for out in client.generate("x", params, request_id="long"):
+            outs.append(out)
+            if len(outs) == 1:
+                await client.abort("long")
+                await client.abort("never-existed")  # no-op, as in process
+        assert outs[-1].finished and outs[-1].finish_reason == "abort"
+        assert sum(len(o.new_token_ids) for o in outs) < 8000
+        await _settled(client)
+        assert client.num_protocol_errors == 0
+
+
+async def test_leaving_the_stream_aborts_the_request(engine_url):
+    async with await MPEngineClient.connect(engine_url) as client:
+        before = await client.stats()
+        async for _ in client.generate("y", SamplingParams(max_tokens=8000, ignore_eos=True)):
+            break
+        after = await _settled(client)
+        assert after.num_generated_tokens - before.num_generated_tokens < 8000
+        assert (await client.health()).num_requests == 0
+
+
+async def test_several_clients_share_one_engine(engine_url):
+    clients = await asyncio.gather(*(MPEngineClient.connect(engine_url) for _ in range(3)))
+    try:
+        async def run(c, k):
+            results = await asyncio.gather(*(
+                _collect(c, f"client {k} request {i}", SamplingParams(max_tokens=3 + i, ignore_eos=True))
+                for i in range(5)))
+            return [sum(len(o.new_token_ids) for o in r) for r in results]
+
+        counts = await asyncio.gather(*(run(c, k) for k, c in enumerate(clients)))
+        assert counts == [[3, 4, 5, 6, 7]] * 3
+        assert (await clients[0].health()).num_clients >= 3
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_duplicate_request_id_is_rejected_naming_the_field(engine_url):
+    a = await MPEngineClient.connect(engine_url)
+    b = await MPEngineClient.connect(engine_url)
+    try:
+        gen = a.generate("z", SamplingParams(max_tokens=8000, ignore_eos=True), request_id="same")
+        await anext(gen)
+        with pytest.raises(RequestError) as e:
+            await _collect(b, "z", request_id="same")
+        assert e.value.field == "request_id"
+        await gen.aclose()
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_engine_side_validation_error_names_the_field(engine_url):
+    async with await MPEngineClient.connect(engine_url) as client:
+        with pytest.raises(RequestError) as e:
+            await _collect(client, [10**7])  # beyond the vocabulary: only the engine knows
+        assert e.value.field == "prompt" and "token ids must be in" in str(e.value)
+        with pytest.raises(RequestError) as e:
+            await _collect(client, "x", SamplingParams(max_tokens=0))
+        assert e.value.field == "max_tokens"
+        assert len(await _collect(client, "still serving")) == 6
+
+
+_CHILD = """
+import asyncio, sys
+from kvstrata.enginecore.types import SamplingParams
+from kvstrata.serve.mp_client import MPEngineClient
+from kvstrata.logs import configure_logging
+configure_logging("WARNING")
+async def main():
+    c = await MPEngineClient.connect(sys.argv[1])
+    gens = [c.generate("child %d" % i, SamplingParams(max_tokens=8000, ignore_eos=True)) for i in range(32)]
+    for g in gens:
+        await anext(g)
+    print("streaming", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+async def test_a_client_that_goes_away_has_its_requests_aborted(engine_url):
+    async with await MPEngineClient.connect(engine_url) as watcher:
+        before = await watcher.stats()
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, engine_url], stdout=subprocess.PIPE)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+            assert line == b"streaming\n"
+            child.kill()  # no goodbye: the socket just closes
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+        after = await _settled(watcher)
+        generated = after.num_generated_tokens - before.num_generated_tokens
+        assert generated < 32 * 8000  # they were aborted, not run to the end
+        assert (await watcher.health()).num_requests == 0
+
+
+def test_ipc_address_lives_in_a_private_directory():
+    addr = make_address("ipc")
+    try:
+        mode = stat.S_IMODE(os.stat(addr.private_dir).st_mode)
+        assert mode == 0o700
+        assert addr.url == f"ipc://{addr.private_dir}/engine.sock"
+    finally:
+        addr.cleanup()
+    assert not os.path.exists(addr.private_dir)
+    assert make_address("tcp").url.startswith("tcp://127.0.0.1:")
+    with pytest.raises(ValueError, match="loopback"):
+        check_address("tcp://0.0.0.0:5555")
+
+
+def test_engine_info_is_plain_data():
+    from kvstrata.serve.protocol import EngineInfo
+
+    info = EngineInfo(protocol_version=1, pid=1, ready=True, config=msgspec.to_builtins(null_config()),
+                      max_frame_bytes=10)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=EngineInfo) == info

@@ -1,0 +1,55 @@
+"""Wire messages: every inbound/outbound Struct round-trips through msgpack
+unchanged; what is not one of them fails to decode (the engine answers it
+with a ProtocolError)."""
+
+import msgspec
+import pytest
+
+from kvstrata.enginecore.types import Logprobs, RequestOutput, SamplingParams
+from kvstrata.serve import protocol as P
+
+INBOUND = [
+    P.AddRequest("r1", "hello", SamplingParams(max_tokens=3, temperature=0.0), 2, "salt", None),
+    P.AddRequest("r2", [1, 2, 3]),
+    P.AbortRequests(["r1", "r2"]),
+    P.Utility(7, "stats"),
+    P.Shutdown(),
+]
+OUTBOUND = [
+    P.Outputs([RequestOutput(request_id="r1", new_token_ids=[5], text_delta="x"),
+               RequestOutput(request_id="r2", finished=True, finish_reason="length",
+                             logprobs=[Logprobs([1, 2], [-0.5, -1.5])])]),
+    P.UtilityResult(7, {"a": 1}),
+    P.UtilityResult(8, None, "boom"),
+    P.RequestRejected("r3", "invalid", "max_tokens: must be >= 1", "max_tokens"),
+    P.ProtocolError("bad", 3),
+    P.EngineDead("shutdown"),
+]
+
+
+@pytest.mark.parametrize("msg", INBOUND, ids=lambda m: type(m).__name__)
+def test_inbound_round_trip(msg):
+    assert P.make_inbound_decoder().decode(msgspec.msgpack.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", OUTBOUND, ids=lambda m: type(m).__name__)
+def test_outbound_round_trip(msg):
+    assert P.make_outbound_decoder().decode(msgspec.msgpack.encode(msg)) == msg
+
+
+def test_messages_are_positional_arrays_tag_first():
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(P.AbortRequests(["a"])))
+    assert raw == ["abort", ["a"]]
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xc1",                                           # never-used msgpack byte
+    msgspec.msgpack.encode(["nope", 1]),               # unknown tag
+    msgspec.msgpack.encode(["add", 5, "prompt"]),      # request_id of the wrong type
+    msgspec.msgpack.encode(["abort"]),                 # missing field
+    msgspec.msgpack.encode({"t": "add"}),              # a map, not an array
+    msgspec.msgpack.encode(P.Outputs([])),             # outbound tag sent inbound
+], ids=["malformed", "unknown_tag", "wrong_type", "missing_field", "map_not_array", "outbound_tag"])
+def test_bad_inbound_frames_do_not_decode(frame):
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        P.make_inbound_decoder().decode(frame)
