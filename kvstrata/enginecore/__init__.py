@@ -1,1 +1,45 @@
-"""kvstrata.enginecore."""
+"""kvstrata.enginecore: requests, the scheduler, the engine core and its
+asyncio shell, the model runner.
+
+Exports are resolved lazily (PEP 562), so importing a light submodule such
+as ``kvstrata.enginecore.types`` does not import the KV manager or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AsyncEngine": "kvstrata.enginecore.async_engine",
+    "EngineCore": "kvstrata.enginecore.engine_core",
+    "Scheduler": "kvstrata.enginecore.scheduler",
+    "Request": "kvstrata.enginecore.request",
+    "RequestStatus": "kvstrata.enginecore.request",
+    "EngineRequest": "kvstrata.enginecore.request",
+    "RequestError": "kvstrata.enginecore.errors",
+    "EngineOverloadedError": "kvstrata.enginecore.errors",
+    "EngineDeadError": "kvstrata.enginecore.errors",
+    "NoOpConnector": "kvstrata.enginecore.connector",
+    "KVConnectorScheduler": "kvstrata.enginecore.connector",
+    "SamplingParams": "kvstrata.enginecore.types",
+    "SchedulerOutput": "kvstrata.enginecore.types",
+    "ModelRunnerOutput": "kvstrata.enginecore.types",
+    "RequestOutput": "kvstrata.enginecore.types",
+    "EngineStats": "kvstrata.enginecore.types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstrata.enginecore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

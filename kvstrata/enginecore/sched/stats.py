@@ -1,0 +1,24 @@
+"""Counters the scheduler bumps once per event (never logged per token)."""
+
+from __future__ import annotations
+
+
+class SchedulerCounters:
+    """Owned by the Scheduler; read by EngineCore.stats()."""
+
+    __slots__ = (
+        "num_preemptions", "num_finished", "num_generated_tokens",
+        "num_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits",
+        "external_cache_hits",
+    )
+
+    def __init__(self) -> None:
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0  # of every request added
+        # Tokens looked up / found in the device prefix cache (and through the
+        # connector) whenever a request starts from nothing computed.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.external_cache_hits = 0

@@ -1,0 +1,77 @@
+"""Fixtures of the engine-core tests: KV managers a test builds are
+checked at its end (every block free), scheduler harnesses, AsyncEngines.
+The builders themselves live in ``engine_fakes``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from engine_fakes import FakeRunner, SchedulerHarness, engine_config, make_kv
+
+from kvstrata.config import SchedulerConfig
+from kvstrata.enginecore.scheduler import Scheduler
+from kvstrata.kv import KVCacheManager
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    setattr(item, "rep_" + rep.when, rep)
+    return rep
+
+
+@pytest.fixture
+def kv_managers() -> list[KVCacheManager]:
+    return []
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_free_after_test(request, kv_managers):
+    """Every KV manager a test built ends with every block free (cached or not)."""
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is None or rep.failed:
+        return  # the test's own failure says more
+    for kv in kv_managers:
+        assert kv.num_free_blocks == kv.num_blocks - 1, (
+            f"{kv.num_blocks - 1 - kv.num_free_blocks} KV blocks still in use after the test"
+        )
+
+
+@pytest.fixture
+def make_harness(kv_managers) -> Callable[..., SchedulerHarness]:
+    def build(*, num_blocks: int = 64, block_size: int = 4, caching: bool = True,
+              max_model_len: int = 256, script=None, **sched_cfg) -> SchedulerHarness:
+        kv = make_kv(num_blocks, block_size, caching, max_model_len)
+        kv_managers.append(kv)
+        sched = Scheduler(SchedulerConfig(**sched_cfg), kv, max_model_len=max_model_len,
+                          enable_prefix_caching=caching)
+        return SchedulerHarness(kv, sched, FakeRunner(block_size=block_size, script=script,
+                                                      max_model_len=max_model_len))
+    return build
+
+
+@pytest.fixture
+async def start_engine(request, kv_managers):
+    """Start AsyncEngines (FakeRunner unless given); at teardown each must
+    have every block free before it is closed (closing aborts everything)."""
+    from kvstrata.enginecore.async_engine import AsyncEngine
+
+    engines = []
+
+    async def start(runner: FakeRunner | None = None, connector=None, **cfg) -> AsyncEngine:
+        runner = runner or FakeRunner(block_size=cfg.get("block_size", 4))
+        engine = await AsyncEngine.start(engine_config(**cfg), runner=runner, connector=connector)
+        engines.append(engine)
+        kv_managers.append(engine.core.kv)
+        return engine
+
+    yield start
+    rep = getattr(request.node, "rep_call", None)
+    for engine in engines:
+        kv = engine.core.kv
+        in_use = kv.num_blocks - 1 - kv.num_free_blocks
+        await engine.aclose()
+        if rep is not None and rep.passed:
+            assert in_use == 0, f"{in_use} KV blocks still in use when the test ended"

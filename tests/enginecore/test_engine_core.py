@@ -1,0 +1,211 @@
+"""EngineCore: admission (bad input, duplicates, overload), abort, a failing
+step, stop strings through the detokenizer, and sizing from the runner."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from engine_fakes import EOS, FakeRunner, engine_config, next_token
+
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+from kvstrata.enginecore.engine_core import EngineCore
+from kvstrata.enginecore.errors import EngineOverloadedError, RequestError
+from kvstrata.enginecore.request import EngineRequest
+from kvstrata.enginecore.tokenizer import ByteTokenizer
+from kvstrata.enginecore.types import SamplingParams
+
+
+@pytest.fixture
+def make_core(kv_managers):
+    def build(runner=None, **cfg) -> EngineCore:
+        core = EngineCore(engine_config(**cfg), runner or FakeRunner())
+        kv_managers.append(core.kv)
+        return core
+    return build
+
+
+def req(rid: str, prompt=(5, 6, 7, 8, 9), **params) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=list(prompt),
+                         sampling_params=SamplingParams(**{"max_tokens": 3, **params}))
+
+
+def run(core: EngineCore, max_steps: int = 200) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        for o in core.step():
+            outs.setdefault(o.request_id, []).append(o)
+        if not core.has_work():
+            return outs
+    raise AssertionError("engine did not drain")
+
+
+BAD_INPUTS = [
+    ("prompt", dict(prompt=[])),
+    ("prompt", dict(prompt=[3] * 257)),
+    ("prompt", dict(prompt=[3, -1])),
+    ("prompt", dict(prompt=[3, 64])),
+    ("prompt", dict(prompt=[3, 1.5])),
+    ("max_tokens", dict(max_tokens=0)),
+    ("temperature", dict(temperature=-0.5)),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("top_k", dict(top_k=-2)),
+    ("min_tokens", dict(min_tokens=5, max_tokens=2)),
+]
+
+
+@pytest.mark.parametrize("field,bad", BAD_INPUTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_names_the_field_and_others_keep_running(make_core, field, bad):
+    core = make_core()
+    core.add_request(req("good", max_tokens=2))
+    prompt = bad.pop("prompt", (5, 6, 7))
+    with pytest.raises(RequestError) as info:
+        core.add_request(req("bad", prompt, **bad))
+    assert info.value.field == field and field in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "bad" not in core.scheduler.requests
+    outs = run(core)
+    assert outs["good"][-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field,value", [("cache_salt", ""), ("lora_name", 3), ("priority", "high"),
+                                         ("request_id", "")])
+def test_bad_request_fields_name_the_field(make_core, field, value):
+    core = make_core()
+    with pytest.raises(RequestError) as info:
+        core.add_request(msgspec.structs.replace(req("r"), **{field: value}))
+    assert info.value.field == field
+
+
+def test_duplicate_live_id_is_rejected_and_reusable_after_finish(make_core):
+    core = make_core()
+    core.add_request(req("same"))
+    with pytest.raises(RequestError) as info:
+        core.add_request(req("same"))
+    assert info.value.field == "request_id"
+    run(core)
+    core.add_request(req("same"))
+    assert run(core)["same"][-1].finished
+
+
+def test_full_waiting_queue_rejects_with_the_limit(make_core):
+    core = make_core(max_waiting_requests=2)
+    core.add_request(req("a"))
+    core.add_request(req("b"))
+    with pytest.raises(EngineOverloadedError, match="max_waiting_requests=2"):
+        core.add_request(req("c"))
+    core.abort_requests(["a", "b"])
+    core.add_request(req("c"))
+    run(core)
+
+
+def test_abort_is_a_noop_for_unknown_and_finished(make_core):
+    core = make_core()
+    core.add_request(req("a", max_tokens=1))
+    run(core)
+    assert core.abort_requests(["a", "never"]) == []
+
+
+def test_abort_frees_blocks_and_emits_a_final_output(make_core):
+    core = make_core(num_blocks=32)
+    core.add_request(req("a", max_tokens=10))
+    core.step()
+    assert core.kv.num_free_blocks < 31
+    [out] = core.abort_requests(["a"])
+    assert (out.finished, out.finish_reason) == (True, "abort")
+    assert core.kv.num_free_blocks == 31
+    run(core)
+
+
+def test_failed_step_errors_its_requests_uncaches_their_blocks_and_serves_on(make_core):
+    runner = FakeRunner(fail_steps={0})
+    core = make_core(runner)
+    prompt = list(range(10, 19))
+    core.add_request(req("a", prompt))
+    outs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "error")]
+    assert "injected failure" in outs[0].error
+    # a's first two blocks were cached when allocated, but never written: no hit.
+    core.add_request(req("b", prompt))
+    so = core.schedule()
+    assert so.num_scheduled_tokens == {"b": 9}
+    core.update(so, core.execute(so))
+    outs = run(core)
+    assert outs["b"][-1].finish_reason == "length"
+    assert core.consecutive_failed_steps == 0 and core.num_failed_steps == 1
+
+
+def test_abort_during_a_failing_step_also_uncaches(make_core):
+    core = make_core(FakeRunner(fail_steps={0}))
+    prompt = list(range(10, 19))
+    core.add_request(req("a", prompt))
+    so = core.schedule()
+    core.abort_requests(["a"])  # the step is "in flight"
+    with pytest.raises(RuntimeError):
+        core.execute(so)
+    assert core.fail_step(so, RuntimeError("boom")) == []
+    core.add_request(req("b", prompt))
+    assert core.schedule().num_scheduled_tokens == {"b": 9}
+    core.abort_requests(["b"])
+    run(core)
+
+
+def test_stop_string_spanning_tokens_ends_the_request(make_core):
+    text = b"hi END more"
+    runner = FakeRunner(tokenizer=ByteTokenizer(), script={"s": list(text)})
+    core = make_core(runner)
+    core.add_request(req("s", [104, 105], max_tokens=20, stop=["END"]))
+    outs = run(core)["s"]
+    assert "".join(o.text_delta for o in outs) == "hi "
+    assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", "END")
+    assert sum(len(o.new_token_ids) for o in outs) == len(b"hi END")
+
+
+def test_eos_text_is_not_rendered(make_core):
+    runner = FakeRunner(tokenizer=ByteTokenizer(), script={"e": [ord("o"), ord("k"), EOS]})
+    core = make_core(runner)
+    core.add_request(req("e", [104], max_tokens=20))
+    outs = run(core)["e"]
+    assert "".join(o.text_delta for o in outs) == "ok"
+    assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", None)
+
+
+def test_outputs_follow_the_model_and_count_in_stats(make_core):
+    core = make_core()
+    core.add_request(req("a", (5, 6, 7, 8, 9), max_tokens=4))
+    outs = run(core)["a"]
+    tokens = [5, 6, 7, 8, 9]
+    for _ in range(4):
+        tokens.append(next_token(tokens))
+    assert [t for o in outs for t in o.new_token_ids] == tokens[5:]
+    stats = core.stats()
+    assert (stats.num_finished, stats.num_generated_tokens, stats.num_prompt_tokens) == (1, 4, 5)
+    assert stats.num_running == stats.num_waiting == 0
+
+
+def test_context_is_capped_by_the_pool(make_core):
+    core = make_core(num_blocks=5)  # 4 usable blocks of 4 tokens
+    assert core.max_model_len == 16
+    with pytest.raises(RequestError, match="max_model_len=16"):
+        core.add_request(req("long", [3] * 17))
+
+
+def test_pool_size_from_memory_and_identity_from_the_runner(kv_managers):
+    runner = FakeRunner()
+    config = EngineConfig(cache=CacheConfig(block_size=4, kv_cache_memory_mib=2))
+    core = EngineCore(config, runner)
+    kv_managers.append(core.kv)
+    assert core.kv.num_blocks == runner.num_blocks == 2048
+    assert core.identity.model_fingerprint == "fake-runner-v1"
+
+
+def test_null_executor_streams_text(kv_managers):
+    config = EngineConfig(executor="null", model=ModelConfig(), cache=CacheConfig(num_blocks=64))
+    core = EngineCore.from_config(config)
+    kv_managers.append(core.kv)
+    prompt = core.tokenizer.encode("Hello")
+    core.add_request(EngineRequest(request_id="n", prompt_token_ids=prompt,
+                                   sampling_params=SamplingParams(max_tokens=5)))
+    outs = run(core)["n"]
+    text = "".join(o.text_delta for o in outs)
+    assert len(text) == 5 and text.isalpha() and outs[-1].finish_reason == "length"

@@ -1,0 +1,107 @@
+"""The oracle: Hugging Face transformers' Llama on the same weights.
+
+A tiny random LlamaForCausalLM is saved as safetensors; the whole engine
+(AsyncEngine -> scheduler -> KV manager -> model runner -> kernels) loads it
+and must produce exactly HF ``generate``'s greedy fp32 tokens for a batch of
+concurrent prompts: with prefix caching off, on (a second wave hitting the
+cache), with tiny prefill chunks, and with a pool so small that requests are
+preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from hf_utils import build_tiny_llama, hf_greedy
+
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstrata.enginecore.async_engine import AsyncEngine
+from kvstrata.enginecore.types import SamplingParams
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """(checkpoint dir, {prompt tuple: HF greedy tokens}) for the prompts below."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model = build_tiny_llama(path, seed=3)
+    rng = random.Random(7)
+    shared = [rng.randrange(2, 256) for _ in range(22)]
+    prompts = {
+        "plain": [[rng.randrange(2, 256) for _ in range(n)] for n in (1, 5, 9, 16, 23, 30)],
+        "wave1": [shared + [rng.randrange(2, 256) for _ in range(n)] for n in (1, 6)],
+        "wave2": [shared + [rng.randrange(2, 256) for _ in range(n)] for n in (3, 9, 14)],
+    }
+    expected = {tuple(p): hf_greedy(model, p, MAX_NEW) for group in prompts.values() for p in group}
+    return str(path), prompts, expected
+
+
+@pytest.fixture
+async def start(kv_managers):
+    engines: list[AsyncEngine] = []
+
+    async def build(path: str, *, num_blocks: int = 256, caching: bool = True, **sched) -> AsyncEngine:
+        config = EngineConfig(
+            model=ModelConfig(model=path),
+            cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
+            scheduler=SchedulerConfig(**sched), device="cpu",
+        )
+        engine = await AsyncEngine.start(config)
+        engines.append(engine)
+        kv_managers.append(engine.core.kv)
+        return engine
+
+    yield build
+    for engine in engines:
+        await engine.aclose()
+
+
+async def generate_all(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
+    async def one(p: list[int]) -> list[int]:
+        return [t async for out in engine.generate(p, GREEDY) for t in out.new_token_ids]
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def assert_matches(oracle_expected, prompts, got):
+    for p, tokens in zip(prompts, got, strict=True):
+        assert tokens == oracle_expected[tuple(p)], f"prompt of {len(p)} tokens diverged from HF"
+
+
+async def test_matches_hf_with_prefix_caching_off(oracle, start):
+    path, prompts, expected = oracle
+    engine = await start(path, caching=False)
+    batch = prompts["plain"] + prompts["wave1"]
+    assert_matches(expected, batch, await generate_all(engine, batch))
+    assert (await engine.stats()).prefix_cache_hits == 0
+
+
+async def test_matches_hf_when_a_second_wave_hits_the_prefix_cache(oracle, start):
+    path, prompts, expected = oracle
+    engine = await start(path)
+    assert_matches(expected, prompts["wave1"], await generate_all(engine, prompts["wave1"]))
+    hits_before = (await engine.stats()).prefix_cache_hits
+    assert_matches(expected, prompts["wave2"], await generate_all(engine, prompts["wave2"]))
+    hits = (await engine.stats()).prefix_cache_hits - hits_before
+    assert hits >= 3 * 20  # each wave-2 request reuses the 22-token prefix's 5 full blocks
+
+
+async def test_matches_hf_with_small_prefill_chunks(oracle, start):
+    path, prompts, expected = oracle
+    engine = await start(path, max_num_batched_tokens=8, long_prefill_token_threshold=5)
+    batch = prompts["plain"] + prompts["wave2"]
+    assert_matches(expected, batch, await generate_all(engine, batch))
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["caching-off", "caching-on"])
+async def test_matches_hf_when_a_tiny_pool_forces_preemption(oracle, start, caching):
+    path, prompts, expected = oracle
+    # 4 prompts of 16-36 tokens grow by 12: the 16 usable blocks (64 tokens) hold two at most.
+    engine = await start(path, num_blocks=17, caching=caching)
+    batch = prompts["plain"][3:] + prompts["wave2"][2:]
+    assert_matches(expected, batch, await generate_all(engine, batch))
+    assert (await engine.stats()).num_preemptions > 0
