@@ -1,1 +1,35 @@
-"""kvstrata.io."""
+"""kvstrata.io: the tiered KV store (L1 CPU memory, L2 local disk, L3 Redis
+or a shared filesystem) behind priority executors.
+
+Entry point: ``StorageManager`` (see its module docstring for the store /
+lookup / get flow). Keys come from ``ChunkKeyer`` over the device block-hash
+chain; bytes live in ``MemoryObj``s carved from L1 by an allocator.
+"""
+
+from kvstrata.io.allocators import Allocator, FirstFitAllocator, SlotAllocator
+from kvstrata.io.backends import CPUTier, DiskTier, FSTier, LowerTier, ObjectMeta, RedisTier
+from kvstrata.io.config import (
+    CPUConfig,
+    DiskOptions,
+    FSOptions,
+    HealthConfig,
+    RedisOptions,
+    StoreConfig,
+    TierSpec,
+)
+from kvstrata.io.executors import Priority, PriorityExecutor
+from kvstrata.io.keys import ALL_LAYERS, ChunkKey, ChunkKeyer, ChunkSpan, StoreIdentity
+from kvstrata.io.memory import MemoryObj
+from kvstrata.io.policies import POLICIES, CachePolicy, make_policy
+from kvstrata.io.registry import TierRegistry
+from kvstrata.io.stats import Outstanding, StoreStats, TierStats
+from kvstrata.io.storage_manager import StorageManager
+
+__all__ = [
+    "ALL_LAYERS", "Allocator", "CPUConfig", "CPUTier", "CachePolicy", "ChunkKey", "ChunkKeyer",
+    "ChunkSpan", "DiskOptions", "DiskTier", "FSOptions", "FSTier", "FirstFitAllocator",
+    "HealthConfig", "LowerTier", "MemoryObj", "ObjectMeta", "Outstanding", "POLICIES", "Priority",
+    "PriorityExecutor", "RedisOptions", "RedisTier", "SlotAllocator", "StorageManager",
+    "StoreConfig", "StoreIdentity", "StoreStats", "TierRegistry", "TierSpec", "TierStats",
+    "make_policy",
+]

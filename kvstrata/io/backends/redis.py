@@ -1,0 +1,288 @@
+"""L3: a Redis server through ``redis.asyncio``.
+
+Each object is two Redis keys under the cache identity's namespace::
+
+    {key_prefix}:{identity}:{name}:d   the payload bytes (sent zero-copy)
+    {key_prefix}:{identity}:{name}:m   msgpack [key, shape, dtype, layout, nbytes, xxh3_64]
+
+A put first asks whether the meta exists (another engine may have stored the
+same prefix; then nothing is sent), else writes data then meta in one
+pipeline, so a reader that finds the meta finds the data; a read MGETs both and checks the key, the size and the
+checksum (in a thread, with the copy into L1). Connection faults make the
+tier unavailable (see ``Health``); the client reconnects on the next attempt
+after the retry interval. Redis cannot pin for us: ``pin`` is always False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import msgspec
+import numpy as np
+import redis.asyncio as aioredis
+import structlog
+import xxhash
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+
+from kvstrata.io.backends.base import Health, ObjectMeta
+from kvstrata.io.config import RedisOptions, TierSpec, decode_options
+from kvstrata.io.executors import Priority, PriorityExecutor, run_in_thread
+from kvstrata.io.keys import ChunkKey
+from kvstrata.io.memory import MemoryObj, dtype_name
+from kvstrata.io.stats import TierCounters, TierStats
+
+log = structlog.get_logger(__name__)
+
+
+class RedisMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    key: ChunkKey
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+    nbytes: int
+    checksum: int
+
+
+_decode_meta = msgspec.msgpack.Decoder(RedisMeta).decode
+_encode = msgspec.msgpack.encode
+_FAULTS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+def _verify_copy(data: bytes, meta: RedisMeta, dst: np.ndarray) -> bool:
+    """Thread side: checksum the received bytes, then copy them into L1."""
+    if len(data) != dst.nbytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
+        return False
+    np.copyto(dst, np.frombuffer(data, dtype=np.uint8))
+    return True
+
+
+class RedisTier:
+    """Owns: the client and its connection pool, the keys being written, the
+    executor, a small thread pool for checksums and copies, the health state."""
+
+    kind = "redis"
+
+    def __init__(self, opts: RedisOptions, *, name: str = "redis", write_back: bool = False) -> None:
+        opts.validate(name)
+        self.name = name
+        self.write_back = write_back
+        self.counters = TierCounters()
+        self._opts = opts
+        self._health = Health(name, opts.health)
+        self._writing: set[ChunkKey] = set()
+        self._client: aioredis.Redis | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._exec = PriorityExecutor(name, max_in_flight=opts.max_in_flight,
+                                      max_queued_puts=opts.max_queued_puts)
+        self._closed = False
+
+    @classmethod
+    def from_spec(cls, spec: TierSpec, prefix: str) -> RedisTier:
+        opts = decode_options(spec.options, RedisOptions, f"{prefix}.options")
+        return cls(opts, name=spec.name or spec.type, write_back=spec.write == "back")
+
+    async def start(self) -> None:
+        """Connect and ping; a server that is down leaves the tier
+        unavailable (retried later), it does not raise."""
+        o = self._opts
+        pool = aioredis.BlockingConnectionPool(
+            host=o.host, port=o.port, db=o.db, username=o.username, password=o.password,
+            socket_timeout=o.socket_timeout_s, socket_connect_timeout=o.connect_timeout_s,
+            max_connections=o.max_connections, timeout=o.socket_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            **self._ssl_kwargs(),
+        )
+        self._client = aioredis.Redis(connection_pool=pool)
+        self._pool = ThreadPoolExecutor(o.io_threads, thread_name_prefix=f"kvstrata-{self.name}")
+        try:
+            await self._client.ping()
+        except _FAULTS as e:
+            self._fault(e)
+
+    def _ssl_kwargs(self) -> dict:
+        o = self._opts
+        if not o.ssl:
+            return {}
+        return dict(connection_class=aioredis.SSLConnection, ssl_ca_certs=o.ssl_ca_certs,
+                    ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
+                    ssl_check_hostname=o.ssl_check_hostname,
+                    ssl_cert_reqs="required" if o.ssl_ca_certs else "none")
+
+    def _rkey(self, key: ChunkKey, part: str) -> str:
+        return f"{self._opts.key_prefix}:{key.identity}:{key.name}:{part}"
+
+    @property
+    def available(self) -> bool:
+        return self._health.available
+
+    @property
+    def pending(self) -> int:
+        return self._exec.pending
+
+    def has(self, key: ChunkKey) -> bool | None:
+        return None
+
+    def _usable(self) -> bool:
+        return self._client is not None and not self._closed and self._health.allow()
+
+    def _fault(self, e: BaseException) -> None:
+        self.counters.faults += 1
+        if isinstance(e, ResponseError):  # a refused command (OOM, ...), not a dead link
+            return
+        self._health.fault(e)
+
+    # --- lookup --------------------------------------------------------
+    async def metas(self, keys: Sequence[ChunkKey]) -> list[ObjectMeta | None]:
+        if not keys or not self._usable():
+            return [None] * len(keys)
+        assert self._client is not None
+        try:
+            raw = await self._client.mget([self._rkey(k, "m") for k in keys])
+        except _FAULTS as e:
+            self._fault(e)
+            return [None] * len(keys)
+        self._health.ok()
+        out: list[ObjectMeta | None] = []
+        for key, blob in zip(keys, raw):
+            m = self._parse(key, blob)
+            out.append(None if m is None else ObjectMeta(m.shape, m.dtype, m.layout, m.nbytes))
+        return out
+
+    def _parse(self, key: ChunkKey, blob: bytes | None) -> RedisMeta | None:
+        if blob is None:
+            return None
+        try:
+            m = _decode_meta(blob)
+        except (msgspec.DecodeError, ValueError):
+            m = None
+        if m is None or m.key != key:
+            self._corrupt(key)
+            return None
+        return m
+
+    def _corrupt(self, key: ChunkKey) -> None:
+        self.counters.corrupt += 1
+        log.warning("object_corrupt", tier=self.name, key=key.name)
+        self.submit_remove(key)
+
+    # --- put -----------------------------------------------------------
+    def submit_put(self, key: ChunkKey, obj: MemoryObj) -> asyncio.Future | None:
+        if key in self._writing or self._closed or self._client is None:
+            return None
+        if not self._health.allow():
+            self.counters.dropped_puts += 1
+            return None
+        self._writing.add(key)
+        obj.ref_up()
+        return self._exec.submit(Priority.PUT, self._put_job, key, obj,
+                                 on_drop=partial(self._end_put, key, obj))
+
+    def _end_put(self, key: ChunkKey, obj: MemoryObj) -> None:
+        self._writing.discard(key)
+        obj.release()
+
+    async def _put_job(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        assert self._client is not None and self._pool is not None
+        try:
+            stored = not await self._client.exists(self._rkey(key, "m"))  # else: already there
+            if stored:
+                payload = obj.numpy_bytes()
+                csum = await run_in_thread(self._pool, xxhash.xxh3_64_intdigest, payload)
+                meta = _encode(RedisMeta(key, obj.shape, dtype_name(obj.dtype), obj.layout, obj.nbytes, csum))
+                pipe = self._client.pipeline(transaction=False)
+                pipe.set(self._rkey(key, "d"), memoryview(payload), ex=self._opts.ttl_s)
+                pipe.set(self._rkey(key, "m"), meta, ex=self._opts.ttl_s)
+                await pipe.execute()
+        except _FAULTS as e:
+            self.counters.dropped_puts += 1
+            self._fault(e)
+            return False
+        finally:
+            self._end_put(key, obj)
+        self._health.ok()
+        if stored:
+            self.counters.puts += 1
+            self.counters.bytes_in += obj.nbytes
+        return stored
+
+    # --- read ----------------------------------------------------------
+    def submit_read(self, key: ChunkKey, meta: ObjectMeta, dst: MemoryObj) -> asyncio.Future | None:
+        if not self._usable():
+            return None
+        dst.ref_up()
+        return self._exec.submit(Priority.PREFETCH, self._read_job, key, meta, dst,
+                                 on_drop=dst.release)
+
+    async def _read_job(self, key: ChunkKey, want: ObjectMeta, dst: MemoryObj) -> bool:
+        assert self._client is not None and self._pool is not None
+        try:
+            blob, data = await self._client.mget([self._rkey(key, "m"), self._rkey(key, "d")])
+            m = self._parse(key, blob)
+            if m is None or data is None:
+                if m is not None:  # meta without data: the server evicted the data
+                    self.submit_remove(key)
+                return False
+            if (m.shape, m.dtype, m.layout, m.nbytes) != (want.shape, want.dtype, want.layout, want.nbytes):
+                self._corrupt(key)
+                return False
+            ok = await run_in_thread(self._pool, _verify_copy, data, m, dst.numpy_bytes())
+        except _FAULTS as e:
+            self._fault(e)
+            return False
+        finally:
+            dst.release()
+        self._health.ok()
+        if not ok:
+            self._corrupt(key)
+            return False
+        self.counters.bytes_out += dst.nbytes
+        return True
+
+    # --- remove --------------------------------------------------------
+    def submit_remove(self, key: ChunkKey) -> bool:
+        if not self._usable():
+            return False
+        return self._exec.submit(Priority.DELETE, self._delete_job, key) is not None
+
+    async def _delete_job(self, key: ChunkKey) -> None:
+        assert self._client is not None
+        try:
+            await self._client.delete(self._rkey(key, "m"), self._rkey(key, "d"))
+        except _FAULTS as e:
+            self._fault(e)
+
+    def pin(self, key: ChunkKey) -> bool:
+        return False
+
+    def unpin(self, key: ChunkKey) -> None:
+        pass
+
+    def pinned_count(self) -> int:
+        return 0
+
+    # --- lifecycle -----------------------------------------------------
+    def stats(self) -> TierStats:
+        return self.counters.snapshot(
+            self.name, self.kind, available=self._health.available, usage_bytes=0,
+            capacity_bytes=0, num_objects=0, dropped_puts=self._exec.dropped_puts,
+        )
+
+    async def drain(self) -> None:
+        await self._exec.drain()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._exec.aclose()
+        finally:
+            if self._client is not None:
+                await self._client.aclose(close_connection_pool=True)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)

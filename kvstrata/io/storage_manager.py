@@ -1,0 +1,371 @@
+"""StorageManager: the tiered KV store's one entry point.
+
+    put(key, obj)    L1 at once; each write-through tier asynchronously now,
+                     each write-back tier when L1 evicts the object
+    lookup(keys)     how many leading chunks some tier has (one contiguous
+                     prefix across tiers); optionally pins them
+    get(keys)        the leading chunks, each from the fastest tier that has
+                     it; lower-tier chunks are read into L1 (promoted)
+
+Typical use by the connector::
+
+    obj = store.allocate(shape, dtype, layout)        # None: skip this chunk
+    gather_kv(kv_caches, slots, out=obj.tensor)       # fill it
+    store.put(key, obj); obj.release()                # the store keeps its own ref
+
+    n = await store.lookup(keys, pin=True)            # scheduler side
+    objs = await store.get(keys[:n])                  # worker side; may be < n
+    ...scatter_kv(obj.tensor, ...); obj.release() for each
+    store.unpin(keys[:n])
+
+No tier fault reaches the caller: an unusable tier only costs misses and
+dropped puts. Every read from a lower tier is checksum-verified by the tier.
+All methods are called on the event loop that started the store (``put``
+and ``allocate`` are synchronous but queue I/O on that loop). One ``get``
+returns at most what L1 can hold at once: ask in batches smaller than L1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+
+import structlog
+import torch
+
+from kvstrata.io.backends.base import LowerTier, ObjectMeta
+from kvstrata.io.backends.cpu import CPUTier, _succeeded
+from kvstrata.io.config import StoreConfig
+from kvstrata.io.keys import ChunkKey, ChunkKeyer, StoreIdentity
+from kvstrata.io.memory import MemoryObj, dtype_from_name, release_all
+from kvstrata.io.registry import TierRegistry
+from kvstrata.io.stats import Outstanding, StoreStats
+
+log = structlog.get_logger(__name__)
+_L1 = 0  # source index of L1; lower tier i is source i + 1
+
+
+class StorageManager:
+    """Owns: the L1 tier, the lower tiers (fastest first), the pins taken by
+    lookups (key -> the tiers that pinned it, innermost last), the objects L1
+    evicted that are still being written back, and the lookup counters.
+    Loop-owned; no locks."""
+
+    def __init__(self, config: StoreConfig, *, registry: TierRegistry | None = None,
+                 tiers: Sequence[LowerTier] | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.l1 = CPUTier(config.cpu, on_evict=self._on_l1_evict)
+        if tiers is None:
+            registry = registry or TierRegistry()
+            tiers = [registry.build(spec, f"tiers[{i}]") for i, spec in enumerate(config.tiers)]
+        self.tiers: list[LowerTier] = list(tiers)
+        self._through = [t for t in self.tiers if not t.write_back]
+        self._back = [t for t in self.tiers if t.write_back]
+        self._pins: dict[ChunkKey, list[int]] = {}
+        self._flushing: dict[ChunkKey, MemoryObj] = {}
+        self._lookups = self._lookup_chunks = self._lookup_hits = 0
+        self._closed = False
+
+    @classmethod
+    async def open(cls, config: StoreConfig, **kw) -> StorageManager:
+        store = cls(config, **kw)
+        await store.start()
+        return store
+
+    async def start(self) -> None:
+        """Start the lower tiers; one that cannot reach its medium starts
+        unavailable rather than failing the store."""
+        try:
+            for t in self.tiers:
+                await t.start()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def __aenter__(self) -> StorageManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def keyer(self, identity: StoreIdentity) -> ChunkKeyer:
+        return ChunkKeyer(identity, save_partial=self.config.save_partial_chunks)
+
+    # --- store ---------------------------------------------------------
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, layout: str = "raw") -> MemoryObj | None:
+        """Room in L1 (evicting as needed); None if there is none now."""
+        return self.l1.allocate(shape, dtype, layout)
+
+    def batched_allocate(self, n: int, shape: Sequence[int], dtype: torch.dtype,
+                         layout: str = "raw") -> list[MemoryObj] | None:
+        return self.l1.batched_allocate(n, shape, dtype, layout)
+
+    def put(self, key: ChunkKey, obj: MemoryObj, *, ready: Awaitable | None = None) -> bool:
+        """Store ``obj`` under ``key``; never waits. ``ready`` (e.g. a future
+        set when a device-to-host copy completes) keeps the entry in flight
+        until done: readers wait for it, lower tiers are written after it.
+        The caller keeps its own reference. False if already stored."""
+        if self._closed or not self.l1.put(key, obj, ready):
+            return False
+        if self._through:
+            fut = self.l1.in_flight(key)
+            if fut is None:
+                self._write_through(key, obj)
+            else:
+                fut.add_done_callback(lambda f: _succeeded(f) and self._write_through(key, obj))
+        return True
+
+    def batched_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        if len(keys) != len(objs):
+            raise ValueError(f"keys and objs differ in length ({len(keys)} != {len(objs)})")
+        return sum(self.put(k, o) for k, o in zip(keys, objs))
+
+    def _write_through(self, key: ChunkKey, obj: MemoryObj) -> None:
+        if self._closed or obj.ref_count == 0:
+            return
+        for t in self._through:
+            _submit_put(t, key, obj)
+
+    def _on_l1_evict(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """Write-back: hand the evicted object to the write-back tiers; it
+        stays readable here until they are done."""
+        if not self._back or self._closed:
+            return
+        futs = [f for t in self._back if (f := _submit_put(t, key, obj)) is not None]
+        if not futs:
+            return
+        obj.ref_up()
+        self._flushing[key] = obj
+        left = [len(futs)]
+
+        def done(_f: asyncio.Future) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                if self._flushing.get(key) is obj:
+                    del self._flushing[key]
+                obj.release()
+
+        for f in futs:
+            f.add_done_callback(done)
+
+    # --- lookup --------------------------------------------------------
+    async def lookup(self, keys: Sequence[ChunkKey], *, pin: bool = False) -> int:
+        """Number of leading ``keys`` that some tier holds. With ``pin``,
+        each of those is pinned in the tier that has it (where the tier can
+        pin) until ``unpin``."""
+        self._lookups += 1
+        self._lookup_chunks += len(keys)
+        if self._closed or not keys:
+            return 0
+        n, src, _ = await self._locate(keys)
+        if pin:
+            for i in range(n):
+                self._pin(keys[i], src[i])
+        self._lookup_hits += n
+        return n
+
+    def _pin(self, key: ChunkKey, src: int) -> None:
+        if src == _L1:
+            ok = self.l1.pin(key)
+        else:
+            ok = bool(_guard(self.tiers[src - 1], "pin", lambda: self.tiers[src - 1].pin(key)))
+        if ok:
+            self._pins.setdefault(key, []).append(src)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Undo one ``lookup(pin=True)`` for each key (unknown keys ignored)."""
+        for key in keys:
+            stack = self._pins.get(key)
+            if not stack:
+                continue
+            src = stack.pop()
+            if not stack:
+                del self._pins[key]
+            if src == _L1:
+                self.l1.unpin(key)
+            else:
+                _guard(self.tiers[src - 1], "unpin", lambda: self.tiers[src - 1].unpin(key))
+
+    async def _locate(self, keys: Sequence[ChunkKey]) -> tuple[int, list[int], list[ObjectMeta | None]]:
+        """(leading count, source per key, lower-tier meta per key)."""
+        src = [-1] * len(keys)
+        metas: list[ObjectMeta | None] = [None] * len(keys)
+        l1, flushing = self.l1, self._flushing
+        missing = []
+        for i, k in enumerate(keys):
+            if l1.contains(k) or k in flushing:
+                src[i] = _L1
+            else:
+                missing.append(i)
+        for ti, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            asked = [keys[i] for i in missing]
+            found = await _aguard(tier, "metas", tier.metas(asked), [None] * len(asked))
+            rest = []
+            for i, m in zip(missing, found):
+                if m is None:
+                    rest.append(i)
+                else:
+                    src[i], metas[i] = ti + 1, m
+            missing = rest
+        n = missing[0] if missing else len(keys)
+        return n, src, metas
+
+    # --- get -----------------------------------------------------------
+    async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """The leading chunks available, in order, each with a reference for
+        the caller (``release()`` each when done). Stops at the first chunk
+        no tier can deliver (absent, corrupt, unreachable, no room in L1)."""
+        if self._closed or not keys:
+            return []
+        n, src, metas = await self._locate(keys)
+        # Synchronous from here to the first await: L1 cannot change under us.
+        # Reference every L1 hit first, so promotions cannot evict them.
+        objs: list[MemoryObj | None] = [None] * n
+        waits: list[asyncio.Future | None] = [None] * n
+        for i in range(n):
+            obj = self.l1.take(keys[i]) or self._take_flushing(keys[i])
+            if obj is not None:
+                src[i], objs[i], waits[i] = _L1, obj, self.l1.in_flight(keys[i])
+        stop = n
+        for i in range(n):
+            if objs[i] is None:
+                filled = self._promote(keys[i], src[i], metas[i]) if src[i] > _L1 else None
+                if filled is None:
+                    stop = i
+                    break
+                objs[i], waits[i] = filled
+        release_all([o for o in objs[stop:] if o is not None])
+        got: list[MemoryObj] = objs[:stop]  # type: ignore[assignment]  # no None before stop
+        served = stop
+        try:
+            for i, w in enumerate(waits[:stop]):
+                if w is not None:
+                    await asyncio.wait({w})
+                    if not _succeeded(w):
+                        served = i
+                        break
+        except BaseException:
+            release_all(got)
+            raise
+        release_all(got[served:])
+        self._count(keys, src, served)
+        self.l1.touch(keys[:served])
+        return got[:served]
+
+    def _take_flushing(self, key: ChunkKey) -> MemoryObj | None:
+        obj = self._flushing.get(key)
+        if obj is not None:
+            obj.ref_up()
+        return obj
+
+    def _promote(self, key: ChunkKey, src: int, meta: ObjectMeta | None) -> tuple[MemoryObj, asyncio.Future] | None:
+        """Allocate in L1, index it in flight, and read the tier into it."""
+        tier = self.tiers[src - 1]
+        try:
+            assert meta is not None
+            obj = self.l1.allocate(meta.shape, dtype_from_name(meta.dtype), meta.layout)
+        except (ValueError, TypeError) as e:  # a tier handed back nonsense metadata
+            log.warning("bad_object_meta", tier=tier.name, key=key.name, error=str(e))
+            return None
+        if obj is None:
+            return None
+        fill = self.l1.begin_fill(key, obj)
+        read = _guard(tier, "submit_read", lambda: tier.submit_read(key, meta, obj))
+        if read is None:
+            fill.set_result(False)
+            obj.release()
+            return None
+        read.add_done_callback(lambda r: fill.done() or fill.set_result(_succeeded(r)))
+        return obj, fill
+
+    def _count(self, keys: Sequence[ChunkKey], src: list[int], served: int) -> None:
+        tiers = [self.l1.counters] + [t.counters for t in self.tiers]
+        for i in range(served):
+            tokens = _tokens(keys[i])
+            for c in tiers[: src[i]]:
+                c.miss(tokens)
+            tiers[src[i]].hit(tokens)
+        if served < len(keys):
+            for c in tiers:
+                c.miss(_tokens(keys[served]))
+
+    # --- maintenance ---------------------------------------------------
+    def remove(self, key: ChunkKey) -> None:
+        """Forget ``key`` everywhere it is not pinned or in use."""
+        self.l1.remove(key)
+        for t in self.tiers:
+            _guard(t, "submit_remove", lambda t=t: t.submit_remove(key))
+
+    async def drain(self) -> None:
+        """Wait until no tier has queued or running I/O."""
+        while any(t.pending for t in self.tiers):
+            await asyncio.gather(*(t.drain() for t in self.tiers))
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            tiers=(self.l1.stats(), *(t.stats() for t in self.tiers)),
+            lookups=self._lookups, lookup_chunks=self._lookup_chunks,
+            lookup_hit_chunks=self._lookup_hits,
+        )
+
+    def outstanding(self) -> Outstanding:
+        """Pins, references beyond the tiers' own, and pending I/O."""
+        held = {id(o) for o in self.l1.objects()}
+        referenced = sum(o.ref_count - (id(o) in held) for o in self.l1.allocator.live_objects())
+        return Outstanding(
+            pinned=self.l1.pinned_count() + sum(t.pinned_count() for t in self.tiers),
+            referenced=referenced,
+            pending_jobs=sum(t.pending for t in self.tiers),
+        )
+
+    async def aclose(self) -> None:
+        """Finish queued writes (bounded by ``close_timeout_s``), close the
+        tiers, drop L1. Idempotent."""
+        if self._closed:
+            return
+        try:
+            async with asyncio.timeout(self.config.close_timeout_s):
+                await self.drain()
+        except TimeoutError:
+            log.warning("store_close_timeout", pending=sum(t.pending for t in self.tiers))
+        finally:
+            self._closed = True
+            for t in self.tiers:
+                await _aguard(t, "aclose", t.aclose(), None)
+            self._pins.clear()
+            self.l1.clear()
+
+
+def _tokens(key: ChunkKey) -> int:
+    """Tokens a chunk counts for: a layerwise chunk counts them on layer 0."""
+    return key.num_tokens if key.layer <= 0 else 0
+
+
+def _submit_put(tier: LowerTier, key: ChunkKey, obj: MemoryObj) -> asyncio.Future | None:
+    """Queue a write unless the tier already knows it has the key."""
+    return _guard(tier, "submit_put",
+                  lambda: None if tier.has(key) is True else tier.submit_put(key, obj))
+
+
+def _guard(tier: LowerTier, op: str, call):
+    """Call into a tier; a bug in it (anything it raised) is logged and
+    treated as a miss or a dropped put, never passed to the caller."""
+    try:
+        return call()
+    except Exception:
+        tier.counters.faults += 1
+        log.exception("tier_error", tier=tier.name, op=op)
+        return None
+
+
+async def _aguard(tier: LowerTier, op: str, aw: Awaitable, default):
+    try:
+        return await aw
+    except Exception:
+        tier.counters.faults += 1
+        log.exception("tier_error", tier=tier.name, op=op)
+        return default

@@ -1,0 +1,163 @@
+"""L3 Redis tier against a real redis-server: round trips, namespacing,
+password and TLS, the server down at start, killed mid-run and restarted,
+and corrupt values."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+
+import pytest
+from io_helpers import IDENT, get_ids, key, put_all, put_pattern
+
+from kvstrata.io import TierSpec
+
+pytestmark = pytest.mark.redis
+
+
+def redis_spec(server, **kw) -> TierSpec:
+    return TierSpec(type="redis", options=server.options(**kw))
+
+
+def evict_l1(store, ids):
+    for i in ids:
+        assert store.l1.remove(key(i))
+
+
+async def test_round_trip_and_namespaced_keys(make_store, redis_server):
+    store = await make_store(tiers=[redis_spec(redis_server)])
+    await put_all(store, [0, 1, 2])
+    evict_l1(store, [0, 1, 2])
+    assert await store.lookup([key(i) for i in range(4)]) == 3
+    assert await get_ids(store, [0, 1, 2, 3]) == [0, 1, 2]
+    r = store.stats().tier("redis")
+    assert (r.hit_chunks, r.puts, r.bytes_in, r.bytes_out, r.available) == (3, 3, 3 * 8192, 3 * 8192, True)
+    names = sorted(k.decode() for k in redis_server.client().keys("*"))
+    assert names == sorted(f"kvstrata:{IDENT}:{key(i).name}:{p}" for i in range(3) for p in "dm")
+    assert store.l1.contains(key(0))  # promoted
+
+
+async def test_password_is_required_and_used(make_store, redis_factory):
+    server = redis_factory("--requirepass", "s3cret")
+    bad = await make_store(tiers=[TierSpec(type="redis", options=server.options(password="wrong"))])
+    await put_all(bad, [0])
+    assert not bad.stats().tier("redis").available
+    good = await make_store(tiers=[redis_spec(server)])
+    await put_all(good, [1])
+    evict_l1(good, [1])
+    assert await get_ids(good, [1]) == [1]
+
+
+async def test_tls_connection(make_store, redis_factory, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(pem), "-out", str(crt)],
+                   check=True, capture_output=True)
+    server = redis_factory(start=False)
+    server.extra = ["--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(crt),
+                    "--tls-key-file", str(pem), "--tls-ca-cert-file", str(crt), "--tls-auth-clients", "no"]
+    server.start()
+    store = await make_store(tiers=[redis_spec(server, ssl=True, ssl_ca_certs=str(crt))])
+    await put_all(store, [0])
+    evict_l1(store, [0])
+    assert await get_ids(store, [0]) == [0]
+    assert store.stats().tier("redis").available
+
+
+async def test_server_down_at_start_then_up(make_store, redis_factory):
+    server = redis_factory(start=False)
+    store = await make_store(tiers=[redis_spec(server)])
+    assert not store.stats().tier("redis").available
+    await put_all(store, [0])
+    r = store.stats().tier("redis")
+    assert r.dropped_puts == 1 and r.puts == 0
+    assert await get_ids(store, [0]) == [0]  # L1 unaffected
+    await server.astart()
+    await asyncio.sleep(0.12)
+    await put_all(store, [1])
+    evict_l1(store, [1])
+    assert await get_ids(store, [1]) == [1]
+    assert store.stats().tier("redis").available
+
+
+async def test_killed_mid_run_misses_then_restarted_hits(make_store, redis_server):
+    store = await make_store(tiers=[redis_spec(redis_server)])
+    await put_all(store, [0, 1])
+    evict_l1(store, [0, 1])
+    redis_server.kill()
+    assert await store.lookup([key(0)]) == 0
+    assert await get_ids(store, [0, 1]) == []
+    await put_all(store, [2])
+    r = store.stats().tier("redis")
+    assert not r.available and r.faults >= 1 and r.dropped_puts == 1
+    assert await get_ids(store, [2]) == [2]
+    await redis_server.astart()  # same port, empty (no persistence)
+    await asyncio.sleep(0.12)
+    assert await get_ids(store, [0]) == []  # the data died with the server
+    await put_all(store, [3])
+    evict_l1(store, [3])
+    assert await get_ids(store, [3]) == [3]
+    assert store.stats().tier("redis").available
+
+
+async def test_killed_with_io_in_flight_resolves_everything(make_store, redis_server):
+    store = await make_store(cpu_objs=16, tiers=[redis_spec(redis_server, max_in_flight=2)])
+    await put_all(store, [0, 1])
+    evict_l1(store, [0, 1])
+    for i in range(2, 12):  # queued and running writes
+        put_pattern(store, i)
+    reads = asyncio.create_task(store.get([key(0), key(1)]))
+    await asyncio.sleep(0)
+    redis_server.kill()
+    objs = await reads  # whatever got through before the kill, never an exception
+    assert len(objs) <= 2
+    for o in objs:
+        o.release()
+    await store.drain()
+    r = store.stats().tier("redis")
+    assert r.puts + r.dropped_puts == 12 and not r.available
+    assert await get_ids(store, list(range(2, 12))) == list(range(2, 12))  # L1 still has them
+
+
+async def test_a_corrupt_value_is_a_counted_miss_and_deleted(make_store, redis_server):
+    store = await make_store(tiers=[redis_spec(redis_server)])
+    await put_all(store, [0, 1])
+    evict_l1(store, [0, 1])
+    c = redis_server.client()
+    data_key = f"kvstrata:{IDENT}:{key(0).name}:d"
+    raw = bytearray(c.get(data_key))
+    raw[77] ^= 0xFF
+    c.set(data_key, bytes(raw))
+    c.set(f"kvstrata:{IDENT}:{key(1).name}:m", b"\x93garbage")
+    assert await get_ids(store, [0]) == []
+    assert await get_ids(store, [1]) == []
+    await store.drain()
+    assert store.stats().tier("redis").corrupt == 2
+    assert c.exists(data_key) == 0
+
+
+async def test_a_chunk_another_engine_stored_is_not_sent_again(make_store, redis_server):
+    a = await make_store(tiers=[redis_spec(redis_server)])
+    b = await make_store(tiers=[redis_spec(redis_server)])
+    await put_all(a, [0])
+    await put_all(b, [0, 1])
+    assert (a.stats().tier("redis").puts, b.stats().tier("redis").puts) == (1, 1)
+    evict_l1(b, [0])
+    assert await get_ids(b, [0]) == [0]
+
+
+async def test_two_identities_do_not_share_keys(make_store, redis_server):
+    store = await make_store(tiers=[redis_spec(redis_server)])
+    await put_all(store, [0])
+    other = key(0, ident="fedcba9876543210fedcba9876543210")
+    assert await store.lookup([other]) == 0
+
+
+async def test_bad_redis_options_name_the_field(make_store, redis_server):
+    with pytest.raises(ValueError, match=r"tiers\[0\].options"):
+        await make_store(tiers=[TierSpec(type="redis", options=dict(port="x"))])
+    with pytest.raises(ValueError, match="max_in_flight"):
+        await make_store(tiers=[redis_spec(redis_server, max_in_flight=32, max_connections=4)])
