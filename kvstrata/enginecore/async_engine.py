@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -44,6 +44,10 @@ from kvstrata.enginecore.types import EngineStats, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
 
+# Receives a request's outputs in order, then possibly an EngineDeadError.
+# Called on the loop, synchronously, once per output: it must not block.
+OutputSink = Callable[[RequestOutput | BaseException], None]
+
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # How long the loop waits for new input when requests are live but nothing
 # could be computed (KV loads or saves in flight) before it polls again.
@@ -52,13 +56,13 @@ _IDLE_POLL_S = 0.002
 
 class AsyncEngine:
     """Owns: the EngineCore (used from the loop; its runner also from the
-    step thread), one output stream per live request, the single-thread step
+    step thread), one output sink per live request, the single-thread step
     executor, and the engine-loop task."""
 
     def __init__(self, core: EngineCore, executor: ThreadPoolExecutor) -> None:
         self._core = core
         self._executor = executor
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._sinks: dict[str, OutputSink] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -117,17 +121,10 @@ class AsyncEngine:
         Bad input raises RequestError before anything is queued; a full
         waiting queue raises EngineOverloadedError.
         """
-        self._check_alive()
-        rid = uuid.uuid4().hex if request_id is None else request_id
-        req = EngineRequest(
-            request_id=rid, prompt_token_ids=self._tokenize(prompt),
-            sampling_params=SamplingParams() if params is None else params,
-            priority=priority, cache_salt=cache_salt, lora_name=lora_name,
-        )
-        self._core.add_request(req)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = stream
-        self._wakeup.set()
+        sink = stream.put_nowait
+        rid = self.submit(prompt, params, sink, request_id=request_id, priority=priority,
+                          cache_salt=cache_salt, lora_name=lora_name)
         finished = False
         try:
             while True:
@@ -139,8 +136,38 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished and self._streams.get(rid) is stream:
+            if not finished and self._sinks.get(rid) is sink:
                 self._abort_now(rid)
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        sink: OutputSink,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> str:
+        """Queue a request whose outputs go to ``sink``; return its id.
+
+        The callback form of ``generate`` for transports that batch a step's
+        outputs themselves (the ZMQ engine server): every output of one step
+        reaches its sink within the same loop iteration, with no task per
+        request. Raises like ``generate`` before anything is queued.
+        """
+        self._check_alive()
+        rid = uuid.uuid4().hex if request_id is None else request_id
+        req = EngineRequest(
+            request_id=rid, prompt_token_ids=self._tokenize(prompt),
+            sampling_params=SamplingParams() if params is None else params,
+            priority=priority, cache_salt=cache_salt, lora_name=lora_name,
+        )
+        self._core.add_request(req)
+        self._sinks[rid] = sink
+        self._wakeup.set()
+        return rid
 
     async def abort(self, request_id: str) -> None:
         """Abort a live request now; a no-op for unknown or finished ids."""
@@ -193,14 +220,14 @@ class AsyncEngine:
         self._deliver(self._core.abort_requests([request_id]))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        streams = self._streams
+        sinks = self._sinks
         for out in outputs:
-            stream = streams.get(out.request_id)
-            if stream is None:
+            sink = sinks.get(out.request_id)
+            if sink is None:
                 continue
-            stream.put_nowait(out)
             if out.finished:
-                del streams[out.request_id]
+                del sinks[out.request_id]
+            sink(out)
 
     async def _run(self) -> None:
         core = self._core
@@ -244,20 +271,20 @@ class AsyncEngine:
         dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError("engine loop failed", cause=exc)
         self._dead = dead
         log.error("engine_dead", error=str(dead), exc_info=exc)
-        self._end_streams(dead)
+        self._end_sinks(dead)
         with contextlib.suppress(Exception):  # free blocks if the core still can
             self._core.abort_requests(list(self._core.scheduler.requests))
 
-    def _end_streams(self, dead: EngineDeadError) -> None:
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.put_nowait(EngineDeadError(str(dead), cause=dead.cause))
+    def _end_sinks(self, dead: EngineDeadError) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(EngineDeadError(str(dead), cause=dead.cause))
 
     def _shutdown(self) -> None:
         if self._dead is None:
             self._deliver(self._core.abort_requests(list(self._core.scheduler.requests)))
             self._dead = EngineDeadError("engine is closed")
-        self._end_streams(self._dead)
+        self._end_sinks(self._dead)
         self._executor.shutdown(wait=False)
         log.info("engine_closed")
 

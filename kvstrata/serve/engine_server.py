@@ -3,9 +3,10 @@
     clients (DEALER) ──▶ ROUTER ──▶ EngineServer ──▶ engine (AsyncEngine API)
                     ◀── one Outputs batch per client per engine step ◀──
 
-A step's outputs for one client go out as one frame: every pump task that
-the step woke appends to its client's buffer within one loop iteration, and
-a single flush (``call_soon``) sends each buffer after them.
+A step's outputs for one client go out as one frame: the engine hands every
+output of a step to its request's sink (``AsyncEngine.submit``) within one
+loop iteration, the sink appends it to its client's buffer, and a single
+flush (``call_soon``) sends each buffer after them. No task per request.
 
 Bad frames (oversized, malformed msgpack, wrong types, unknown tags, unknown
 request ids) get a ``ProtocolError`` back to that client only, are counted
@@ -25,6 +26,7 @@ import asyncio
 import os
 import time
 from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -113,7 +115,7 @@ class EngineServer:
             self.stopped.set()
 
     async def close(self, reason: str) -> None:
-        """Tell every client the engine is gone, cancel the pumps, close."""
+        """Tell every client the engine is gone, cancel pending utility tasks, close."""
         self._reader.stop()
         self._monitor_reader.stop()
         self._flush()
@@ -163,7 +165,7 @@ class EngineServer:
             return self._send(client.identity, P.RequestRejected(rid, "duplicate", f"request_id {rid!r} is already in flight", "request_id"))
         self._routes[rid] = client
         client.requests.add(rid)
-        self._spawn(self._pump(client, req))
+        self._submit(client, req)
 
     def _abort(self, client: _Client, ids: list[str]) -> None:
         mine = [rid for rid in ids if self._routes.get(rid) is client]
@@ -225,15 +227,11 @@ class EngineServer:
 
     # --- engine work ---------------------------------------------------------------
 
-    async def _pump(self, client: _Client, req: P.AddRequest) -> None:
+    def _submit(self, client: _Client, req: P.AddRequest) -> None:
         rid = req.request_id
         try:
-            async for out in self._engine.generate(req.prompt, req.params, request_id=rid, priority=req.priority,
-                                                   cache_salt=req.cache_salt, lora_name=req.lora_name):
-                client.pending.append(out)
-                if not self._flush_scheduled:
-                    self._flush_scheduled = True
-                    self._loop.call_soon(self._flush)
+            self._engine.submit(req.prompt, req.params, partial(self._on_output, client, rid), request_id=rid,
+                                priority=req.priority, cache_salt=req.cache_salt, lora_name=req.lora_name)
         except RequestError as e:
             text = str(e).removeprefix(f"{e.field}: ")  # the client's RequestError adds it back
             self._reject(client, P.RequestRejected(rid, "invalid", text, e.field))
@@ -243,10 +241,27 @@ class EngineServer:
             self._reject(client, P.RequestRejected(rid, "overloaded", str(e)))
         except EngineDeadError as e:
             self.stop(f"engine died: {e}")
-        finally:
-            if self._routes.get(rid) is client:
-                del self._routes[rid]
-            client.finished(rid)
+        else:
+            return
+        self._request_done(client, rid)
+
+    def _on_output(self, client: _Client, rid: str, out: RequestOutput | BaseException) -> None:
+        """The engine's sink for one request: buffer for this iteration's flush."""
+        if isinstance(out, BaseException):  # EngineDeadError: the engine is gone
+            self._request_done(client, rid)
+            self.stop(f"engine died: {out}")
+            return
+        client.pending.append(out)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        if out.finished:
+            self._request_done(client, rid)
+
+    def _request_done(self, client: _Client, rid: str) -> None:
+        if self._routes.get(rid) is client:
+            del self._routes[rid]
+        client.finished(rid)
 
     def _reject(self, client: _Client, msg: P.RequestRejected) -> None:
         log.info("request_rejected", request_id=msg.request_id, kind=msg.kind, field=msg.field or None)
