@@ -7,6 +7,8 @@ ValueError naming the field (``"scheduler.max_num_seqs must be >= 1"``).
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import msgspec
 
 
@@ -47,16 +49,40 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_chunked_prefill: bool = True
 
 
+class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The KV connector (``kvstrata.kv.connector``): ``connector`` is a
+    registered name ("offload", "multi", "noop") or a dotted path to a
+    connector class; ``options`` are that connector's own (for "offload":
+    the store's tiers, chunk size, save and load policy). ``role`` "both"
+    saves and loads; "producer" (the prefill engine of a disaggregated pair)
+    only saves; "consumer" (its decode engine) only loads."""
+
+    connector: str = "offload"
+    role: Literal["both", "producer", "consumer"] = "both"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def validate(self, prefix: str = "kv_transfer") -> None:
+        if not isinstance(self.connector, str) or not self.connector:
+            raise ValueError(f"{prefix}.connector must be a connector name or a dotted class path")
+        if self.role not in ("both", "producer", "consumer"):
+            raise ValueError(f"{prefix}.role must be one of ('both', 'producer', 'consumer'), got {self.role!r}")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"{prefix}.options must be a table of options")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything the engine needs at start.
 
     ``executor`` is "model" (run the model) or "null" (a benchmark executor
     that returns tokens at no cost, for measuring engine overhead).
+    ``kv_transfer`` adds a KV connector (the tiered store); None: the device
+    prefix cache alone.
     """
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig | None = None
     device: str = "auto"
     executor: str = "model"
     log_level: str = "INFO"
@@ -84,6 +110,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _positive("model.max_model_len", self.model.max_model_len)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.kv_transfer is not None:
+            if not isinstance(self.kv_transfer, KVTransferConfig):
+                raise ValueError("kv_transfer must be a KVTransferConfig table")
+            self.kv_transfer.validate()
         if self.executor not in ("model", "null"):
             raise ValueError(f"executor must be 'model' or 'null', got {self.executor!r}")
 

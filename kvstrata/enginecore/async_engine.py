@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,8 @@ class AsyncEngine:
         self._closing = False
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._connector: Any = None  # a KV connector this engine opened (and closes)
+        self._publisher: Any = None  # KV events publisher, when cache.kv_events_endpoint is set
 
     @classmethod
     async def start(
@@ -76,8 +79,16 @@ class AsyncEngine:
         """Build the engine off the loop (model loading blocks) and start its loop.
 
         ``runner`` replaces the runner the config names (tests, benchmarks).
+        ``connector`` replaces the KV connector ``config.kv_transfer`` names;
+        a connector the engine opens itself (on this loop: its store belongs
+        to it) is closed by ``aclose``.
         """
         config.validate()
+        owned = None
+        if connector is None and config.kv_transfer is not None:
+            from kvstrata.kv.connector import KVConnectorFactory
+
+            connector = owned = await KVConnectorFactory().open(config.kv_transfer)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-step")
         loop = asyncio.get_running_loop()
         build = (
@@ -89,8 +100,15 @@ class AsyncEngine:
             core = await loop.run_in_executor(executor, build)
         except BaseException:
             executor.shutdown(wait=False)
+            if owned is not None:
+                await owned.aclose()
             raise
         engine = cls(core, executor)
+        engine._connector = owned
+        if config.cache.kv_events_endpoint is not None:
+            from kvstrata.kv.publisher import ZmqEventPublisher
+
+            engine._publisher = ZmqEventPublisher(config.cache.kv_events_endpoint)
         engine._task = loop.create_task(engine._run(), name="kvstrata-engine-loop")
         log.info("engine_started", executor=config.executor)
         return engine
@@ -182,6 +200,20 @@ class AsyncEngine:
         self._check_alive()
         return self._core.reset_prefix_cache()
 
+    async def flush_kv(self, timeout_s: float = 60.0) -> None:
+        """Wait until every KV transfer started so far is done: loads landed,
+        finished requests' saves taken (their blocks freed), and every queued
+        write reached every tier of the connector's store."""
+        self._check_alive()
+        s = self._core.scheduler
+        async with asyncio.timeout(timeout_s):
+            while s.loading or s.delayed_free or s.connector.has_pending_work():
+                self._wakeup.set()
+                await asyncio.sleep(0.002)
+            connector = self._core.kv_connector
+            if connector is not None:
+                await connector.flush()
+
     async def aclose(self) -> None:
         """Finish the in-flight step, abort every live request, stop. Idempotent."""
         if self._closed:
@@ -196,6 +228,17 @@ class AsyncEngine:
             if not self._closed:
                 self._closed = True
                 self._shutdown()
+                await self._close_kv()
+
+    async def _close_kv(self) -> None:
+        connector, self._connector = self._connector, None
+        publisher, self._publisher = self._publisher, None
+        try:
+            if connector is not None:
+                await connector.aclose()
+        finally:
+            if publisher is not None:
+                await asyncio.to_thread(publisher.close)
 
     # -- internals --------------------------------------------------------
     def _check_alive(self) -> None:
@@ -252,6 +295,8 @@ class AsyncEngine:
                         ) from exc
                     continue
                 self._deliver(core.update(so, out))
+                if self._publisher is not None:
+                    self._publish_events()
                 if not so.total_num_scheduled_tokens:
                     await self._idle_wait()  # polled for KV transfers only: do not spin
         except asyncio.CancelledError:
@@ -260,6 +305,13 @@ class AsyncEngine:
             self._die(exc)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: fail fast, then let them through
+
+    def _publish_events(self) -> None:
+        from kvstrata.kv.events import KVEventBatch
+
+        events = self._core.take_kv_events()
+        if events:
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     async def _idle_wait(self) -> None:
         self._wakeup.clear()

@@ -29,7 +29,6 @@ from typing import Any, Protocol
 import structlog
 
 from kvstrata.config import EngineConfig
-from kvstrata.enginecore.connector import KVConnectorScheduler
 from kvstrata.enginecore.detokenizer import IncrementalDetokenizer
 from kvstrata.enginecore.errors import EngineOverloadedError
 from kvstrata.enginecore.request import (
@@ -39,6 +38,7 @@ from kvstrata.enginecore.request import (
     RequestStatus,
     validate_engine_request,
 )
+from kvstrata.enginecore.sched.transfers import fail_transfers
 from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.enginecore.types import (
     EngineStats,
@@ -54,6 +54,9 @@ from kvstrata.kv import (
     KVCacheManager,
     make_block_hasher,
 )
+from kvstrata.kv.connector import ConnectorSpec, KVConnectorScheduler
+from kvstrata.kv.connector.events import device_events
+from kvstrata.kv.events import AnyKVCacheEvent
 
 log = structlog.get_logger(__name__)
 
@@ -83,8 +86,11 @@ class EngineCore:
         config: EngineConfig,
         runner: ModelRunnerLike,
         *,
-        connector: KVConnectorScheduler | None = None,
+        connector: Any = None,
     ) -> None:
+        """``connector``: a KV connector (``kvstrata.kv.connector.KVConnector``,
+        whose two sides are built here for this engine), or a scheduler side
+        alone (tests), or None."""
         config.validate()
         self.config = config
         self.runner = runner
@@ -137,6 +143,9 @@ class EngineCore:
             metrics_sample_rate=cache.metrics_sample_rate,
         )
         runner.initialize_kv_cache(num_blocks)
+        self.kv_connector = connector if hasattr(connector, "scheduler_side") else None
+        if self.kv_connector is not None:
+            connector = self._attach(self.kv_connector, spec)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, max_model_len=self.max_model_len,
             enable_prefix_caching=cache.enable_prefix_caching, connector=connector,
@@ -151,8 +160,20 @@ class EngineCore:
         log.info("engine_core_ready", num_blocks=num_blocks, block_size=cache.block_size,
                  max_model_len=self.max_model_len, prefix_caching=cache.enable_prefix_caching)
 
+    def _attach(self, connector: Any, spec: Any) -> KVConnectorScheduler:
+        """Build the connector's two sides for this engine; the worker side
+        goes to the runner. Returns the scheduler side."""
+        if not callable(getattr(self.runner, "set_kv_connector", None)):
+            raise ValueError(f"executor {self.config.executor!r} cannot run a KV connector (kv_transfer)")
+        cspec = ConnectorSpec(identity=self.identity, num_layers=len(spec.layer_names),
+                              num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=spec.dtype,
+                              max_model_len=self.max_model_len)
+        sched_side = connector.scheduler_side(cspec)
+        self.runner.set_kv_connector(connector.worker_side(cspec))
+        return sched_side
+
     @classmethod
-    def from_config(cls, config: EngineConfig, *, connector: KVConnectorScheduler | None = None) -> EngineCore:
+    def from_config(cls, config: EngineConfig, *, connector: Any = None) -> EngineCore:
         """Build the runner the config names (blocking: loads the model)."""
         config.validate()
         if config.executor == "null":
@@ -203,13 +224,14 @@ class EngineCore:
         """Anything to schedule, finished ids the runner has not been told, or
         KV transfers to hear about."""
         s = self.scheduler
-        return bool(s.requests) or bool(s.finished_req_ids) or bool(s.delayed_free)
+        return (bool(s.requests) or bool(s.finished_req_ids) or bool(s.delayed_free)
+                or s.connector.has_pending_work())
 
     def should_execute(self, so: SchedulerOutput) -> bool:
         """Whether ``so`` is worth a runner call: tokens to compute, state to
         drop, or KV transfers whose completion the runner reports."""
         return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
-                    or self.scheduler.has_pending_transfers())
+                    or so.kv_connector_metadata is not None or self.scheduler.has_pending_transfers())
 
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -246,6 +268,7 @@ class EngineCore:
         if suspect:
             self.kv.evict_blocks(suspect)
         done = s.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        fail_transfers(s, scheduler_output)
         # The runner may not have applied these; tell it again next step.
         s.finished_req_ids.update(scheduler_output.finished_req_ids)
         s.finished_req_ids.update(scheduler_output.preempted_req_ids)
@@ -272,8 +295,14 @@ class EngineCore:
 
     # -- utilities ----------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block hash; False (and nothing changed) while any block is in use."""
+        """Drop every cached block hash of the device cache; False (and nothing
+        changed) while any block is in use. The connector's tiers keep theirs."""
         return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[AnyKVCacheEvent]:
+        """This step's cache events: the device pool's (medium GPU), then the
+        connector's tiers' (CPU, DISK, REMOTE)."""
+        return device_events(self.kv.take_events()) + self.scheduler.connector.take_events()
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -293,6 +322,7 @@ class EngineCore:
                 "kv.num_free_blocks": float(self.kv.num_free_blocks),
                 "kv.external_hit_tokens": float(c.external_cache_hits),
                 "engine.failed_steps": float(self.num_failed_steps),
+                **s.connector.stats(),
             },
         )
 

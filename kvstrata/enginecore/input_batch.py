@@ -95,6 +95,11 @@ class InputBatch:
             if new_blocks is not None:
                 self._append_blocks(state, new_blocks[0])
 
+    def holds_any(self, state: RequestState, block_ids) -> bool:
+        """Whether any of ``block_ids`` is in the request's block table."""
+        row = self.block_table[state.row, : state.num_blocks]
+        return bool(np.isin(row, np.fromiter(block_ids, dtype=np.int32)).any())
+
     def _append_blocks(self, state: RequestState, block_ids: list[int]) -> None:
         n = len(block_ids)
         if not n:

@@ -9,19 +9,26 @@
                      ─► ModelRunnerOutput
 
 ``execute_model`` is synchronous; the engine calls it from its worker
-thread and never from the event loop. The runner keeps its own copy of each
+thread and never from the event loop. With a KV connector's worker side
+attached (``set_kv_connector``) the forward pass runs layer by layer between
+the connector's hooks (``start_load_kv``, ``wait_for_layer_load(i)``,
+``save_kv_layer(i)``, ``wait_for_save``) and the output reports what the
+connector finished; a step with only connector work (no tokens) still runs
+the hooks. The runner keeps its own copy of each
 request's tokens, appending what it samples, so the next decode step knows its
 input token without the scheduler resending it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import structlog
 import torch
 
 from kvstrata.config import CacheConfig, ModelConfig
-from kvstrata.enginecore.input_batch import InputBatch, sampling_metadata
+from kvstrata.enginecore.input_batch import InputBatch, StepInputs, sampling_metadata
 from kvstrata.enginecore.model.default_model import default_model_dir
 from kvstrata.enginecore.model.loader import load_checkpoint
 from kvstrata.enginecore.sampler import Sampler
@@ -103,6 +110,7 @@ class ModelRunner:
         self.kv_layout = cache_config.kv_layout
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.kv_cache_backing: torch.Tensor | None = None
+        self.kv_connector: Any = None  # a KV connector's worker side, or None
         self.batch = InputBatch(self.block_size, self.max_model_len, self.device)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:
@@ -131,31 +139,95 @@ class ModelRunner:
         )
         log.info("kv_cache_allocated", num_blocks=num_blocks, layout=self.kv_layout,
                  mib=round(self.kv_cache_backing.nbytes / 2**20, 1))
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches, self.device)
+
+    def set_kv_connector(self, worker: Any) -> None:
+        """Attach a KV connector's worker side (``kvstrata.kv.connector``): the
+        forward pass then runs layer by layer with its load and save hooks."""
+        self.kv_connector = worker
+        if self.kv_caches is not None:
+            worker.register_kv_caches(self.kv_caches, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Compute every scheduled token, sample for requests that reach their end."""
         if self.kv_caches is None:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
         self._update_batch(scheduler_output)
+        if self.kv_connector is not None:
+            return self._execute_with_connector(scheduler_output, self.kv_connector)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.empty()
         step = self.batch.prepare(scheduler_output.num_scheduled_tokens)
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+        return self._sample(scheduler_output, step, hidden, ())
+
+    def _execute_with_connector(self, so: SchedulerOutput, conn: Any) -> ModelRunnerOutput:
+        """The step with the connector's hooks: loads before (and layer by layer
+        within) the forward, saves after each layer; then what it finished."""
+        conn.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            conn.start_load_kv()
+            step = hidden = None
+            if so.num_scheduled_tokens:
+                step = self.batch.prepare(so.num_scheduled_tokens)
+                hidden = self._forward_layerwise(step, conn)
+            conn.wait_for_save()
+            sending, recving = conn.get_finished(so.finished_req_ids)
+            invalid = conn.get_block_ids_with_load_errors()
+            report = conn.take_report()
+        finally:
+            conn.clear_connector_metadata()
+        out = self._sample(so, step, hidden, invalid) if step is not None else ModelRunnerOutput.empty()
+        if not (sending or recving or invalid or report is not None):
+            return out
+        return msgspec.structs.replace(
+            out, finished_sending=sorted(sending), finished_recving=sorted(recving),
+            invalid_block_ids=sorted(invalid), kv_connector_stats=report,
+        )
+
+    @torch.inference_mode()
+    def _forward_layerwise(self, step: StepInputs, conn: Any) -> torch.Tensor:
+        """``LlamaForCausalLM.forward`` with the connector's hooks around each
+        decoder layer: layer i's KV load is waited for before its attention
+        reads the cache, and its KV is saved once its attention wrote it."""
+        m = self.model
+        x = m.model.embed_tokens(step.input_ids)
+        cos, sin = m.rotary.cos_sin(step.positions, x.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(m.model.layers, self.kv_caches, strict=True)):
+            conn.wait_for_layer_load(i)
+            x = layer(x, cos, sin, kv_cache, step.meta)
+            conn.save_kv_layer(i)
+        return m.model.norm(x)
+
+    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+                invalid_blocks) -> ModelRunnerOutput:
+        """Sample the requests that reached their last known token; a request
+        whose loaded KV failed (``invalid_blocks``) samples nothing: the
+        scheduler recomputes from its first failed block."""
+        sample_states, sample_idx = step.sample_states, step.sample_batch_idx
+        if invalid_blocks and sample_states:
+            keep = [i for i, st in enumerate(sample_states) if not self.batch.holds_any(st, invalid_blocks)]
+            sample_states = [sample_states[i] for i in keep]
+            sample_idx = [sample_idx[i] for i in keep]
+            hidden_rows = step.logits_indices[keep] if keep else None
+        else:
+            hidden_rows = step.logits_indices
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs_out: list[Logprobs | None] | None = None
-        if step.sample_states:
-            logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-            meta = sampling_metadata(step.sample_states, self.eos_token_ids, self.device)
+        if sample_states:
+            logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
+            meta = sampling_metadata(sample_states, self.eos_token_ids, self.device)
             tokens, logprobs = self.sampler(logits, meta)
-            for state, b, token in zip(step.sample_states, step.sample_batch_idx, tokens, strict=True):
+            for state, b, token in zip(sample_states, sample_idx, tokens, strict=True):
                 state.token_ids.append(token)
                 sampled_ids[b] = [token]
             if logprobs is not None:
                 logprobs_out = [None] * len(step.req_ids)
-                for b, lp in zip(step.sample_batch_idx, logprobs, strict=True):
+                for b, lp in zip(sample_idx, logprobs, strict=True):
                     logprobs_out[b] = lp
         requests = self.batch.requests
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        for req_id, n in so.num_scheduled_tokens.items():
             requests[req_id].num_computed_tokens += n
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs_out)
 

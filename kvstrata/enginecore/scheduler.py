@@ -34,6 +34,7 @@ from kvstrata.enginecore.sched.plan import StepPlan
 from kvstrata.enginecore.sched.queues import make_waiting_queue, remove_all
 from kvstrata.enginecore.sched.stats import SchedulerCounters
 from kvstrata.enginecore.sched.stop import append_and_check, detokenize
+from kvstrata.enginecore.sched.transfers import settle_transfers
 from kvstrata.enginecore.sched.waiting import schedule_waiting
 from kvstrata.enginecore.types import (
     CachedRequestData,
@@ -82,9 +83,13 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Connector bookkeeping: requests whose KV is loading, loads the
         # worker reported done, finished requests whose free waits for a save.
+        # ``sync_loading``: requests whose blocks this step's worker fills;
+        # ``recv_rollback``: where an async load failed (see sched/transfers).
         self.loading: set[str] = set()
         self.finished_recving: set[str] = set()
         self.delayed_free: dict[str, Request] = {}
+        self.sync_loading: list[Request] = []
+        self.recv_rollback: dict[str, int] = {}
         self.counters = SchedulerCounters()
         self._seq = itertools.count()
 
@@ -100,6 +105,7 @@ class Scheduler:
         self.requests[rid] = request
         self.waiting.add(request)
         self.counters.num_prompt_tokens += request.num_prompt_tokens
+        self.connector.prefetch(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         """Finish live requests (abort, error); unknown or finished ids are skipped.
@@ -135,13 +141,17 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(rid) if holds_blocks else ()
         delay, _params = self.connector.request_finished(req, block_ids)
         del self.requests[rid]
+        loading = rid in self.loading
         self.loading.discard(rid)
+        self.finished_recving.discard(rid)
+        self.recv_rollback.pop(rid, None)
         self.finished_req_ids.add(rid)
         self.counters.num_finished += 1
         log.debug("request_finished", request_id=rid, reason=FINISH_REASONS[req.status],
                   num_output_tokens=len(req.all_token_ids) - req.num_prompt_tokens)
         if holds_blocks:
-            self._cache_computed_blocks(req)
+            if not loading:  # blocks an async load is still filling are never cached
+                self._cache_computed_blocks(req)
             if delay:
                 self.delayed_free[rid] = req
             else:
@@ -152,7 +162,7 @@ class Scheduler:
         """Register the request's full computed blocks before they are freed
         (the decode fast path leaves a just-filled block to the next
         allocate_slots, which a finished or preempted request never makes)."""
-        if self.enable_caching and req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+        if self.enable_caching:
             self.kv.cache_blocks(req, req.num_computed_tokens)
 
     @property
@@ -246,6 +256,9 @@ class Scheduler:
         """Recompute preemption: free the blocks (full ones stay cached),
         forget progress, back to the front of the waiting queue."""
         self._cache_computed_blocks(req)
+        # The connector reads the victim's KV (offload on preemption) before
+        # this step's loads and forward may reuse its blocks.
+        self.connector.request_preempted(req, self.kv.get_block_ids(req.request_id))
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -305,6 +318,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply one step's sampled tokens; returns the outputs to stream."""
+        settle_transfers(self, runner_output)
         outputs: list[RequestOutput] = []
         stopped: list[Request] = []
         requests = self.requests
@@ -355,7 +369,6 @@ class Scheduler:
         if stopped:
             self.running = remove_all(self.running, stopped)
         self.counters.num_generated_tokens += num_generated
-        self._update_connector_state(runner_output)
         return outputs
 
     def _finish(self, req: Request, status: RequestStatus, new_ids: list[int], text: str,
@@ -369,16 +382,6 @@ class Scheduler:
             logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
         )
-
-    def _update_connector_state(self, runner_output: ModelRunnerOutput) -> None:
-        """Loads the worker finished admit their requests next step; saves it
-        finished release the blocks whose free was delayed."""
-        if runner_output.finished_recving:
-            self.finished_recving.update(runner_output.finished_recving)
-        for rid in runner_output.finished_sending:
-            req = self.delayed_free.pop(rid, None)
-            if req is not None:
-                self.kv.free(req)
 
 
 def _sort_key(req: Request) -> tuple:

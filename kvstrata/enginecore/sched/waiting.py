@@ -4,7 +4,8 @@ For a request with nothing computed (new, or preempted and recomputed):
 device prefix hit from ``get_computed_blocks``, then the connector's
 external hit, then ``allocate_slots`` for the hit plus the first chunk. A
 request the connector cannot answer for yet, or one still loading its KV
-asynchronously, is skipped and keeps its place at the front. The first
+asynchronously, is skipped and keeps its place at the front. Blocks that
+receive external KV are allocated uncached (see ``sched/transfers``). The first
 request that does not fit in the pool ends the pass (strict policy order).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstrata.enginecore.request import Request, RequestStatus
+from kvstrata.enginecore.sched.transfers import remote_kvs_ready
 
 if TYPE_CHECKING:
     from kvstrata.enginecore.scheduler import Scheduler
@@ -31,12 +33,12 @@ def schedule_waiting(
     skipped: list[Request] = []
     while waiting and budget > 0 and len(running) < s.max_num_seqs:
         req = waiting.peek()
-        if req.status == _WAITING_FOR_REMOTE_KVS and not _remote_kvs_ready(s, req):
+        if req.status == _WAITING_FOR_REMOTE_KVS and not remote_kvs_ready(s, req):
             skipped.append(waiting.pop())
             continue
         num_tokens = len(req.all_token_ids)
         computed_blocks, n_local, ext, load_async = None, 0, 0, False
-        first_lookup = req.num_computed_tokens == 0
+        first_lookup = req.num_slots == 0  # holds no blocks: new or preempted
         if first_lookup:
             if s.enable_caching:
                 computed_blocks, n_local = kv.get_computed_blocks(req)
@@ -65,7 +67,9 @@ def schedule_waiting(
             num_new_computed_tokens=n_local,
             new_computed_blocks=computed_blocks,
             num_external_computed_tokens=ext,
-            delay_cache_blocks=load_async,
+            # Loaded blocks enter the prefix cache only once their KV arrived
+            # (sched/transfers): a failed load must never be hit.
+            delay_cache_blocks=ext > 0,
         )
         if blocks is None:
             break  # no room even after eviction: keep policy order, stop here
@@ -84,6 +88,8 @@ def schedule_waiting(
             s.loading.add(req.request_id)
             skipped.append(req)
             continue
+        if ext > 0:
+            s.sync_loading.append(req)
         req.status = RequestStatus.RUNNING
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_computed
@@ -94,17 +100,3 @@ def schedule_waiting(
     if skipped:
         waiting.prepend_all(skipped)
     return budget
-
-
-def _remote_kvs_ready(s: Scheduler, req: Request) -> bool:
-    """True once the worker reported the request's async load as done; its
-    loaded blocks then enter the prefix cache."""
-    rid = req.request_id
-    if rid not in s.finished_recving:
-        return False
-    s.finished_recving.discard(rid)
-    s.loading.discard(rid)
-    if s.enable_caching:
-        s.kv.cache_blocks(req, req.num_computed_tokens)
-    req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
-    return True

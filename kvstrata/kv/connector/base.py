@@ -4,15 +4,17 @@ A connector has two sides, vLLM's KVConnectorBase_V1 split by role:
 
     scheduler side (event loop, plans; never blocks)     worker side (step thread, moves bytes)
     ─────────────────────────────────────────────────     ─────────────────────────────────────
-    get_num_new_matched_tokens(req, n_local)              register_kv_caches(kv_caches)
-        -> (n_external | None, load_async)                bind_connector_metadata(meta)
+    prefetch(req)                (a hint, on arrival)     register_kv_caches(kv_caches)
+    get_num_new_matched_tokens(req, n_local)              bind_connector_metadata(meta)
+        -> (n_external | None, load_async)
     update_state_after_alloc(req, block_ids, n_ext)       start_load_kv()
     request_preempted(req, block_ids)                     wait_for_layer_load(i)  (before layer i)
     build_connector_meta(scheduler_output) -> meta ───►   save_kv_layer(i)        (after layer i)
     update_connector_output(runner_output)    ◄───────    wait_for_save()
     request_finished(req, block_ids) -> (delay, params)   get_finished(finished_ids) -> (sending, recving)
     take_events(), stats(), has_pending_work()            get_block_ids_with_load_errors()
-    step_failed(scheduler_output) -> [rid]                take_report() -> report Struct | None
+    step_failed(scheduler_output)                         take_report() -> report Struct | None
+        -> (sending, recving, invalid block ids)
                                                           clear_connector_metadata()
 
 ``n_external`` None means "not known yet" (a lookup is in flight): the
@@ -61,6 +63,8 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 @runtime_checkable
 class KVConnectorScheduler(Protocol):
+    def prefetch(self, request: Any) -> None: ...
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]: ...
 
     def update_state_after_alloc(
@@ -77,7 +81,7 @@ class KVConnectorScheduler(Protocol):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]: ...
 
-    def step_failed(self, scheduler_output: Any) -> list[str]: ...
+    def step_failed(self, scheduler_output: Any) -> tuple[list[str], list[str], list[int]]: ...
 
     def take_events(self) -> list: ...
 
@@ -130,10 +134,15 @@ class NoOpScheduler:
 
     is_noop = True
 
+    def prefetch(self, request: Any) -> None:
+        return None
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
         return None
 
     def request_preempted(self, request: Any, block_ids: tuple[list[int], ...]) -> None:
@@ -148,8 +157,8 @@ class NoOpScheduler:
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
-    def step_failed(self, scheduler_output: Any) -> list[str]:
-        return []
+    def step_failed(self, scheduler_output: Any) -> tuple[list[str], list[str], list[int]]:
+        return [], [], []
 
     def take_events(self) -> list:
         return []

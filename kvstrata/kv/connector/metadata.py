@@ -46,7 +46,11 @@ class RequestTransfer(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class OffloadMetadata(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One step's transfers; ``num_tokens`` is the step's computed tokens
+    (the worker times the forward pass per token for the metrics)."""
+
     step: int
+    num_tokens: int = 0
     layer_loads: list[RequestTransfer] = []
     bulk_loads: list[RequestTransfer] = []
     bulk_saves: list[RequestTransfer] = []
@@ -75,9 +79,12 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
 
 class MultiMetadata(msgspec.Struct, frozen=True, kw_only=True):
-    """One metadata per child of a multi-connector (None: nothing for it)."""
+    """One metadata per child of a multi-connector (None: nothing for it);
+    ``expect_sending[req_id]``: how many children hold that finished
+    request's blocks until their saves are done."""
 
     children: list[object]
+    expect_sending: dict[str, int] = {}
 
 
 class MultiReport(msgspec.Struct, frozen=True, kw_only=True):

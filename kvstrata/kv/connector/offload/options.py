@@ -16,13 +16,16 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     Saves happen when a chunk fills during prefill, during decode when
     ``save_decode``, and for the chunks still unsaved when a request finishes
     (``save_on_finish``: its blocks are held until the save is done) or is
-    preempted (``save_on_preempt``). ``load_mode``: "auto" loads chunks that
-    are all ready in CPU memory within the step (layer by layer) and anything
-    that needs disk or network I/O asynchronously (the request waits in
-    WAITING_FOR_REMOTE_KVS); "async" always waits; "sync" never does (chunks
-    on lower tiers are then first promoted while the request stays waiting).
+    preempted (``save_on_preempt``). ``load_mode``: "auto" loads chunks
+    ready in CPU memory within the step (layer by layer), promotes chunks on
+    local disk into CPU memory first (the request waits holding no blocks),
+    and loads chunks on a remote tier asynchronously (blocks allocated, the
+    request waits in WAITING_FOR_REMOTE_KVS); "async" loads everything
+    asynchronously; "sync" promotes from every lower tier first.
     A lookup or load slower than its timeout counts as a miss (recompute).
     ``enable_events`` publishes BlockStored/BlockRemoved for every tier.
+    ``max_prefetch``: how many arriving requests may have their chunks looked
+    up or promoted before the scheduler reaches them (0: none).
     """
 
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
@@ -34,10 +37,12 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     lookup_timeout_s: float = 5.0
     load_timeout_s: float = 10.0
     enable_events: bool = False
+    max_prefetch: int = 8
 
     def validate(self, prefix: str = "kv_transfer.options") -> None:
         self.store.validate()
         check_int(f"{prefix}.chunk_size", self.chunk_size)
+        check_int(f"{prefix}.max_prefetch", self.max_prefetch, 0)
         check_float(f"{prefix}.lookup_timeout_s", self.lookup_timeout_s)
         check_float(f"{prefix}.load_timeout_s", self.load_timeout_s)
         if self.load_mode not in ("auto", "async", "sync"):

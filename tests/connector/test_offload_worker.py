@@ -1,0 +1,119 @@
+"""The offload worker side on CPU: bulk and layer-by-layer transfers between
+lent host buffers and the paged cache, in both cache layouts, and failures
+reported per chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.kernels import KVCacheShape, allocate_kv_caches
+from kvstrata.kv import CacheIdentity
+from kvstrata.kv.connector import ChunkTransfer, ConnectorSpec, OffloadMetadata, RequestTransfer
+from kvstrata.kv.connector.offload import OffloadWorker
+
+L, NB, BS, H, D = 3, 12, 4, 2, 8
+
+
+def spec() -> ConnectorSpec:
+    ident = CacheIdentity(model_fingerprint="m", kv_dtype="float32", kv_layout="per_layer", block_size=BS)
+    return ConnectorSpec(identity=ident, num_layers=L, num_kv_heads=H, head_size=D, dtype="float32",
+                         max_model_len=64)
+
+
+def make(layout: str):
+    backing, caches = allocate_kv_caches(KVCacheShape(num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H,
+                                                      head_size=D), layout, torch.float32, "cpu")
+    backing.copy_(torch.randn_like(backing))
+    buffers: dict[int, torch.Tensor] = {}
+    worker = OffloadWorker(spec(), buffers)
+    worker.register_kv_caches(caches, "cpu")
+    return backing, caches, buffers, worker
+
+
+def block(caches, layer: int, b: int) -> torch.Tensor:
+    k, v = caches[layer]
+    return torch.stack([k[b], v[b]])
+
+
+def run_step(worker, meta, num_layers=L):
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    for i in range(num_layers):
+        worker.wait_for_layer_load(i)
+        worker.save_kv_layer(i)
+    worker.wait_for_save()
+    result = worker.get_finished([]), worker.get_block_ids_with_load_errors(), worker.take_report()
+    worker.clear_connector_metadata()
+    return result
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer"])
+def test_bulk_save_then_bulk_load_into_other_blocks(layout):
+    _, caches, buffers, worker = make(layout)
+    buffers[1] = torch.zeros(L, 2, 8, H, D)
+    save = OffloadMetadata(step=1, bulk_saves=[RequestTransfer("a", [ChunkTransfer(1, [3, 7], 0, 8)])],
+                           finishing=["a"])
+    (sending, recving), invalid, report = run_step(worker, save)
+    assert (sending, recving, invalid) == ({"a"}, set(), set())
+    assert report.saved == [1] and report.failed == []
+    load = OffloadMetadata(step=2, bulk_loads=[RequestTransfer("b", [ChunkTransfer(1, [5, 9], 0, 8)])])
+    (sending, recving), invalid, report = run_step(worker, load)
+    assert (sending, recving, invalid) == (set(), {"b"}, set())
+    assert report.loaded == [1] and set(report.load_s) == {"b"}
+    for layer in range(L):
+        assert torch.equal(block(caches, layer, 5), block(caches, layer, 3))
+        assert torch.equal(block(caches, layer, 9), block(caches, layer, 7))
+
+
+def test_layer_load_writes_only_its_token_range():
+    backing, caches, buffers, worker = make("per_layer")
+    before = backing.clone()
+    buffers[4] = torch.randn(L, 2, 8, H, D)
+    meta = OffloadMetadata(step=1, layer_loads=[RequestTransfer("a", [ChunkTransfer(4, [2, 6], 3, 7)])])
+    _, invalid, report = run_step(worker, meta)
+    assert invalid == set() and report.loaded == [4]
+    for layer in range(L):
+        k, v = caches[layer]
+        tok = torch.cat([k[2], k[6]])  # the 8 token positions of the chunk, K only
+        assert torch.equal(tok[3:7], buffers[4][layer, 0, 3:7])
+        assert torch.equal(tok[:3], torch.cat([before[layer, 0, 2], before[layer, 0, 6]])[:3])
+        assert torch.equal(tok[7:], torch.cat([before[layer, 0, 2], before[layer, 0, 6]])[7:])
+        assert torch.equal(torch.cat([v[2], v[6]])[3:7], buffers[4][layer, 1, 3:7])
+    untouched = [b for b in range(NB) if b not in (2, 6)]
+    assert torch.equal(backing[:, :, untouched], before[:, :, untouched])
+
+
+def test_layer_saves_gather_each_layer_after_it_is_computed():
+    _, caches, buffers, worker = make("cross_layer")
+    buffers[2] = torch.zeros(L, 2, 4, H, D)
+    meta = OffloadMetadata(step=1, layer_saves=[RequestTransfer("a", [ChunkTransfer(2, [8], 0, 4)])], num_tokens=40)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    for i in range(L):
+        worker.wait_for_layer_load(i)
+        k, v = caches[i]
+        k[8].fill_(i + 1.0)  # "layer i's attention" writes the block, then the hook saves it
+        worker.save_kv_layer(i)
+    worker.wait_for_save()
+    report = worker.take_report()
+    worker.clear_connector_metadata()
+    assert report.saved == [2] and report.forward_tokens == 40
+    assert [buffers[2][i, 0].unique().tolist() for i in range(L)] == [[1.0], [2.0], [3.0]]
+
+
+def test_a_failed_load_reports_its_blocks_and_a_failed_save_is_dropped():
+    _, _, buffers, worker = make("per_layer")
+    buffers[1] = torch.zeros(L, 2, 8, H, 2 * D)  # wrong head size: the copy raises
+    buffers[2] = torch.zeros(L, 2, 8, H, 2 * D)
+    meta = OffloadMetadata(step=1, bulk_loads=[RequestTransfer("a", [ChunkTransfer(1, [1, 2], 0, 8)], [10, 11])],
+                           bulk_saves=[RequestTransfer("b", [ChunkTransfer(2, [3, 4], 0, 8)])])
+    (sending, recving), invalid, report = run_step(worker, meta)
+    assert recving == {"a"} and invalid == {1, 2, 10, 11}
+    assert report.failed == [1, 2] and report.saved == [] and report.loaded == []
+
+
+def test_no_metadata_no_work():
+    _, _, _, worker = make("per_layer")
+    (sending, recving), invalid, report = run_step(worker, None)
+    assert (sending, recving, invalid, report) == (set(), set(), set(), None)
