@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="the main job: multi-turn chats against the engine subprocess")
     add_load_args(run, workload="multi-turn", num=12)
     run.set_defaults(workload=None, turns=4, input_len=(8, 24), output_len=(8, 24), prefix_len=48, concurrency=4)
+    run.add_argument("--no-tiers", action="store_true", help="device prefix cache only (no CPU and disk tiers)")
+    run.add_argument("--kv-store-dir", default=None,
+                     help="disk tier directory (default: $KVSTRATA_CACHE_DIR/kv-store or ~/.cache/kvstrata/kv-store)")
+    run.add_argument("--cpu-tier-mib", type=int, default=1024, help="CPU tier capacity in MiB (default 1024)")
+    run.add_argument("--disk-tier-mib", type=int, default=4096, help="disk tier capacity in MiB (default 4096)")
     add_config_args(run)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

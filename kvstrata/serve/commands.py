@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from kvstrata.config import EngineConfig
+from kvstrata.config import EngineConfig, KVTransferConfig
 from kvstrata.serve.bench import workloads as W
 from kvstrata.serve.bench.report import format_report
 from kvstrata.serve.bench.runner import make_workload, model_name, run_bench, save_outputs
@@ -89,21 +90,38 @@ def bench(args: argparse.Namespace, config: EngineConfig) -> int:
 # --- run (the main job) ---------------------------------------------------------------
 
 
-def with_tiers(config: EngineConfig) -> tuple[EngineConfig, str]:
-    """The CPU + disk tiers for the main job, once the engine config has them.
-
-    Until the connector lands (no tier section in EngineConfig), the job runs
-    on the device prefix cache alone and says so."""
-    names = {f.name for f in msgspec.structs.fields(EngineConfig)}
-    if not names & {"kv_transfer", "store", "tiers", "connector"}:
-        return config, "device prefix cache only (the CPU + disk tiers are not available in this build)"
-    return config, "device prefix cache + the tiers configured in EngineConfig"
+def with_tiers(config: EngineConfig, args: argparse.Namespace) -> tuple[EngineConfig, str]:
+    """The main job's KV tiers: the device prefix cache, then CPU memory, then
+    local disk (``--kv-store-dir``, default ``$KVSTRATA_CACHE_DIR/kv-store`` or
+    ``~/.cache/kvstrata/kv-store``). The disk index is rebuilt at start, so a
+    later run hits what an earlier one stored. A ``kv_transfer`` section given
+    in the config (TOML, env, flags) is used as it is; ``--no-tiers`` or the
+    null executor (which runs no model, so has no KV to move) keep the device
+    cache alone."""
+    if config.kv_transfer is not None:
+        return config, f"device prefix cache + the {config.kv_transfer.connector!r} connector from the config"
+    if args.no_tiers or config.executor != "model":
+        return config, "device prefix cache only"
+    root = args.kv_store_dir or os.path.join(
+        os.environ.get("KVSTRATA_CACHE_DIR") or os.path.expanduser("~/.cache/kvstrata"), "kv-store")
+    root = os.path.abspath(root)
+    options = {
+        "chunk_size": 64,
+        "store": {
+            "save_partial_chunks": True,
+            "cpu": {"capacity_bytes": args.cpu_tier_mib << 20},
+            "tiers": [{"type": "disk", "options": {"path": root, "capacity_bytes": args.disk_tier_mib << 20}}],
+        },
+    }
+    config = msgspec.structs.replace(config, kv_transfer=KVTransferConfig(connector="offload", options=options))
+    return config, (f"device prefix cache + CPU tier ({args.cpu_tier_mib} MiB) "
+                    f"+ disk tier ({args.disk_tier_mib} MiB at {root})")
 
 
 def run_main_job(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.workload is None:
         args.workload = "sharegpt" if W.sharegpt_available() else "multi-turn"
-    config, tiers_note = with_tiers(config)
+    config, tiers_note = with_tiers(config, args)
     try:
         convs = make_workload(args)
     except W.WorkloadUnavailable as e:
