@@ -38,11 +38,21 @@ def config_fields(root: type = EngineConfig, prefix: str = "") -> dict[str, Any]
     out: dict[str, Any] = {}
     for f in msgspec.structs.fields(root):
         path = f"{prefix}{f.name}"
-        if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct):
-            out.update(config_fields(f.type, path + "."))
+        section = _struct_of(f.type)
+        if section is not None:
+            out.update(config_fields(section, path + "."))
         else:
             out[path] = f.type
     return out
+
+
+def _struct_of(typ: Any) -> type | None:
+    """The section Struct of a field typed ``Section`` or ``Section | None``
+    (an optional section, like ``kv_transfer``, exists once any of its fields is set)."""
+    for t in _union_args(typ):
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            return t
+    return None
 
 
 def parse_value(path: str, raw: Any, typ: Any, source: str) -> Any:

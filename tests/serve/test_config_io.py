@@ -71,3 +71,20 @@ def test_file_errors_name_the_field(tmp_path):
 def test_flag_error_names_the_flag():
     with pytest.raises(ConfigError, match=r"cache\.num_blocks.*--cache\.num-blocks"):
         load_config(args=_args("--cache.num-blocks", "x"), env={})
+
+
+def test_optional_kv_transfer_section_from_toml_env_and_flags(tmp_path):
+    """``kv_transfer`` is None until one of its fields is set, from any source."""
+    assert load_config(env={}).kv_transfer is None
+    f = tmp_path / "tiers.toml"
+    f.write_text(
+        '[kv_transfer]\nconnector = "offload"\n[kv_transfer.options]\nchunk_size = 64\n'
+        '[[kv_transfer.options.store.tiers]]\ntype = "disk"\noptions = { path = "/x", capacity_bytes = 1024 }\n'
+    )
+    cfg = load_config(toml_path=str(f), env={"KVSTRATA_KV_TRANSFER__ROLE": "producer"})
+    assert cfg.kv_transfer.connector == "offload" and cfg.kv_transfer.role == "producer"
+    assert cfg.kv_transfer.options == {
+        "chunk_size": 64, "store": {"tiers": [{"type": "disk", "options": {"path": "/x", "capacity_bytes": 1024}}]}
+    }
+    with pytest.raises(ConfigError, match="kv_transfer.role"):
+        load_config(env={"KVSTRATA_KV_TRANSFER__ROLE": "sideways"})
