@@ -21,6 +21,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: str = "float32"
     max_model_len: int | None = None
     seed: int = 0
+    # torch intra-op threads for the model step (torch.set_num_threads, which
+    # is process-wide); None keeps torch's default. On small shared CPU hosts
+    # 1 is often much faster than oversubscribing the cores.
+    num_threads: int | None = None
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -108,6 +112,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"model.dtype must be float32, float16, bfloat16 or auto, got {self.model.dtype!r}")
         if self.model.max_model_len is not None:
             _positive("model.max_model_len", self.model.max_model_len)
+        if self.model.num_threads is not None:
+            _positive("model.num_threads", self.model.num_threads)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.kv_transfer is not None:

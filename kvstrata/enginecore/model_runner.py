@@ -92,6 +92,8 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu") -> None:
         self.device = resolve_device(device)
+        if model_config.num_threads is not None:
+            torch.set_num_threads(model_config.num_threads)
         path = model_config.model
         if path is None:
             path = str(default_model_dir(model_config.seed))

@@ -299,3 +299,13 @@ def test_triton_interpreted_kernels_give_the_same_tokens(tiny, monkeypatch):
     driver = StepDriver(make_runner(path, num_blocks=16), budget=4)  # a 4-token chunk, then extend + decode
     driver.add("a", PROMPTS["a"], SamplingParams(temperature=0.0, max_tokens=3))
     assert driver.run()["a"] == hf_greedy(hf, PROMPTS["a"], 3)
+
+
+def test_num_threads_sets_torch_intra_op_threads(tiny):
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    try:
+        ModelRunner(ModelConfig(model=tiny[0], num_threads=target), CacheConfig(block_size=BS))
+        assert torch.get_num_threads() == target
+    finally:
+        torch.set_num_threads(before)
