@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstrata {args.command}: config error: {e}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, json=args.log_json)
-    from kvstrata.serve import commands
+    from kvstrata.serve import cli_commands as commands
 
     if args.command == "serve":
         return commands.run_async(commands.serve(args, config))

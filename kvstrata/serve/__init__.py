@@ -9,7 +9,7 @@ the OpenAI-compatible HTTP server and the load-test tooling.
     engines.py         open_engine(config, transport): one switch for all transports
     http_server.py     `kvstrata serve` (openai_types.py, metrics.py)
     bench/             workloads, targets, driver, report (`kvstrata bench`, tools/loadtest.py)
-    commands.py        the bodies of `kvstrata run | serve | bench`
+    cli_commands.py    the bodies of `kvstrata run | serve | bench`
 
 Nothing here is imported by ``kvstrata`` itself; import what you use.
 """
