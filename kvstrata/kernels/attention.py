@@ -14,9 +14,10 @@ run in fp32; the output has the query's dtype.
 
 Block 0 is the null block: it pads tables and replaces blocks that slid out
 of the window. Its contents are never trusted: a block is read only when it
-holds a position some query may attend to, and the batched decode path
-zeroes the K/V rows it gathers for masked positions, so NaN garbage in the null
-block cannot leak into the output (0 * NaN is NaN).
+holds a position some query may attend to (or pads a batched decode chunk),
+and the batched decode path zeroes the K/V rows it gathers for masked
+positions, so NaN garbage in the null block cannot leak into the output
+(0 * NaN is NaN).
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (no argument checks).
 
-    Sequences with one new token (decode) are batched into one padded SDPA
-    call; longer ones (prefill/extend) run one SDPA call each over the
-    blocks they can see. No Python work per token.
+    Sequences with one new token (decode) run in length-sorted chunks (one
+    padded SDPA call per chunk, see ``_decode_batch``); longer ones
+    (prefill/extend) run one SDPA call each over the blocks they can see.
+    No Python work per token.
     """
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -136,42 +138,92 @@ def _gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -
     return _gather_blocks(cache, blocks).view(-1, *cache.shape[2:])[:num_tokens]
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``cache[blocks]`` as [n, block_size * Hkv * D]. index_select over the
-    2-D block view is far faster than over the 4-D cache on CPU, and the
-    view exists for both layouts (each block's rows are contiguous)."""
-    return cache.flatten(1).index_select(0, blocks)
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cache[blocks]`` as [n, block_size * Hkv * D] (into ``out`` when given).
+    index_select over the 2-D block view is far faster than over the 4-D cache
+    on CPU, and the view exists for both layouts (each block's rows are
+    contiguous)."""
+    return torch.index_select(cache.flatten(1), 0, blocks, out=out)
+
+
+# Decode sequences are gathered and attended in chunks of about this many
+# bytes of K (V alike): small enough that the gathered copy is still in cache
+# when SDPA reads it (one big padded gather of the whole batch cost fresh
+# pages and a second trip through DRAM on every call, and was most of the
+# step), large enough that per-call overhead stays small for short sequences.
+_DECODE_CHUNK_BYTES = 1 << 20
 
 
 def _decode_batch(query, key_cache, value_cache, block_tables, qsl, lens, seqs, scale, window, out) -> None:
-    device = query.device
+    """Decode tokens in chunks of sequences of similar visible length (sorted,
+    so padding stays small). Each sequence gathers only the blocks holding
+    positions it can see; a chunk of one needs no mask at all."""
     block_size = key_cache.shape[1]
-    rows = torch.tensor([qsl[b] for b in seqs], device=device)
-    seq_len = torch.tensor([lens[b] for b in seqs], device=device)
-    max_blocks = (max(lens[b] for b in seqs) + block_size - 1) // block_size
-    table = block_tables.index_select(0, torch.tensor(seqs, device=block_tables.device))[:, :max_blocks]
-    table = table.to(device=device, dtype=torch.int64)
-    nseq, kv_len = len(seqs), max_blocks * block_size
-    flat = table.reshape(-1)
-    k = _gather_blocks(key_cache, flat).view(nseq * kv_len, -1)
-    v = _gather_blocks(value_cache, flat).view(nseq * kv_len, -1)
-    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
-    q_pos = (seq_len - 1).unsqueeze(1)
-    mask = k_pos <= q_pos  # [nseq, kv_len]
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    # Padding and out-of-window positions may come from the null block (or
-    # unwritten tails): zero those K/V rows so garbage there cannot turn
-    # masked terms into NaN. Only the hidden rows are touched.
-    hidden = (~mask).view(-1).nonzero().squeeze(1)
+    block_numel = key_cache[0].numel()  # not stride(0): blocks may be strided apart
+    block_bytes = block_numel * key_cache.element_size()
+    spans = []  # (num_blocks, b, lo_block, start within the gathered rows, visible length)
+    for b in seqs:
+        first = _first_visible(lens[b] - 1, window)
+        lo = first // block_size
+        spans.append(((lens[b] + block_size - 1) // block_size - lo, b, lo, first - lo * block_size, lens[b] - first))
+    spans.sort(reverse=True)
+    chunks, i = [], 0
+    while i < len(spans):
+        chunks.append(spans[i : i + max(1, _DECODE_CHUNK_BYTES // (spans[i][0] * block_bytes))])
+        i += len(chunks[-1])
+    # One gather buffer for every chunk's K and V: index_select into warm,
+    # reused memory is much faster than into a fresh allocation per chunk.
+    # Reuse is safe: each chunk's SDPA consumes it before the next gather.
+    rows = max(len(c) * c[0][0] for c in chunks)
+    buf = key_cache.new_empty((2, rows, block_numel))
+    for chunk in chunks:
+        if len(chunk) == 1:
+            _decode_one(query, key_cache, value_cache, block_tables, qsl, chunk[0], scale, out, buf)
+        else:
+            _decode_chunk(query, key_cache, value_cache, block_tables, qsl, chunk, scale, out, buf)
+
+
+def _decode_one(query, key_cache, value_cache, block_tables, qsl, span, scale, out, buf) -> None:
+    """One sequence: gather exactly its visible rows, so no mask and no row of
+    the null block or of the unwritten tail reaches SDPA."""
+    num_blocks, b, lo, start, n = span
+    blocks = block_tables[b, lo : lo + num_blocks].to(device=key_cache.device, dtype=torch.int64)
+    k = _gather_blocks(key_cache, blocks, buf[0, :num_blocks]).view(-1, *key_cache.shape[2:])[start : start + n]
+    v = _gather_blocks(value_cache, blocks, buf[1, :num_blocks]).view(-1, *value_cache.shape[2:])[start : start + n]
+    q = query[qsl[b]].float().unsqueeze(1).unsqueeze(0)  # [1, Hq, 1, D]
+    k = k.float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+    v = v.float().transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    out[qsl[b]] = o.view(out.shape[1:])
+
+
+def _decode_chunk(query, key_cache, value_cache, block_tables, qsl, chunk, scale, out, buf) -> None:
+    """Several sequences in one padded SDPA call. Rows outside each sequence's
+    visible span (padding, the null block, unwritten tails, slid-out
+    positions) are masked and their K/V zeroed, so garbage there cannot turn
+    masked terms into NaN (0 * NaN is NaN)."""
+    device, block_size = query.device, key_cache.shape[1]
+    nseq, num_blocks = len(chunk), chunk[0][0]
+    kv_len = num_blocks * block_size
+    seq_idx = torch.tensor([c[1] for c in chunk], device=block_tables.device)
+    cols = torch.tensor([c[2] for c in chunk], device=block_tables.device).unsqueeze(1)
+    cols = (cols + torch.arange(num_blocks, device=block_tables.device)).clamp_(max=block_tables.shape[1] - 1)
+    table = block_tables.index_select(0, seq_idx).gather(1, cols).to(device=device, dtype=torch.int64).view(-1)
+    k = _gather_blocks(key_cache, table, buf[0, : nseq * num_blocks]).view(nseq * kv_len, -1)
+    v = _gather_blocks(value_cache, table, buf[1, : nseq * num_blocks]).view(nseq * kv_len, -1)
     attn_mask = None
-    if hidden.numel():
+    if any(c[3] != 0 or c[4] != kv_len for c in chunk):  # else every gathered row is visible
+        span = torch.tensor([[c[3], c[3] + c[4]] for c in chunk], device=device)
+        k_pos = torch.arange(kv_len, device=device)
+        mask = (k_pos >= span[:, :1]) & (k_pos < span[:, 1:])  # [nseq, kv_len]
+        hidden = (~mask).view(-1).nonzero().squeeze(1)
         k.index_fill_(0, hidden, 0.0)
         v.index_fill_(0, hidden, 0.0)
         attn_mask = mask[:, None, None, :]
     shape = (nseq, kv_len, *key_cache.shape[2:])
     k = k.view(shape).float().transpose(1, 2)  # [nseq, Hkv, kv_len, D]
     v = v.view(shape).float().transpose(1, 2)
+    rows = torch.tensor([qsl[c[1]] for c in chunk], device=device)
     q = query.index_select(0, rows).float().unsqueeze(2)  # [nseq, Hq, 1, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
     out.index_copy_(0, rows, o.squeeze(2).to(out.dtype))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvstrata.kernels.attention as attention_module
 from kvstrata.kernels import (
     KernelArgumentError,
     KVCacheShape,
@@ -36,6 +37,28 @@ def test_paged_attention_sliding_window_with_null_blocks_matches_dense(window):
     seq_lens, q_lens = [15, 18, 11], [1, 6, 1]
     batch = make_paged_batch(seq_lens, q_lens, sliding_window=window, seed=window)
     assert (batch.block_tables[:, 0] == 0).any(), "the window must have replaced a block by the null block"
+    out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                          batch.query_start_loc, batch.seq_lens, scale=0.3, sliding_window=window, impl="torch")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), dense_attention(batch, 0.3, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seq_lens", [[3, 31, 9, 1, 17, 30, 12, 5, 10, 2], [8, 8, 8]])
+@pytest.mark.parametrize("chunk_bytes", [1, 4096, 1 << 20])
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_paged_attention_decode_chunks_ignore_nan_null_block_and_tails(monkeypatch, seq_lens, chunk_bytes, window):
+    # The decode path groups sequences by length into chunks of about
+    # chunk_bytes of K: 1 -> one sequence per call (exact rows, no mask);
+    # 4096 (8 blocks here) -> a mix of single and padded multi-sequence chunks;
+    # 1 MiB -> the whole batch in one call ([8, 8, 8] without a window: full
+    # equal blocks, the chunk needs no mask).
+    monkeypatch.setattr(attention_module, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), sliding_window=window, extra_table_cols=2, seed=7)
+    block_size = batch.key_cache.shape[1]
+    for b, n in enumerate(seq_lens):  # unwritten tail of each last block: NaN garbage
+        last = int(batch.block_tables[b, (n - 1) // block_size])
+        batch.key_cache[last, (n - 1) % block_size + 1 :] = float("nan")
+        batch.value_cache[last, (n - 1) % block_size + 1 :] = float("nan")
     out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
                           batch.query_start_loc, batch.seq_lens, scale=0.3, sliding_window=window, impl="torch")
     assert torch.isfinite(out).all()
