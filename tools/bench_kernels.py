@@ -38,6 +38,7 @@ from kvstrata.kernels import (
     reshape_and_cache,
     scatter_kv,
 )
+from kvstrata.logs import configure_logging
 
 
 def cpu_time(fn: Callable[[], object], repeat: int) -> float:
@@ -258,6 +259,7 @@ def gpu_store_interference(quick: bool) -> dict:
 
 
 def main() -> None:
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--threads", type=int, default=None,

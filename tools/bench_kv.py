@@ -43,6 +43,7 @@ from kvstrata.kv import (
     KVCacheManager,
     make_block_hasher,
 )
+from kvstrata.logs import configure_logging
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8192
@@ -205,6 +206,7 @@ def bench_hashing(rounds: int) -> dict:
 
 
 def main() -> None:
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--profile", choices=["512", "4096", "4096s"], help="run one case under pyinstrument")

@@ -42,6 +42,7 @@ import torch
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.enginecore import AsyncEngine, SamplingParams
 from kvstrata.kv.connector import KVTransferConfig
+from kvstrata.logs import configure_logging
 
 KV_BYTES_PER_TOKEN_DEFAULT = 8 * 2 * 4 * 64 * 4  # the default model: 8 layers, 4 KV heads of 64, fp32
 
@@ -217,6 +218,7 @@ async def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     out = asyncio.run(main(sys.argv[1:]))
     json.dump(out, sys.stdout, indent=2)
     sys.stdout.write("\n")

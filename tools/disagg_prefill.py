@@ -39,6 +39,7 @@ import time
 
 from kvstrata.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvstrata.enginecore import AsyncEngine, SamplingParams
+from kvstrata.logs import configure_logging
 
 
 def transfer_config(role: str, port: int, chunk_size: int) -> KVTransferConfig:
@@ -193,6 +194,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     if args.serve:
         asyncio.run(serve(args))
         return
