@@ -11,48 +11,33 @@ cannot be pinned for other hosts.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import structlog
 
-from kvstrata.io.backends.base import Health, ObjectMeta
+from kvstrata.io.backends.base import ObjectMeta
+from kvstrata.io.backends.shared import SharedMediumTier
 from kvstrata.io.backends.fileformat import CorruptObject, ObjectFiles, ReadStatus
-from kvstrata.io.config import FSOptions, TierSpec, decode_options
-from kvstrata.io.executors import Priority, PriorityExecutor, run_in_thread
+from kvstrata.io.config import FSOptions
+from kvstrata.io.executors import Priority, run_in_thread
 from kvstrata.io.keys import ChunkKey
 from kvstrata.io.memory import MemoryObj, dtype_name
-from kvstrata.io.stats import TierCounters, TierStats
 
 log = structlog.get_logger(__name__)
 
 
-class FSTier:
-    """Owns: the keys being written by this process, the executor, the
-    thread pool and the health state. The files belong to the filesystem."""
+class FSTier(SharedMediumTier):
+    """Owns: the file format handler; the rest as SharedMediumTier. The files
+    belong to the filesystem."""
 
     kind = "fs"
+    options_type = FSOptions
 
     def __init__(self, opts: FSOptions, *, name: str = "fs", write_back: bool = False) -> None:
-        opts.validate(name)
-        self.name = name
-        self.write_back = write_back
-        self.counters = TierCounters()
+        super().__init__(opts, name=name, write_back=write_back, max_in_flight=opts.io_threads)
         self.files = ObjectFiles(opts.path, use_odirect=opts.use_odirect, fsync=opts.fsync)
-        self._opts = opts
-        self._health = Health(name, opts.health)
-        self._writing: set[ChunkKey] = set()
-        self._pool: ThreadPoolExecutor | None = None
-        self._exec = PriorityExecutor(name, max_in_flight=opts.io_threads,
-                                      max_queued_puts=opts.max_queued_puts)
-        self._closed = False
-
-    @classmethod
-    def from_spec(cls, spec: TierSpec, prefix: str) -> FSTier:
-        opts = decode_options(spec.options, FSOptions, f"{prefix}.options")
-        return cls(opts, name=spec.name or spec.type, write_back=spec.write == "back")
 
     async def start(self) -> None:
         self._pool = ThreadPoolExecutor(self._opts.io_threads, thread_name_prefix=f"kvstrata-{self.name}")
@@ -60,17 +45,6 @@ class FSTier:
             await run_in_thread(self._pool, partial(self.files.root.mkdir, parents=True, exist_ok=True))
         except OSError as e:
             self._fault(e)
-
-    @property
-    def available(self) -> bool:
-        return self._health.available
-
-    @property
-    def pending(self) -> int:
-        return self._exec.pending
-
-    def has(self, key: ChunkKey) -> bool | None:
-        return None
 
     async def metas(self, keys: Sequence[ChunkKey]) -> list[ObjectMeta | None]:
         if not keys or self._closed or not self._health.allow():
@@ -103,21 +77,6 @@ class FSTier:
                        ObjectMeta(h.meta.shape, h.meta.dtype, h.meta.layout, h.payload_len))
         return out, bad
 
-    def submit_put(self, key: ChunkKey, obj: MemoryObj) -> asyncio.Future | None:
-        if key in self._writing or self._closed:
-            return None
-        if not self._health.allow():
-            self.counters.dropped_puts += 1
-            return None
-        self._writing.add(key)
-        obj.ref_up()
-        return self._exec.submit(Priority.PUT, self._put_job, key, obj,
-                                 on_drop=partial(self._end_put, key, obj))
-
-    def _end_put(self, key: ChunkKey, obj: MemoryObj) -> None:
-        self._writing.discard(key)
-        obj.release()
-
     def _write_if_absent(self, key: ChunkKey, obj: MemoryObj) -> bool:
         if self.files.path_for(key).exists():
             return False
@@ -139,13 +98,6 @@ class FSTier:
             self.counters.puts += 1
             self.counters.bytes_in += obj.nbytes
         return wrote
-
-    def submit_read(self, key: ChunkKey, meta: ObjectMeta, dst: MemoryObj) -> asyncio.Future | None:
-        if self._closed or not self._health.allow():
-            return None
-        dst.ref_up()
-        return self._exec.submit(Priority.PREFETCH, self._read_job, key, meta, dst,
-                                 on_drop=dst.release)
 
     async def _read_job(self, key: ChunkKey, meta: ObjectMeta, dst: MemoryObj) -> bool:
         assert self._pool is not None
@@ -181,29 +133,3 @@ class FSTier:
     def _fault(self, e: OSError) -> None:
         self.counters.faults += 1
         self._health.fault(e)
-
-    def pin(self, key: ChunkKey) -> bool:
-        return False
-
-    def unpin(self, key: ChunkKey) -> None:
-        pass
-
-    def pinned_count(self) -> int:
-        return 0
-
-    def stats(self) -> TierStats:
-        return self.counters.snapshot(
-            self.name, self.kind, available=self._health.available, usage_bytes=0,
-            capacity_bytes=0, num_objects=0, dropped_puts=self._exec.dropped_puts,
-        )
-
-    async def drain(self) -> None:
-        await self._exec.drain()
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self._exec.aclose()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import msgspec
 import numpy as np
@@ -29,12 +28,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from kvstrata.io.backends.base import Health, ObjectMeta
-from kvstrata.io.config import RedisOptions, TierSpec, decode_options
-from kvstrata.io.executors import Priority, PriorityExecutor, run_in_thread
+from kvstrata.io.backends.base import ObjectMeta
+from kvstrata.io.backends.shared import SharedMediumTier
+from kvstrata.io.config import RedisOptions
+from kvstrata.io.executors import Priority, run_in_thread
 from kvstrata.io.keys import ChunkKey
 from kvstrata.io.memory import MemoryObj, dtype_name
-from kvstrata.io.stats import TierCounters, TierStats
 
 log = structlog.get_logger(__name__)
 
@@ -61,30 +60,16 @@ def _verify_copy(data: bytes, meta: RedisMeta, dst: np.ndarray) -> bool:
     return True
 
 
-class RedisTier:
-    """Owns: the client and its connection pool, the keys being written, the
-    executor, a small thread pool for checksums and copies, the health state."""
+class RedisTier(SharedMediumTier):
+    """Owns: the client and its connection pool; the rest as SharedMediumTier
+    (its thread pool checksums and copies)."""
 
     kind = "redis"
+    options_type = RedisOptions
 
     def __init__(self, opts: RedisOptions, *, name: str = "redis", write_back: bool = False) -> None:
-        opts.validate(name)
-        self.name = name
-        self.write_back = write_back
-        self.counters = TierCounters()
-        self._opts = opts
-        self._health = Health(name, opts.health)
-        self._writing: set[ChunkKey] = set()
+        super().__init__(opts, name=name, write_back=write_back, max_in_flight=opts.max_in_flight)
         self._client: aioredis.Redis | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._exec = PriorityExecutor(name, max_in_flight=opts.max_in_flight,
-                                      max_queued_puts=opts.max_queued_puts)
-        self._closed = False
-
-    @classmethod
-    def from_spec(cls, spec: TierSpec, prefix: str) -> RedisTier:
-        opts = decode_options(spec.options, RedisOptions, f"{prefix}.options")
-        return cls(opts, name=spec.name or spec.type, write_back=spec.write == "back")
 
     async def start(self) -> None:
         """Connect and ping; a server that is down leaves the tier
@@ -116,19 +101,8 @@ class RedisTier:
     def _rkey(self, key: ChunkKey, part: str) -> str:
         return f"{self._opts.key_prefix}:{key.identity}:{key.name}:{part}"
 
-    @property
-    def available(self) -> bool:
-        return self._health.available
-
-    @property
-    def pending(self) -> int:
-        return self._exec.pending
-
-    def has(self, key: ChunkKey) -> bool | None:
-        return None
-
-    def _usable(self) -> bool:
-        return self._client is not None and not self._closed and self._health.allow()
+    def _open(self) -> bool:
+        return self._client is not None and not self._closed
 
     def _fault(self, e: BaseException) -> None:
         self.counters.faults += 1
@@ -171,21 +145,6 @@ class RedisTier:
         self.submit_remove(key)
 
     # --- put -----------------------------------------------------------
-    def submit_put(self, key: ChunkKey, obj: MemoryObj) -> asyncio.Future | None:
-        if key in self._writing or self._closed or self._client is None:
-            return None
-        if not self._health.allow():
-            self.counters.dropped_puts += 1
-            return None
-        self._writing.add(key)
-        obj.ref_up()
-        return self._exec.submit(Priority.PUT, self._put_job, key, obj,
-                                 on_drop=partial(self._end_put, key, obj))
-
-    def _end_put(self, key: ChunkKey, obj: MemoryObj) -> None:
-        self._writing.discard(key)
-        obj.release()
-
     async def _put_job(self, key: ChunkKey, obj: MemoryObj) -> bool:
         assert self._client is not None and self._pool is not None
         try:
@@ -211,13 +170,6 @@ class RedisTier:
         return stored
 
     # --- read ----------------------------------------------------------
-    def submit_read(self, key: ChunkKey, meta: ObjectMeta, dst: MemoryObj) -> asyncio.Future | None:
-        if not self._usable():
-            return None
-        dst.ref_up()
-        return self._exec.submit(Priority.PREFETCH, self._read_job, key, meta, dst,
-                                 on_drop=dst.release)
-
     async def _read_job(self, key: ChunkKey, want: ObjectMeta, dst: MemoryObj) -> bool:
         assert self._client is not None and self._pool is not None
         try:
@@ -256,33 +208,7 @@ class RedisTier:
         except _FAULTS as e:
             self._fault(e)
 
-    def pin(self, key: ChunkKey) -> bool:
-        return False
-
-    def unpin(self, key: ChunkKey) -> None:
-        pass
-
-    def pinned_count(self) -> int:
-        return 0
-
     # --- lifecycle -----------------------------------------------------
-    def stats(self) -> TierStats:
-        return self.counters.snapshot(
-            self.name, self.kind, available=self._health.available, usage_bytes=0,
-            capacity_bytes=0, num_objects=0, dropped_puts=self._exec.dropped_puts,
-        )
-
-    async def drain(self) -> None:
-        await self._exec.drain()
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._exec.aclose()
-        finally:
-            if self._client is not None:
-                await self._client.aclose(close_connection_pool=True)
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
+    async def _close_medium(self) -> None:
+        if self._client is not None:
+            await self._client.aclose(close_connection_pool=True)
