@@ -2,6 +2,6 @@
 
 import sys
 
-from kvstrata.cli import main
+from kvstrata.cli.main import main
 
 sys.exit(main())

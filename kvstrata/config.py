@@ -54,7 +54,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The KV connector (``kvstrata.kv.connector``): ``connector`` is a
+    """The KV connector (``kvstrata.connector``): ``connector`` is a
     registered name ("offload", "multi", "noop") or a dotted path to a
     connector class; ``options`` are that connector's own (for "offload":
     the store's tiers, chunk size, save and load policy). ``role`` "both"

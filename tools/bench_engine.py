@@ -36,7 +36,7 @@ from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from kvstrata.logs import configure_logging
 from kvstrata.enginecore.request import Request
 from kvstrata.enginecore.scheduler import Scheduler
-from kvstrata.enginecore.types import ModelRunnerOutput, SamplingParams
+from kvstrata.types import ModelRunnerOutput, SamplingParams
 from kvstrata.kv import (
     CacheIdentity,
     FullAttentionSpec,

@@ -22,7 +22,7 @@ import sys
 import time
 
 from kvstrata.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvstrata.enginecore.types import SamplingParams
+from kvstrata.types import SamplingParams
 
 
 async def drive(engine, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
@@ -57,7 +57,7 @@ async def run_transport(name: str, config: EngineConfig, args) -> dict:
 
         engine = await AsyncEngine.start(config)
     else:
-        from kvstrata.serve.mp_client import MPEngineClient
+        from kvstrata.ipc.mp_client import MPEngineClient
 
         engine = await MPEngineClient.start(config, transport=name.split("-")[1])
     try:

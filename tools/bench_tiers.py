@@ -41,7 +41,7 @@ import torch
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.enginecore import AsyncEngine, SamplingParams
-from kvstrata.kv.connector import KVTransferConfig
+from kvstrata.connector import KVTransferConfig
 from kvstrata.logs import configure_logging
 
 KV_BYTES_PER_TOKEN_DEFAULT = 8 * 2 * 4 * 64 * 4  # the default model: 8 layers, 4 KV heads of 64, fp32

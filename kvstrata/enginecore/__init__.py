@@ -2,7 +2,7 @@
 asyncio shell, the model runner.
 
 Exports are resolved lazily (PEP 562), so importing a light submodule such
-as ``kvstrata.enginecore.types`` does not import the KV manager or torch.
+as ``kvstrata.types`` does not import the KV manager or torch.
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ _EXPORTS = {
     "Request": "kvstrata.enginecore.request",
     "RequestStatus": "kvstrata.enginecore.request",
     "EngineRequest": "kvstrata.enginecore.request",
-    "RequestError": "kvstrata.enginecore.errors",
-    "EngineOverloadedError": "kvstrata.enginecore.errors",
-    "EngineDeadError": "kvstrata.enginecore.errors",
-    "NoOpConnector": "kvstrata.enginecore.connector",
-    "KVConnectorScheduler": "kvstrata.enginecore.connector",
-    "SamplingParams": "kvstrata.enginecore.types",
-    "SchedulerOutput": "kvstrata.enginecore.types",
-    "ModelRunnerOutput": "kvstrata.enginecore.types",
-    "RequestOutput": "kvstrata.enginecore.types",
-    "EngineStats": "kvstrata.enginecore.types",
+    "RequestError": "kvstrata.errors",
+    "EngineOverloadedError": "kvstrata.errors",
+    "EngineDeadError": "kvstrata.errors",
+    "SamplingParams": "kvstrata.types",
+    "SchedulerOutput": "kvstrata.types",
+    "ModelRunnerOutput": "kvstrata.types",
+    "RequestOutput": "kvstrata.types",
+    "EngineStats": "kvstrata.types",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -39,9 +39,9 @@ import structlog
 
 from kvstrata.config import EngineConfig
 from kvstrata.enginecore.engine_core import EngineCore, ModelRunnerLike
-from kvstrata.enginecore.errors import EngineDeadError, RequestError
+from kvstrata.errors import EngineDeadError, RequestError
 from kvstrata.enginecore.request import EngineRequest
-from kvstrata.enginecore.types import EngineStats, RequestOutput, SamplingParams
+from kvstrata.types import EngineStats, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -86,7 +86,7 @@ class AsyncEngine:
         config.validate()
         owned = None
         if connector is None and config.kv_transfer is not None:
-            from kvstrata.kv.connector import KVConnectorFactory
+            from kvstrata.connector import KVConnectorFactory
 
             connector = owned = await KVConnectorFactory().open(config.kv_transfer)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-step")
@@ -106,7 +106,7 @@ class AsyncEngine:
         engine = cls(core, executor)
         engine._connector = owned
         if config.cache.kv_events_endpoint is not None:
-            from kvstrata.kv.publisher import ZmqEventPublisher
+            from kvstrata.ipc.kv_publisher import ZmqEventPublisher
 
             engine._publisher = ZmqEventPublisher(config.cache.kv_events_endpoint)
         engine._task = loop.create_task(engine._run(), name="kvstrata-engine-loop")

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import structlog
 
 from kvstrata.config import EngineConfig
-from kvstrata.enginecore.detokenizer import IncrementalDetokenizer
-from kvstrata.enginecore.errors import EngineOverloadedError
+from kvstrata.text.detokenizer import IncrementalDetokenizer
+from kvstrata.errors import EngineOverloadedError
 from kvstrata.enginecore.request import (
     FINISH_REASONS,
     EngineRequest,
@@ -38,9 +38,9 @@ from kvstrata.enginecore.request import (
     RequestStatus,
     validate_engine_request,
 )
-from kvstrata.enginecore.sched.transfers import fail_transfers
+from kvstrata.enginecore.scheduler.transfers import fail_transfers
 from kvstrata.enginecore.scheduler import Scheduler
-from kvstrata.enginecore.types import (
+from kvstrata.types import (
     EngineStats,
     ModelRunnerOutput,
     RequestOutput,
@@ -54,8 +54,8 @@ from kvstrata.kv import (
     KVCacheManager,
     make_block_hasher,
 )
-from kvstrata.kv.connector import ConnectorSpec, KVConnectorScheduler
-from kvstrata.kv.connector.events import device_events
+from kvstrata.connector import ConnectorSpec, KVConnectorScheduler
+from kvstrata.connector.events import device_events
 from kvstrata.kv.events import AnyKVCacheEvent
 
 log = structlog.get_logger(__name__)
@@ -88,7 +88,7 @@ class EngineCore:
         *,
         connector: Any = None,
     ) -> None:
-        """``connector``: a KV connector (``kvstrata.kv.connector.KVConnector``,
+        """``connector``: a KV connector (``kvstrata.connector.KVConnector``,
         whose two sides are built here for this engine), or a scheduler side
         alone (tests), or None."""
         config.validate()
@@ -177,9 +177,9 @@ class EngineCore:
         """Build the runner the config names (blocking: loads the model)."""
         config.validate()
         if config.executor == "null":
-            from kvstrata.enginecore.null_runner import NullModelRunner as runner_cls
+            from kvstrata.worker.null_runner import NullModelRunner as runner_cls
         else:
-            from kvstrata.enginecore.model_runner import ModelRunner as runner_cls
+            from kvstrata.worker.model_runner import ModelRunner as runner_cls
         return cls(config, runner_cls(config.model, config.cache, config.device), connector=connector)
 
     # -- requests ---------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from kvstrata.enginecore.types import SamplingParams
+from kvstrata.types import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -194,7 +194,7 @@ class Request:
 
 def validate_engine_request(req: EngineRequest, max_model_len: int, vocab_size: int | None) -> None:
     """Raise RequestError naming the first bad field of ``req``."""
-    from kvstrata.enginecore.errors import RequestError
+    from kvstrata.errors import RequestError
 
     if not isinstance(req.request_id, str) or not req.request_id:
         raise RequestError("request_id", f"must be a non-empty str, got {req.request_id!r}")

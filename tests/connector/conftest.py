@@ -15,9 +15,9 @@ from conn_helpers import BLOCK, Oracle, RedisServer, build_tiny_llama, redis_ava
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.enginecore import AsyncEngine, EngineCore
 from kvstrata.io import Outstanding
-from kvstrata.kv.connector import KVConnectorFactory
-from kvstrata.kv.connector.multi import MultiConnector
-from kvstrata.kv.connector.offload import OffloadConnector
+from kvstrata.connector import KVConnectorFactory
+from kvstrata.connector.multi import MultiConnector
+from kvstrata.connector.offload import OffloadConnector
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -88,7 +88,7 @@ def make_core(oracle, built):
 
 
 def _runner(config: EngineConfig):
-    from kvstrata.enginecore.model_runner import ModelRunner
+    from kvstrata.worker.model_runner import ModelRunner
 
     return ModelRunner(config.model, config.cache, config.device)
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "enginecore"))
 
 from hf_utils import build_tiny_llama, hf_greedy  # noqa: E402
 
-from kvstrata.kv.connector import KVTransferConfig, NoOpScheduler, NoOpWorker  # noqa: E402
+from kvstrata.connector import KVTransferConfig, NoOpScheduler, NoOpWorker  # noqa: E402
 
 REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 BLOCK = 4

@@ -9,7 +9,7 @@ import asyncio
 from conn_helpers import disk_tier, offload_config, prompt
 
 from kvstrata.enginecore import EngineRequest, RequestStatus, SamplingParams
-from kvstrata.kv.connector import OffloadMetadata
+from kvstrata.connector import OffloadMetadata
 
 N = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conn_helpers import RecordingConnector
 
-from kvstrata.kv.connector import KVConnectorFactory, KVTransferConfig, NoOpConnector
+from kvstrata.connector import KVConnectorFactory, KVTransferConfig, NoOpConnector
 
 
 def test_builtins_are_registered_but_not_imported():

@@ -9,8 +9,8 @@ import torch
 
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches
 from kvstrata.kv import CacheIdentity
-from kvstrata.kv.connector import ChunkTransfer, ConnectorSpec, OffloadMetadata, RequestTransfer
-from kvstrata.kv.connector.offload import OffloadWorker
+from kvstrata.connector import ChunkTransfer, ConnectorSpec, OffloadMetadata, RequestTransfer
+from kvstrata.connector.offload import OffloadWorker
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
 

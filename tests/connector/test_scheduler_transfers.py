@@ -13,7 +13,7 @@ from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_k
 from kvstrata.config import SchedulerConfig
 from kvstrata.enginecore.request import RequestStatus
 from kvstrata.enginecore.scheduler import Scheduler
-from kvstrata.enginecore.types import ModelRunnerOutput
+from kvstrata.types import ModelRunnerOutput
 
 
 class FailingLoadRunner(FakeRunner):

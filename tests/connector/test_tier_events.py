@@ -8,7 +8,7 @@ from conn_helpers import disk_tier
 
 from kvstrata.io import ChunkKey, StorageManager, StoreConfig, TierRegistry
 from kvstrata.io.config import CPUConfig, TierSpec
-from kvstrata.kv.connector.events import ChunkInfo, ObservedTier, TierEventRecorder, device_events, medium_of
+from kvstrata.connector.events import ChunkInfo, ObservedTier, TierEventRecorder, device_events, medium_of
 from kvstrata.kv.events import BlockRemoved, BlockStored
 
 IDENT = "0123456789abcdef0123456789abcdef"

@@ -11,7 +11,7 @@ import sys
 
 import aiohttp
 
-from kvstrata.serve.addresses import free_port
+from kvstrata.ipc.addresses import free_port
 
 
 async def _wait_healthy(session: aiohttp.ClientSession, proc: subprocess.Popen) -> None:

@@ -19,10 +19,10 @@ import time
 import msgspec
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvstrata.enginecore.connector import NoOpConnector
+from kvstrata.connector.base import NoOpScheduler as NoOpConnector
 from kvstrata.enginecore.request import Request
 from kvstrata.enginecore.scheduler import Scheduler
-from kvstrata.enginecore.types import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from kvstrata.types import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from kvstrata.kv import (
     CacheIdentity,
     FullAttentionSpec,

@@ -11,8 +11,8 @@ import pytest
 from engine_fakes import FakeRunner, next_token
 
 from kvstrata.enginecore.async_engine import run
-from kvstrata.enginecore.errors import EngineDeadError, EngineOverloadedError, RequestError
-from kvstrata.enginecore.types import SamplingParams
+from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
+from kvstrata.types import SamplingParams
 
 
 def expected(prompt: list[int], n: int) -> list[int]:

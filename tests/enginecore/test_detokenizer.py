@@ -8,8 +8,8 @@ from hf_utils import write_bytelevel_bpe_tokenizer, write_sentencepiece_byte_fal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.enginecore.detokenizer import IncrementalDetokenizer
-from kvstrata.enginecore.tokenizer import ByteTokenizer, load_tokenizer
+from kvstrata.text.detokenizer import IncrementalDetokenizer
+from kvstrata.text.tokenizer import ByteTokenizer, load_tokenizer
 
 BYTES = ByteTokenizer()
 PROMPT = [256, 104, 105]

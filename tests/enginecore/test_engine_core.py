@@ -9,10 +9,10 @@ from engine_fakes import EOS, FakeRunner, engine_config, next_token
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
 from kvstrata.enginecore.engine_core import EngineCore
-from kvstrata.enginecore.errors import EngineOverloadedError, RequestError
+from kvstrata.errors import EngineOverloadedError, RequestError
 from kvstrata.enginecore.request import EngineRequest
-from kvstrata.enginecore.tokenizer import ByteTokenizer
-from kvstrata.enginecore.types import SamplingParams
+from kvstrata.text.tokenizer import ByteTokenizer
+from kvstrata.types import SamplingParams
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from hf_utils import build_tiny_llama, hf_logits
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvstrata.enginecore.model import AttentionMetadata, RopeConfig, load_checkpoint
-from kvstrata.enginecore.model.rope import inv_frequencies
+from kvstrata.worker.model import AttentionMetadata, RopeConfig, load_checkpoint
+from kvstrata.worker.model.rope import inv_frequencies
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches
 
 PROMPT = [256, 17, 3, 99, 140, 255, 8, 8, 8, 61, 200, 4, 77, 13, 250, 1, 2, 3, 5, 8, 13, 21, 34]

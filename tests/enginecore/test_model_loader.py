@@ -10,7 +10,7 @@ import torch
 from hf_utils import build_tiny_llama
 from safetensors.torch import load_file, save_file
 
-from kvstrata.enginecore.model import (
+from kvstrata.worker.model import (
     CheckpointError,
     UnsupportedArchitectureError,
     default_model_dir,

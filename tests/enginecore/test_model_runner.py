@@ -13,10 +13,10 @@ import torch
 from hf_utils import build_tiny_llama, hf_greedy, hf_logits
 
 from kvstrata.config import CacheConfig, ModelConfig
-from kvstrata.enginecore.model_runner import ModelRunner
-from kvstrata.enginecore.null_runner import NullModelRunner
-from kvstrata.enginecore.tokenizer import ByteTokenizer
-from kvstrata.enginecore.types import (
+from kvstrata.worker.model_runner import ModelRunner
+from kvstrata.worker.null_runner import NullModelRunner
+from kvstrata.text.tokenizer import ByteTokenizer
+from kvstrata.types import (
     CachedRequestData,
     NewRequestData,
     SamplingParams,

@@ -18,7 +18,7 @@ from hf_utils import build_tiny_llama, hf_greedy
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.enginecore.async_engine import AsyncEngine
-from kvstrata.enginecore.types import SamplingParams
+from kvstrata.types import SamplingParams
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)

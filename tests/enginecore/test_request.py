@@ -6,7 +6,7 @@ import pytest
 from engine_fakes import hasher_for
 
 from kvstrata.enginecore.request import FINISH_REASONS, Request, RequestStatus
-from kvstrata.enginecore.types import SamplingParams
+from kvstrata.types import SamplingParams
 from kvstrata.kv import KVRequest
 
 

@@ -7,15 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.enginecore.input_batch import RequestState, sampling_metadata, step_seed
-from kvstrata.enginecore.sampler import (
+from kvstrata.worker.input_batch import RequestState, sampling_metadata, step_seed
+from kvstrata.worker.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
     gather_logprobs,
 )
-from kvstrata.enginecore.types import NewRequestData, SamplingParams
+from kvstrata.types import NewRequestData, SamplingParams
 
 NEG = float("-inf")
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from hf_utils import write_bytelevel_bpe_tokenizer, write_sentencepiece_byte_fallback_tokenizer
 
-from kvstrata.enginecore.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from kvstrata.text.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXT = "hello the 日本語 wörld 😀!"
 

@@ -8,7 +8,7 @@ import zmq
 
 from kvstrata.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvstrata.kv.events import make_batch_decoder
-from kvstrata.kv.publisher import END_OF_REPLAY, ZmqEventPublisher, request_replay
+from kvstrata.ipc.kv_publisher import END_OF_REPLAY, ZmqEventPublisher, request_replay
 
 
 def _batch(i):

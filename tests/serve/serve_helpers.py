@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from kvstrata.config import EngineConfig, SchedulerConfig
-from kvstrata.serve.addresses import make_address
-from kvstrata.serve.launcher import spawn_engine
+from kvstrata.ipc.addresses import make_address
+from kvstrata.ipc.launcher import spawn_engine
 
 TEST_MAX_FRAME_BYTES = 64 * 1024
 

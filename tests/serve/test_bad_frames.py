@@ -9,9 +9,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvstrata.enginecore.types import SamplingParams
-from kvstrata.serve import protocol as P
-from kvstrata.serve.mp_client import MPEngineClient
+from kvstrata.types import SamplingParams
+from kvstrata.ipc import protocol as P
+from kvstrata.ipc.mp_client import MPEngineClient
 from serve_helpers import TEST_MAX_FRAME_BYTES
 
 enc = msgspec.msgpack.encode

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kvstrata.serve.bench import workloads as W
-from kvstrata.serve.bench.driver import arrival_times
-from kvstrata.serve.bench.report import percentile, summarize
+from kvstrata.bench import workloads as W
+from kvstrata.bench.driver import arrival_times
+from kvstrata.bench.report import percentile, summarize
 
 
 def test_same_seed_same_workload():

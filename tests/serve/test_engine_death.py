@@ -9,9 +9,9 @@ import signal
 
 import pytest
 
-from kvstrata.enginecore.errors import EngineDeadError, EngineOverloadedError
-from kvstrata.enginecore.types import SamplingParams
-from kvstrata.serve.mp_client import MPEngineClient
+from kvstrata.errors import EngineDeadError, EngineOverloadedError
+from kvstrata.types import SamplingParams
+from kvstrata.ipc.mp_client import MPEngineClient
 from serve_helpers import null_config
 
 LONG = SamplingParams(max_tokens=8000, ignore_eos=True)

@@ -9,11 +9,11 @@ import json
 import aiohttp
 import pytest
 
-from kvstrata.enginecore.types import SamplingParams
-from kvstrata.serve.addresses import free_port
-from kvstrata.serve.http_server import OpenAIServer, run_http_server
-from kvstrata.serve.metrics import parse_metrics
-from kvstrata.serve.mp_client import MPEngineClient
+from kvstrata.types import SamplingParams
+from kvstrata.ipc.addresses import free_port
+from kvstrata.api_server.server import OpenAIServer, run_http_server
+from kvstrata.api_server.metrics import parse_metrics
+from kvstrata.ipc.mp_client import MPEngineClient
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 from kvstrata.enginecore.async_engine import AsyncEngine
-from kvstrata.enginecore.errors import RequestError
-from kvstrata.enginecore.types import SamplingParams
-from kvstrata.serve.addresses import check_address, make_address
-from kvstrata.serve.mp_client import MPEngineClient
+from kvstrata.errors import RequestError
+from kvstrata.types import SamplingParams
+from kvstrata.ipc.addresses import check_address, make_address
+from kvstrata.ipc.mp_client import MPEngineClient
 
 from serve_helpers import null_config
 
@@ -132,8 +132,8 @@ async def test_engine_side_validation_error_names_the_field(engine_url):
 
 _CHILD = """
 import asyncio, sys
-from kvstrata.enginecore.types import SamplingParams
-from kvstrata.serve.mp_client import MPEngineClient
+from kvstrata.types import SamplingParams
+from kvstrata.ipc.mp_client import MPEngineClient
 from kvstrata.logs import configure_logging
 configure_logging("WARNING")
 async def main():
@@ -180,7 +180,7 @@ def test_ipc_address_lives_in_a_private_directory():
 
 
 def test_engine_info_is_plain_data():
-    from kvstrata.serve.protocol import EngineInfo
+    from kvstrata.ipc.protocol import EngineInfo
 
     info = EngineInfo(protocol_version=1, pid=1, ready=True, config=msgspec.to_builtins(null_config()),
                       max_frame_bytes=10)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstrata.serve import openai_types as T
+from kvstrata.api_server import openai_types as T
 
 
 def _params(body: bytes, typ=T.CompletionRequest):

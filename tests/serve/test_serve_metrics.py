@@ -1,7 +1,7 @@
 """Prometheus text: histogram buckets, per-tier hit rates, parse round trip."""
 
-from kvstrata.enginecore.types import EngineStats
-from kvstrata.serve.metrics import Histogram, ServerMetrics, parse_metrics, render_metrics, tier_hit_rates
+from kvstrata.types import EngineStats
+from kvstrata.api_server.metrics import Histogram, ServerMetrics, parse_metrics, render_metrics, tier_hit_rates
 
 
 def test_histogram_buckets_are_cumulative():

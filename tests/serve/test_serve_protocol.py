@@ -5,8 +5,8 @@ with a ProtocolError)."""
 import msgspec
 import pytest
 
-from kvstrata.enginecore.types import Logprobs, RequestOutput, SamplingParams
-from kvstrata.serve import protocol as P
+from kvstrata.types import Logprobs, RequestOutput, SamplingParams
+from kvstrata.ipc import protocol as P
 
 INBOUND = [
     P.AddRequest("r1", "hello", SamplingParams(max_tokens=3, temperature=0.0), 2, "salt", None),

@@ -1,0 +1,244 @@
+"""OpenAI-compatible request and response bodies, as msgspec Structs.
+
+Requests are decoded with one typed decoder each; a wrong type or a missing
+field is a ``RequestValidationError`` naming the field (the server answers 400
+with ``error.param`` set). Unknown fields are ignored, as OpenAI clients send
+many. Only n=1 and unbatched prompts are supported; asking for more is a 400.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from kvstrata.types import SamplingParams
+
+_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
+
+
+class RequestValidationError(ValueError):
+    """A request body that cannot be served; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | bool | None = None
+    top_logprobs: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
+    prompt: str | list[Any]  # str, token ids, or a one-element batch of either
+    echo: bool = False
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def decode_request(body: bytes, typ: type) -> Any:
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _AT_PATH.search(msg)
+        param = m.group(1) if m else _missing_field(msg)
+        raise RequestValidationError(msg, param) from None
+    except msgspec.DecodeError as e:
+        raise RequestValidationError(f"request body is not valid JSON: {e}", None) from None
+
+
+def _missing_field(msg: str) -> str | None:
+    m = re.search(r"missing required field `([^`]+)`", msg)
+    return m.group(1) if m else None
+
+
+def sampling_params(req: _SamplingFields, *, default_max_tokens: int = 16,
+                    max_tokens: int | None = None) -> SamplingParams:
+    """Map OpenAI fields to SamplingParams and validate them (400 naming the field)."""
+    if req.n != 1:
+        raise RequestValidationError(f"n: only n=1 is supported, got {req.n}", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    logprobs = req.top_logprobs if isinstance(req.logprobs, bool) else req.logprobs
+    if req.logprobs is True and logprobs is None:
+        logprobs = 0
+    if req.logprobs is False:
+        logprobs = None
+    mt = max_tokens if max_tokens is not None else req.max_tokens
+    try:
+        params = SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            seed=req.seed, max_tokens=default_max_tokens if mt is None else mt,
+            min_tokens=req.min_tokens, stop_token_ids=list(req.stop_token_ids), stop=stop,
+            ignore_eos=req.ignore_eos, logprobs=logprobs)
+        params.validate()
+    except ValueError as e:
+        raise RequestValidationError(str(e), _first_word(str(e))) from None
+    return params
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    p = req.prompt
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        if len(p) != 1:
+            raise RequestValidationError("prompt: batched prompts are not supported (send one per request)", "prompt")
+        p = p[0]
+    if isinstance(p, list) and not all(type(t) is int and t >= 0 for t in p):
+        raise RequestValidationError("prompt: a token list must hold non-negative integers", "prompt")
+    if not isinstance(p, (str, list)):
+        raise RequestValidationError("prompt: must be a string or a list of token ids", "prompt")
+    if req.echo:
+        raise RequestValidationError("echo: not supported", "echo")
+    if not p:
+        raise RequestValidationError("prompt: must not be empty", "prompt")
+    return p
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """A plain-text chat template (role tags, one message per block), used
+    whatever the model; the last line opens the assistant's turn."""
+    if not messages:
+        raise RequestValidationError("messages: must not be empty", "messages")
+    parts: list[str] = []
+    for i, m in enumerate(messages):
+        if m.role not in ("system", "user", "assistant", "tool", "developer"):
+            raise RequestValidationError(f"messages[{i}].role: unknown role {m.role!r}", f"messages[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content if part.type == "text")
+        parts.append(f"<|{m.role}|>\n{content or ''}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _first_word(msg: str) -> str | None:
+    word = msg.split(" ", 1)[0]
+    return word if word.isidentifier() else None
+
+
+# --- responses ---------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(msgspec.Struct, frozen=True):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+class CompletionResponse(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ChatResponseMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, frozen=True):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+class ChatStreamChoice(msgspec.Struct, frozen=True):
+    index: int
+    delta: ChatResponseMessage
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+class ChatResponse(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion"
+
+
+class ChatChunk(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(msgspec.Struct, frozen=True):
+    error: ErrorBody
+
+
+class ModelCard(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    owned_by: str = "kvstrata"
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct, frozen=True):
+    data: list[ModelCard]
+    object: str = "list"

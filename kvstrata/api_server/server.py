@@ -1,0 +1,259 @@
+"""``kvstrata serve``: an OpenAI-compatible HTTP server around any engine with
+the AsyncEngine API (in-process, or the multiprocess client).
+
+    POST /v1/completions        POST /v1/chat/completions   (stream: SSE)
+    GET  /v1/models             GET  /health                GET /metrics
+
+Validation errors are 400 with ``error.param`` naming the field; an
+overloaded engine is 503 (retry), a dead one 503 and /health fails. A client
+that disconnects mid-request has its request aborted (handler cancellation is
+on, and the generator's close aborts it).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from kvstrata.errors import EngineDeadError, EngineOverloadedError
+from kvstrata.types import RequestOutput
+from kvstrata.api_server import openai_types as T
+from kvstrata.api_server.metrics import ServerMetrics, render_metrics
+
+log = structlog.get_logger(__name__)
+_json = msgspec.json.Encoder()
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    body = T.ErrorResponse(T.ErrorBody(message=message, type=kind, param=param, code=status))
+    return web.Response(status=status, body=_json.encode(body), content_type="application/json")
+
+
+class OpenAIServer:
+    """Owns: the HTTP routes and the server-side metrics. The engine is owned
+    by whoever built this server (it closes it)."""
+
+    def __init__(self, engine: Any, *, model_name: str, max_model_len: int | None = None,
+                 default_max_tokens: int = 16) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+        self.metrics = ServerMetrics()
+        self._created = int(time.time())
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.prometheus),
+        ])
+        return app
+
+    # --- endpoints ------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            req = T.decode_request(await request.read(), T.CompletionRequest)
+            params = T.sampling_params(req, default_max_tokens=self.default_max_tokens)
+            prompt = T.completion_prompt(req)
+        except T.RequestValidationError as e:
+            self.metrics.count_request("invalid")
+            return _error(400, str(e), "invalid_request_error", e.param)
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        return await self._serve(request, req, prompt, params, rid, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            req = T.decode_request(await request.read(), T.ChatCompletionRequest)
+            mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            params = T.sampling_params(req, default_max_tokens=self.default_max_tokens, max_tokens=mt)
+            prompt = T.render_chat(req.messages)
+        except T.RequestValidationError as e:
+            self.metrics.count_request("invalid")
+            return _error(400, str(e), "invalid_request_error", e.param)
+        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._serve(request, req, prompt, params, rid, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = T.ModelCard(id=self.model_name, created=self._created, max_model_len=self.max_model_len)
+        return web.Response(body=_json.encode(T.ModelList([card])), content_type="application/json")
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            if hasattr(self.engine, "health"):
+                info = await self.engine.health()
+                ok = info.healthy
+            else:
+                await self.engine.stats()
+                ok = True
+        except EngineDeadError as e:
+            return _error(503, str(e), "engine_dead")
+        return web.json_response({"status": "ok"} if ok else {"status": "starting"}, status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        try:
+            stats = await self.engine.stats()
+        except EngineDeadError as e:
+            return _error(503, str(e), "engine_dead")
+        text = render_metrics(stats, self.metrics, self.model_name)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+    # --- generation ------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, req: Any, prompt: Any, params: Any, rid: str,
+                     *, chat: bool) -> web.StreamResponse:
+        start = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            agen = self.engine.generate(prompt, params, request_id=rid, priority=req.priority,
+                                        cache_salt=req.cache_salt)
+            try:
+                try:
+                    first = await anext(agen)  # errors before any byte is sent become 4xx/5xx
+                except ValueError as e:
+                    self.metrics.count_request("invalid")
+                    return _error(400, str(e), "invalid_request_error", getattr(e, "field", None))
+                except EngineOverloadedError as e:
+                    self.metrics.count_request("overloaded")
+                    return _error(503, str(e), "overloaded")
+                except EngineDeadError as e:
+                    self.metrics.count_request("engine_dead")
+                    return _error(503, str(e), "engine_dead")
+                timer = _Timer(self.metrics, start)
+                if req.stream:
+                    return await self._stream(request, req, _chain(first, agen), rid, timer, chat=chat)
+                try:
+                    return await self._complete(_chain(first, agen), rid, timer, chat=chat)
+                except EngineDeadError as e:
+                    self.metrics.count_request("engine_dead")
+                    return _error(503, str(e), "engine_dead")
+            finally:
+                await agen.aclose()
+
+    async def _complete(self, outs: AsyncIterator[RequestOutput], rid: str, timer: "_Timer",
+                        *, chat: bool) -> web.Response:
+        text: list[str] = []
+        last: RequestOutput | None = None
+        n_out = 0
+        async for out in outs:
+            timer.output(out)
+            text.append(out.text_delta)
+            n_out += len(out.new_token_ids)
+            last = out
+        assert last is not None and last.finished  # the generator ends with the finished output
+        if last.finish_reason == "error":
+            return _error(500, last.error or "request failed", "engine_error")
+        usage = self._usage(last, n_out)
+        timer.finish(last, n_out)
+        now = int(time.time())
+        if chat:
+            choice = T.ChatChoice(0, T.ChatResponseMessage("assistant", "".join(text)), last.finish_reason)
+            body: Any = T.ChatResponse(rid, now, self.model_name, [choice], usage)
+        else:
+            body = T.CompletionResponse(rid, now, self.model_name,
+                                        [T.CompletionChoice(0, "".join(text), last.finish_reason)], usage)
+        return web.Response(body=_json.encode(body), content_type="application/json")
+
+    async def _stream(self, request: web.Request, req: Any, outs: AsyncIterator[RequestOutput], rid: str,
+                      timer: "_Timer", *, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        now = int(time.time())
+        model = self.model_name
+        n_out = 0
+        if chat:
+            await resp.write(_sse(T.ChatChunk(rid, now, model, [T.ChatStreamChoice(0, T.ChatResponseMessage("assistant", ""))])))
+        last: RequestOutput | None = None
+        try:
+            async for out in outs:
+                timer.output(out)
+                n_out += len(out.new_token_ids)
+                last = out
+                if not out.text_delta and not out.finished:
+                    continue
+                fr = out.finish_reason if out.finished else None
+                if chat:
+                    chunk: Any = T.ChatChunk(rid, now, model, [T.ChatStreamChoice(0, T.ChatResponseMessage(content=out.text_delta), fr)])
+                else:
+                    chunk = T.CompletionResponse(rid, now, model, [T.CompletionChoice(0, out.text_delta, fr)])
+                await resp.write(_sse(chunk))
+        except EngineDeadError as e:  # headers are sent: report in-band, then end the stream
+            self.metrics.count_request("engine_dead")
+            await resp.write(_sse(T.ErrorResponse(T.ErrorBody(message=str(e), type="engine_dead", code=503))))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        assert last is not None and last.finished
+        timer.finish(last, n_out)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            usage = self._usage(last, n_out)
+            tail: Any = (T.ChatChunk(rid, now, model, [], usage) if chat
+                         else T.CompletionResponse(rid, now, model, [], usage))
+            await resp.write(_sse(tail))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _usage(self, last: RequestOutput, n_out: int) -> T.Usage:
+        p = last.num_prompt_tokens
+        return T.Usage(p, n_out, p + n_out, T.PromptTokensDetails(last.num_cached_tokens))
+
+
+class _Timer:
+    """Per-request latency bookkeeping for the server histograms."""
+
+    __slots__ = ("m", "start", "last")
+
+    def __init__(self, metrics: ServerMetrics, start: float) -> None:
+        self.m = metrics
+        self.start = start
+        self.last: float | None = None
+
+    def output(self, out: RequestOutput) -> None:
+        if not out.new_token_ids:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.observe(now - self.start)
+        else:
+            self.m.itl.observe(now - self.last)
+        self.last = now
+
+    def finish(self, last: RequestOutput, n_out: int) -> None:
+        self.m.e2e.observe(time.perf_counter() - self.start)
+        self.m.count_request(last.finish_reason or "unknown")
+        self.m.prompt_tokens += last.num_prompt_tokens
+        self.m.generation_tokens += n_out
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    if first.finished:
+        return
+    async for out in rest:
+        yield out
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+async def run_http_server(server: OpenAIServer, host: str, port: int) -> web.AppRunner:
+    """Start listening; the caller awaits its own stop signal then ``runner.cleanup()``."""
+    runner = web.AppRunner(server.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("http_server_listening", host=host, port=port, model=server.model_name)
+    return runner

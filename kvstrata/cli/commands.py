@@ -1,0 +1,140 @@
+"""The bodies of ``kvstrata serve | bench | run`` (argument parsing is in
+``kvstrata.cli``). Each is called once per process with logging configured."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+import structlog
+
+from kvstrata.config import EngineConfig, KVTransferConfig
+from kvstrata.bench import workloads as W
+from kvstrata.bench.report import format_report
+from kvstrata.bench.runner import make_workload, model_name, run_bench, save_outputs
+
+log = structlog.get_logger(__name__)
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# --- serve ---------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    from kvstrata.ipc.engines import connect_engine, open_engine
+    from kvstrata.api_server.server import OpenAIServer, run_http_server
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if args.engine_address:
+        engine = await connect_engine(args.engine_address)
+        config = engine.config or config
+    else:
+        engine = await open_engine(config, args.transport)
+    code = 0
+    try:
+        server = OpenAIServer(engine, model_name=args.served_model_name or model_name(config),
+                              max_model_len=config.model.max_model_len,
+                              default_max_tokens=args.default_max_tokens)
+        runner = await run_http_server(server, args.host, args.port)
+        try:
+            while not stop.is_set():
+                try:
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
+                except TimeoutError:
+                    if getattr(engine, "is_dead", False):
+                        log.error("serve_engine_dead_exiting")
+                        code = 1
+                        break
+        finally:
+            await runner.cleanup()
+    finally:
+        await engine.aclose()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    log.info("serve_stopped", exit_code=code)
+    return code
+
+
+# --- bench -----------------------------------------------------------------------------
+
+
+def bench(args: argparse.Namespace, config: EngineConfig) -> int:
+    try:
+        convs = make_workload(args)
+    except W.WorkloadUnavailable as e:
+        print(f"kvstrata bench: {e}", file=sys.stderr)
+        return 2
+    report, result = run_async(run_bench(args, config, convs))
+    save_outputs(args, report, result)
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(report), indent=2).decode() + "\n")
+    return 0 if report["num_errors"] == 0 else 1
+
+
+# --- run (the main job) ---------------------------------------------------------------
+
+
+def with_tiers(config: EngineConfig, args: argparse.Namespace) -> tuple[EngineConfig, str]:
+    """The main job's KV tiers: the device prefix cache, then CPU memory, then
+    local disk (``--kv-store-dir``, default ``$KVSTRATA_CACHE_DIR/kv-store`` or
+    ``~/.cache/kvstrata/kv-store``). The disk index is rebuilt at start, so a
+    later run hits what an earlier one stored. A ``kv_transfer`` section given
+    in the config (TOML, env, flags) is used as it is; ``--no-tiers`` or the
+    null executor (which runs no model, so has no KV to move) keep the device
+    cache alone."""
+    if config.kv_transfer is not None:
+        return config, f"device prefix cache + the {config.kv_transfer.connector!r} connector from the config"
+    if args.no_tiers or config.executor != "model":
+        return config, "device prefix cache only"
+    root = args.kv_store_dir or os.path.join(
+        os.environ.get("KVSTRATA_CACHE_DIR") or os.path.expanduser("~/.cache/kvstrata"), "kv-store")
+    root = os.path.abspath(root)
+    options = {
+        "chunk_size": 64,
+        "store": {
+            "save_partial_chunks": True,
+            "cpu": {"capacity_bytes": args.cpu_tier_mib << 20},
+            "tiers": [{"type": "disk", "options": {"path": root, "capacity_bytes": args.disk_tier_mib << 20}}],
+        },
+    }
+    config = msgspec.structs.replace(config, kv_transfer=KVTransferConfig(connector="offload", options=options))
+    return config, (f"device prefix cache + CPU tier ({args.cpu_tier_mib} MiB) "
+                    f"+ disk tier ({args.disk_tier_mib} MiB at {root})")
+
+
+def run_main_job(args: argparse.Namespace, config: EngineConfig) -> int:
+    if args.workload is None:
+        args.workload = "sharegpt" if W.sharegpt_available() else "multi-turn"
+    config, tiers_note = with_tiers(config, args)
+    try:
+        convs = make_workload(args)
+    except W.WorkloadUnavailable as e:
+        print(f"kvstrata run: {e}", file=sys.stderr)
+        return 2
+    source = ("ShareGPT V3 conversations" if args.workload == "sharegpt" else
+              "synthetic multi-turn chats (install kvstrata[bench] for ShareGPT)" if args.workload == "multi-turn"
+              else f"the {args.workload} workload")
+    print(f"kvstrata run: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} requests of {source}\n"
+          f"  engine: {model_name(config)} ({config.executor} executor, device {config.device}) "
+          f"over {args.target}; KV: {tiers_note}", flush=True)
+    report, result = run_async(run_bench(args, config, convs, desc="turns"))
+    report["tiers"] = tiers_note
+    save_outputs(args, report, result)
+    print(format_report(report), flush=True)
+    return 0 if report["num_errors"] == 0 else 1

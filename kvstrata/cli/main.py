@@ -1,0 +1,72 @@
+"""``kvstrata run | serve | bench``.
+
+    kvstrata run                         the main job: engine subprocess, multi-turn chats, report
+    kvstrata serve --port 8000           OpenAI-compatible HTTP server (SSE streaming)
+    kvstrata bench --target http ...     load test (same as tools/loadtest.py)
+
+Every command takes the engine config from ``--config FILE.toml``, the
+environment (``KVSTRATA_<SECTION>__<FIELD>``) and ``--<section>.<field>``
+flags, validated at start (errors name the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvstrata.config_io import ConfigError, add_config_args, load_config
+from kvstrata.logs import configure_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvstrata.bench.runner import add_load_args
+
+    p = argparse.ArgumentParser(prog="kvstrata", description=__doc__.split("\n\n")[0])
+    p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines (default: when not a tty)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="the main job: multi-turn chats against the engine subprocess")
+    add_load_args(run, workload="multi-turn", num=12)
+    run.set_defaults(workload=None, turns=4, input_len=(8, 24), output_len=(8, 24), prefix_len=48, concurrency=4)
+    run.add_argument("--no-tiers", action="store_true", help="device prefix cache only (no CPU and disk tiers)")
+    run.add_argument("--kv-store-dir", default=None,
+                     help="disk tier directory (default: $KVSTRATA_CACHE_DIR/kv-store or ~/.cache/kvstrata/kv-store)")
+    run.add_argument("--cpu-tier-mib", type=int, default=1024, help="CPU tier capacity in MiB (default 1024)")
+    run.add_argument("--disk-tier-mib", type=int, default=4096, help="disk tier capacity in MiB (default 4096)")
+    add_config_args(run)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--transport", choices=("inproc", "ipc", "tcp"), default="ipc",
+                       help="engine in this process, or as a subprocess over ZMQ ipc:// or tcp://")
+    serve.add_argument("--engine-address", default=None, help="connect to a running engine (ipc:// or tcp://)")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--default-max-tokens", type=int, default=16)
+    add_config_args(serve)
+
+    bench = sub.add_parser("bench", help="load test: in-process, ZMQ or HTTP")
+    add_load_args(bench)
+    add_config_args(bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args=args)
+    except ConfigError as e:
+        print(f"kvstrata {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, json=args.log_json)
+    from kvstrata.cli import commands
+
+    if args.command == "serve":
+        return commands.run_async(commands.serve(args, config))
+    if args.command == "bench":
+        return commands.bench(args, config)
+    return commands.run_main_job(args, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The offload connector's worker side: moves chunk bytes between the lent
+host buffers and the paged device cache, in the model runner's step thread.
+
+Order within one step (``kvstrata.kernels.KVStreams``: store and load streams
+on CUDA, inline on CPU)::
+
+    start_load_kv      bulk saves (finished / preempted requests: their blocks
+                       may be handed to others this very step, so they are read
+                       first and compute waits for them), bulk loads (requests in
+                       WAITING_FOR_REMOTE_KVS), then layer 0 of the layer loads
+    layer i:  wait_for_layer_load(i)   issue layer i+1's loads, wait for layer i's
+              forward of layer i
+              save_kv_layer(i)         gather layer i of the chunks that filled up
+    wait_for_save      every transfer of the step is complete
+
+A transfer that raises is reported failed: a failed load's blocks go to
+``get_block_ids_with_load_errors`` (the scheduler recomputes them), a failed
+save is dropped. Never touches the store or any loop-owned state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from kvstrata.kernels import KVStreams
+from kvstrata.connector.base import ConnectorSpec
+from kvstrata.connector.metadata import ChunkTransfer, OffloadMetadata, WorkerReport
+
+log = structlog.get_logger(__name__)
+
+
+class _Xfer:
+    __slots__ = ("handle", "buf", "slots", "req_id", "block_ids")
+
+    def __init__(self, handle: int, buf: torch.Tensor, slots: torch.Tensor, req_id: str, block_ids: list[int]) -> None:
+        self.handle, self.buf, self.slots, self.req_id, self.block_ids = handle, buf, slots, req_id, block_ids
+
+
+class OffloadWorker:
+    """Owns: the KV streams, the bound metadata and this step's transfers and
+    results. Reads the lent buffers; the step thread only."""
+
+    def __init__(self, spec: ConnectorSpec, buffers: dict[int, torch.Tensor]) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.buffers = buffers
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.streams: KVStreams | None = None
+        self._arange = np.arange(spec.block_size, dtype=np.int64)
+        self._reset(None)
+
+    def _reset(self, meta: OffloadMetadata | None) -> None:
+        self.meta = meta
+        self._layer_loads: list[_Xfer] = []
+        self._batched_slots: torch.Tensor | None = None  # CPU: every layer load's slots, concatenated
+        self._layer_saves: list[_Xfer] = []
+        self._saved: list[int] = []
+        self._loaded: list[int] = []
+        self._failed: set[int] = set()
+        self._invalid: set[int] = set()
+        self._recving: set[str] = set()
+        self._load_s: dict[str, float] = {}
+        self._save_s = 0.0
+        self._hook_s = 0.0
+        self._t_forward = 0.0
+        self._forward_s = 0.0
+
+    def register_kv_caches(self, kv_caches: list, device: Any) -> None:
+        if len(kv_caches) != self.spec.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, the connector spec {self.spec.num_layers}")
+        self.kv_caches = list(kv_caches)
+        self.streams = KVStreams(torch.device(device), len(kv_caches))
+
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        self._reset(metadata if isinstance(metadata, OffloadMetadata) else None)
+
+    def clear_connector_metadata(self) -> None:
+        self._reset(None)
+
+    # -- before the forward ------------------------------------------------------
+    def start_load_kv(self) -> None:
+        meta = self.meta
+        if meta is None:
+            return
+        if self.kv_caches is None or self.streams is None:
+            raise RuntimeError("register_kv_caches() must be called before the first step")
+        t0 = time.perf_counter()
+        for rt in meta.bulk_saves:
+            for ch in rt.chunks:
+                self._bulk_save(self._xfer(ch, rt.req_id))
+        if meta.bulk_saves and self.streams.is_cuda:
+            # Blocks just read may be reloaded or rewritten by this step.
+            torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.store_stream)
+        t1 = time.perf_counter()
+        self._save_s += t1 - t0
+        for rt in meta.bulk_loads:
+            self._bulk_load(rt)
+        for rt in meta.layer_loads:
+            self._invalid.update(rt.failed_block_ids)
+            self._layer_loads.extend(self._xfer(ch, rt.req_id) for ch in rt.chunks)
+        self._layer_saves = [self._xfer(ch, rt.req_id) for rt in meta.layer_saves for ch in rt.chunks]
+        if self._layer_loads:
+            if self.streams.is_cuda:
+                self._issue_layer(0)
+            elif len(self._layer_loads) > 1:
+                self._batched_slots = torch.cat([x.slots for x in self._layer_loads])
+        self._t_forward = time.perf_counter()
+
+    def _xfer(self, ch: ChunkTransfer, req_id: str) -> _Xfer:
+        buf = self.buffers[ch.handle]
+        n = buf.shape[2]
+        blocks = np.asarray(ch.block_ids, dtype=np.int64)
+        flat = (blocks[:, None] * self.block_size + self._arange).reshape(-1)
+        slots = np.full(n, -1, dtype=np.int64)
+        slots[ch.skip:ch.limit] = flat[ch.skip:ch.limit]
+        return _Xfer(ch.handle, buf, torch.from_numpy(slots), req_id, list(ch.block_ids))
+
+    def _bulk_save(self, x: _Xfer) -> None:
+        try:
+            self.streams.store_all(self.kv_caches, x.slots, host_out=x.buf)
+            self._saved.append(x.handle)
+        except Exception:
+            log.exception("kv_save_failed", request_id=x.req_id)
+            self._failed.add(x.handle)
+
+    def _bulk_load(self, rt: Any) -> None:
+        t0 = time.perf_counter()
+        self._invalid.update(rt.failed_block_ids)
+        for ch in rt.chunks:
+            x = self._xfer(ch, rt.req_id)
+            try:
+                self.streams.load_all(x.buf, self.kv_caches, x.slots)
+                self._loaded.append(x.handle)
+            except Exception:
+                log.exception("kv_load_failed", request_id=rt.req_id)
+                self._load_failed(x)
+        self._recving.add(rt.req_id)
+        self._load_s[rt.req_id] = self._load_s.get(rt.req_id, 0.0) + time.perf_counter() - t0
+
+    def _load_failed(self, x: _Xfer) -> None:
+        self._failed.add(x.handle)
+        self._invalid.update(x.block_ids)
+
+    # -- layer by layer ------------------------------------------------------------
+    def wait_for_layer_load(self, layer: int) -> None:
+        if not self._layer_loads:
+            return
+        t0 = time.perf_counter()
+        streams = self.streams
+        if streams.is_cuda:
+            if layer + 1 < self.spec.num_layers:
+                self._issue_layer(layer + 1)  # overlaps this layer's compute on the load stream
+            streams.wait_layer_loaded(layer)
+        else:
+            self._issue_layer(layer)
+        dt = time.perf_counter() - t0
+        self._hook_s += dt
+        share = dt / len(self._layer_loads)
+        for x in self._layer_loads:
+            self._load_s[x.req_id] = self._load_s.get(x.req_id, 0.0) + share
+
+    def _issue_layer(self, layer: int) -> None:
+        key_cache, value_cache = self.kv_caches[layer]
+        if self._batched_slots is not None:
+            # CPU: one scatter per layer for all chunks (a copy is cheaper than
+            # a checked kernel call per chunk).
+            loads = self._layer_loads
+            try:
+                chunk = torch.cat([x.buf[layer] for x in loads], dim=1)
+                self.streams.load_layer(layer, chunk, key_cache, value_cache, self._batched_slots)
+            except Exception:
+                log.exception("kv_load_failed", layer=layer, chunks=len(loads))
+                for x in loads:
+                    self._load_failed(x)
+                self._batched_slots = None
+            return
+        for x in self._layer_loads:
+            if x.handle in self._failed:
+                continue
+            try:
+                self.streams.load_layer(layer, x.buf[layer], key_cache, value_cache, x.slots)
+            except Exception:
+                log.exception("kv_load_failed", request_id=x.req_id, layer=layer)
+                self._load_failed(x)
+
+    def save_kv_layer(self, layer: int) -> None:
+        if not self._layer_saves:
+            return
+        t0 = time.perf_counter()
+        key_cache, value_cache = self.kv_caches[layer]
+        for x in self._layer_saves:
+            if x.handle in self._failed:
+                continue
+            try:
+                self.streams.store_layer(layer, key_cache, value_cache, x.slots, host_out=x.buf[layer])
+            except Exception:
+                log.exception("kv_save_failed", request_id=x.req_id, layer=layer)
+                self._failed.add(x.handle)
+        dt = time.perf_counter() - t0
+        self._hook_s += dt
+        self._save_s += dt
+
+    # -- after the forward ---------------------------------------------------------
+    def wait_for_save(self) -> None:
+        if self.meta is None:
+            return
+        self._forward_s = max(0.0, time.perf_counter() - self._t_forward - self._hook_s)
+        if self.streams is not None and self.streams.is_cuda:
+            t0 = time.perf_counter()
+            self.streams.synchronize()
+            self._save_s += time.perf_counter() - t0
+        failed = self._failed
+        self._saved.extend(x.handle for x in self._layer_saves if x.handle not in failed)
+        self._loaded.extend(x.handle for x in self._layer_loads if x.handle not in failed)
+
+    def get_finished(self, finished_req_ids: list[str]) -> tuple[set[str], set[str]]:
+        if self.meta is None:
+            return set(), set()
+        return set(self.meta.finishing), set(self._recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self._invalid)
+
+    def take_report(self) -> WorkerReport | None:
+        meta = self.meta
+        if meta is None:
+            return None
+        return WorkerReport(step=meta.step, saved=list(self._saved), loaded=list(self._loaded),
+                            failed=sorted(self._failed), load_s=dict(self._load_s), save_s=self._save_s,
+                            forward_s=self._forward_s, forward_tokens=meta.num_tokens)

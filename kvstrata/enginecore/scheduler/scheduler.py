@@ -1,0 +1,388 @@
+"""The scheduler: spends a token budget on running and waiting requests each
+step, drives the KV cache manager and the KV connector, and turns the model
+runner's output into per-request outputs. vLLM v1's algorithm:
+
+    schedule():
+      1. RUNNING, in order: n = tokens not yet computed (1 for a decode, a
+         chunk for a continuing prefill), capped by long_prefill_token_threshold
+         and the budget. The KV manager is called only when the tokens
+         overflow the request's last block; if the pool is full, preempt
+         (recompute) the running request with the largest sort key until it
+         fits, or give up.
+      2. WAITING, in policy order, unless step 1 preempted anyone and while
+         running < max_num_seqs: prefix hit (device, then connector), then
+         allocate_slots; the first request that does not fit stops the pass.
+      3. Output the diff; then advance num_computed_tokens.
+    update_from_output(): append sampled tokens, check stops, free finished
+      requests (their full blocks stay in the prefix cache), emit outputs.
+
+The scheduler does no I/O; it runs on the event loop that owns it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import structlog
+
+from kvstrata.config import SchedulerConfig
+from kvstrata.connector.base import KVConnectorScheduler, NoOpScheduler as NoOpConnector
+from kvstrata.errors import RequestError
+from kvstrata.enginecore.request import FINISH_REASONS, Request, RequestStatus
+from kvstrata.enginecore.scheduler.plan import StepPlan
+from kvstrata.enginecore.scheduler.queues import make_waiting_queue, remove_all
+from kvstrata.enginecore.scheduler.stats import SchedulerCounters
+from kvstrata.enginecore.scheduler.stop import append_and_check, detokenize
+from kvstrata.enginecore.scheduler.transfers import settle_transfers
+from kvstrata.enginecore.scheduler.waiting import schedule_waiting
+from kvstrata.types import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+)
+
+log = structlog.get_logger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+_STOPPED = RequestStatus.FINISHED_STOPPED
+
+
+class Scheduler:
+    """Owns: every live Request (``requests``), the waiting queue, the running
+    list, the ids finished since the last output, and the counters. Drives
+    the KV cache manager and the connector but owns neither.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager,
+        *,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.connector = connector if connector is not None else NoOpConnector()
+        self.block_size: int = kv_cache_manager.block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_prefix_caching
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_threshold = config.long_prefill_token_threshold
+        self.policy = config.policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_waiting_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        # Connector bookkeeping: requests whose KV is loading, loads the
+        # worker reported done, finished requests whose free waits for a save.
+        # ``sync_loading``: requests whose blocks this step's worker fills;
+        # ``recv_rollback``: where an async load failed (see sched/transfers).
+        self.loading: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.delayed_free: dict[str, Request] = {}
+        self.sync_loading: list[Request] = []
+        self.recv_rollback: dict[str, int] = {}
+        self.counters = SchedulerCounters()
+        self._seq = itertools.count()
+
+    # -- admission and removal --------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests or rid in self.delayed_free:
+            raise RequestError("request_id", f"{rid!r} is already in use by a live request")
+        request.seq = next(self._seq)
+        prio = request.priority if self.policy == "priority" else 0
+        request.sort_key = (prio, request.arrival_time, request.seq)
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.add(request)
+        self.counters.num_prompt_tokens += request.num_prompt_tokens
+        self.connector.prefetch(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Finish live requests (abort, error); unknown or finished ids are skipped.
+
+        Blocks are freed at once. The runner never touches KV manager state
+        (it sees only the frozen SchedulerOutput), so this is safe even while
+        a step that includes these requests is executing; its output for them
+        is dropped in update_from_output.
+        """
+        assert status.is_finished
+        done: list[Request] = []
+        running_gone: list[Request] = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status > _PREEMPTED:
+                continue
+            if req.status == _RUNNING:
+                running_gone.append(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free_request(req)
+            done.append(req)
+        if running_gone:
+            self.running = remove_all(self.running, running_gone)
+        return done
+
+    def _free_request(self, req: Request) -> None:
+        rid = req.request_id
+        # num_slots > 0 exactly when the request holds blocks (a waiting or
+        # preempted request holds none).
+        holds_blocks = req.num_slots > 0
+        block_ids = self.kv.get_block_ids(rid) if holds_blocks else ()
+        delay, _params = self.connector.request_finished(req, block_ids)
+        del self.requests[rid]
+        loading = rid in self.loading
+        self.loading.discard(rid)
+        self.finished_recving.discard(rid)
+        self.recv_rollback.pop(rid, None)
+        self.finished_req_ids.add(rid)
+        self.counters.num_finished += 1
+        log.debug("request_finished", request_id=rid, reason=FINISH_REASONS[req.status],
+                  num_output_tokens=len(req.all_token_ids) - req.num_prompt_tokens)
+        if holds_blocks:
+            if not loading:  # blocks an async load is still filling are never cached
+                self._cache_computed_blocks(req)
+            if delay:
+                self.delayed_free[rid] = req
+            else:
+                self.kv.free(req)
+        req.num_slots = 0
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's full computed blocks before they are freed
+        (the decode fast path leaves a just-filled block to the next
+        allocate_slots, which a finished or preempted request never makes)."""
+        if self.enable_caching:
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_transfers(self) -> bool:
+        """KV loads or saves in flight: the worker must be stepped (even with
+        nothing to compute) to report them."""
+        return bool(self.loading) or bool(self.delayed_free)
+
+    # -- schedule ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        self.kv.new_step_starts()
+        plan = StepPlan()
+        reqs, prev_computed, new_blocks, sched_n = plan.reqs, plan.prev_computed, plan.new_blocks, plan.n
+        num_scheduled = plan.num_scheduled
+        running = self.running
+        bs = self.block_size
+        threshold = self.long_prefill_threshold
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            nc = req.num_computed_tokens
+            n = len(req.all_token_ids) - nc
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n <= 0:
+                i += 1  # nothing to compute (its sampled token never came back)
+                continue
+            total = nc + n
+            new_ids = None
+            if total > req.num_slots:
+                # The tokens overflow the last block: ask the pool, preempting if full.
+                blocks, i, returned = self._allocate_running(req, n, i, plan)
+                budget += returned
+                if blocks is None:
+                    break
+                req.num_slots = -(-total // bs) * bs
+                ids = blocks.get_block_ids()
+                if any(ids):
+                    new_ids = ids
+            # Else the tokens fit in the blocks it holds: no KV manager call.
+            # A block that fills up now is registered in the prefix cache by
+            # the next allocate_slots (next step), or when the request is
+            # freed or preempted.
+            reqs.append(req)
+            prev_computed.append(nc)
+            new_blocks.append(new_ids)
+            sched_n.append(n)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+
+        new_reqs: list[Request] = []
+        if not plan.preempted and self.waiting:
+            budget = schedule_waiting(self, budget, new_reqs, num_scheduled)
+        return self._make_output(new_reqs, plan, self.max_num_batched_tokens - budget)
+
+    def _allocate_running(self, req: Request, n: int, i: int, plan: StepPlan):
+        """allocate_slots for running ``req`` (at index ``i``), preempting the
+        running request with the largest sort key (lowest priority under the
+        priority policy, then latest arrival) until it fits or ``req`` itself
+        is the victim. Returns (blocks or None, the index the loop continues
+        from, budget given back by victims already scheduled this step)."""
+        running = self.running
+        returned = 0
+        while True:
+            blocks = self.kv.allocate_slots(req, n)
+            if blocks is not None:
+                return blocks, i, returned
+            victim = max(running, key=_sort_key)
+            vi = running.index(victim)
+            del running[vi]
+            if vi < i:
+                i -= 1
+            if victim.request_id in plan.num_scheduled:
+                returned += plan.unschedule(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return None, i, returned
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free the blocks (full ones stay cached),
+        forget progress, back to the front of the waiting queue."""
+        self._cache_computed_blocks(req)
+        # The connector reads the victim's KV (offload on preemption) before
+        # this step's loads and forward may reuse its blocks.
+        self.connector.request_preempted(req, self.kv.get_block_ids(req.request_id))
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_slots = 0
+        req.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.waiting.prepend(req)
+        log.info("request_preempted", request_id=req.request_id, reason="no_free_blocks",
+                 num_tokens=len(req.all_token_ids))
+
+    def _make_output(self, new_reqs: list[Request], plan: StepPlan, total: int) -> SchedulerOutput:
+        kv = self.kv
+        requests_new = [
+            NewRequestData(
+                req_id=r.request_id,
+                token_ids=list(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                lora_name=r.lora_name,
+            )
+            for r in new_reqs
+        ]
+        sched_reqs = plan.reqs
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in sched_reqs],
+            new_block_ids=plan.new_blocks,
+            num_computed_tokens=plan.prev_computed,
+        )
+        running = self.running
+        common = kv.get_num_common_prefix_blocks(running[0].request_id) if running else []
+        finished = list(self.finished_req_ids)
+        self.finished_req_ids = set()
+        num_scheduled = plan.num_scheduled
+        out = SchedulerOutput(
+            scheduled_new_reqs=requests_new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished,
+            preempted_req_ids=[r.request_id for r in plan.preempted],
+            num_common_prefix_blocks=common,
+        )
+        meta = self.connector.build_connector_meta(out)
+        if meta is not None:
+            out = msgspec.structs.replace(out, kv_connector_metadata=meta)
+        # Advance only now: the output carries the counts before this step.
+        for r, n in zip(sched_reqs, plan.n):
+            r.num_computed_tokens += n
+        for r in new_reqs:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+        return out
+
+    # -- update -----------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply one step's sampled tokens; returns the outputs to stream."""
+        settle_transfers(self, runner_output)
+        outputs: list[RequestOutput] = []
+        stopped: list[Request] = []
+        requests = self.requests
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        max_model_len = self.max_model_len
+        num_generated = 0
+        for i, rid in enumerate(runner_output.req_ids):
+            new_ids = sampled[i]
+            if not new_ids:
+                continue  # a prefill chunk short of the prompt's end
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue  # aborted (or replaced) while the step ran
+            if len(new_ids) == 1:
+                # Inlined append_and_check for the one-token case (the hot path).
+                tok = new_ids[0]
+                ids = req.all_token_ids
+                ids.append(tok)
+                num_tokens = len(ids)
+                if num_tokens >= req.hash_boundary:
+                    req.grow_block_hashes()
+                num_out = num_tokens - req.num_prompt_tokens
+                if num_out >= req.max_tokens or num_tokens >= max_model_len:
+                    status = _LENGTH
+                elif tok in req.stop_ids and num_out >= req.min_tokens:
+                    status = _STOPPED
+                    req.stop_reason = None if tok in req.eos_token_ids else tok
+                else:
+                    status = None
+            else:
+                new_ids, status = append_and_check(req, new_ids, max_model_len)
+            num_generated += len(new_ids)
+            text = ""
+            if req.detokenizer is not None:
+                text, status = detokenize(req, new_ids, status)
+            lp = logprobs[i] if logprobs is not None else None
+            if status is not None:
+                stopped.append(req)
+                outputs.append(self._finish(req, status, new_ids, text, lp))
+                continue
+            outputs.append(RequestOutput(
+                request_id=rid, new_token_ids=new_ids, text_delta=text,
+                logprobs=None if lp is None else [lp],
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            ))
+        if stopped:
+            self.running = remove_all(self.running, stopped)
+        self.counters.num_generated_tokens += num_generated
+        return outputs
+
+    def _finish(self, req: Request, status: RequestStatus, new_ids: list[int], text: str,
+                logprobs) -> RequestOutput:
+        """Stop a running request (the caller drops it from ``running``)."""
+        req.status = status
+        self._free_request(req)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new_ids, text_delta=text,
+            finished=True, finish_reason=FINISH_REASONS[status], stop_reason=req.stop_reason,
+            logprobs=None if logprobs is None else [logprobs],
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+        )
+
+
+def _sort_key(req: Request) -> tuple:
+    return req.sort_key

@@ -1,0 +1,91 @@
+"""The engine subprocess: ``python -m kvstrata.ipc.engine_proc --address URL
+--config-json JSON``.
+
+Lifecycle (a small state machine; every path ends in ``EngineDead`` to the
+clients, so none of them hangs):
+
+    starting ──(engine ready)──▶ serving ──(Shutdown | SIGTERM | parent died
+                                           | engine died)──▶ stopped
+
+Exit code 0 on a requested shutdown, 1 when the engine failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import msgspec
+import structlog
+
+from kvstrata.config import EngineConfig
+from kvstrata.logs import configure_logging
+from kvstrata.ipc import protocol as P
+from kvstrata.ipc.addresses import check_address
+from kvstrata.ipc.engine_server import EngineServer
+from kvstrata.ipc.launcher import ProcessWatch
+
+log = structlog.get_logger(__name__)
+
+
+async def serve_engine(config: EngineConfig, address: str, *, parent_pid: int | None = None,
+                       max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES) -> int:
+    """Bind, start the engine, serve until told to stop. Returns the exit code."""
+    loop = asyncio.get_running_loop()
+    server = EngineServer(address, msgspec.to_builtins(config), max_frame_bytes=max_frame_bytes)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stop, f"signal {sig.name}")
+    watch = ProcessWatch(loop, parent_pid, lambda _: server.stop("parent process exited")) if parent_pid else None
+    engine = None
+    failed = False
+    try:
+        from kvstrata.enginecore.async_engine import AsyncEngine  # heavy (torch): after the bind
+
+        engine = await AsyncEngine.start(config)
+        server.attach(engine)
+        log.info("engine_ready", address=address, pid=os.getpid())
+        await server.stopped.wait()
+        failed = server.stop_reason.startswith("engine died")
+    except Exception as e:
+        failed = True
+        server.stop_reason = f"engine failed: {type(e).__name__}: {e}"
+        log.exception("engine_failed")
+    finally:
+        await server.close(server.stop_reason or "stopped")
+        if engine is not None:
+            await engine.aclose()
+        if watch is not None:
+            watch.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("engine_stopped", reason=server.stop_reason)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvstrata.ipc.engine_proc")
+    p.add_argument("--address", required=True)
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--max-frame-bytes", type=int, default=P.DEFAULT_MAX_FRAME_BYTES)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--log-json", dest="log_json", action="store_const", const=True, default=None)
+    g.add_argument("--log-console", dest="log_json", action="store_const", const=False)
+    args = p.parse_args(argv)
+    config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    configure_logging(config.log_level, json=args.log_json)
+    config.validate()
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    return runner(serve_engine(config, check_address(args.address), parent_pid=args.parent_pid,
+                               max_frame_bytes=args.max_frame_bytes))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

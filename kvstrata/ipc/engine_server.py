@@ -1,0 +1,323 @@
+"""The engine side of the ZMQ transport: one ROUTER socket, many clients.
+
+    clients (DEALER) ──▶ ROUTER ──▶ EngineServer ──▶ engine (AsyncEngine API)
+                    ◀── one Outputs batch per client per engine step ◀──
+
+A step's outputs for one client go out as one frame: the engine hands every
+output of a step to its request's sink (``AsyncEngine.submit``) within one
+loop iteration, the sink appends it to its client's buffer, and a single
+flush (``call_soon``) sends each buffer after them. No task per request.
+
+Bad frames (oversized, malformed msgpack, wrong types, unknown tags, unknown
+request ids) get a ``ProtocolError`` back to that client only, are counted
+and logged (rate-limited), and change nothing else.
+
+A client that disconnects has its requests aborted. libzmq's ROUTER_NOTIFY
+is a draft option (absent from pyzmq's wheels), so the server maps each
+client's connection fd (the first frame's ZMQ_SRCFD) to its identity and
+watches the socket monitor's DISCONNECTED events, which carry that fd. The
+monitor is drained before a new fd is mapped, so a disconnect is always
+handled before a later connection that reuses its fd number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import OrderedDict
+from functools import partial
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+import zmq.utils.monitor
+
+from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
+from kvstrata.types import RequestOutput
+from kvstrata.ipc import protocol as P
+from kvstrata.ipc.zmq_io import ZmqReader
+
+log = structlog.get_logger(__name__)
+
+_RECENT_FINISHED = 4096  # per client: aborts racing a finish are not errors
+_ERROR_LOG_EVERY = 100
+
+
+class _Client:
+    """Owns: one client's live request ids, recently finished ids, the
+    outputs buffered for the next flush, its protocol error count."""
+
+    __slots__ = ("identity", "fd", "requests", "recent", "pending", "num_errors")
+
+    def __init__(self, identity: bytes, fd: int) -> None:
+        self.identity = identity
+        self.fd = fd
+        self.requests: set[str] = set()
+        self.recent: OrderedDict[str, None] = OrderedDict()
+        self.pending: list[RequestOutput] = []
+        self.num_errors = 0
+
+    def finished(self, rid: str) -> None:
+        self.requests.discard(rid)
+        self.recent[rid] = None
+        if len(self.recent) > _RECENT_FINISHED:
+            self.recent.popitem(last=False)
+
+
+class EngineServer:
+    """Owns: the ROUTER socket, the client table, the request-id → client
+    routing table, the flush schedule and the protocol error counters. The
+    engine itself is owned by the caller (``engine_proc.main``)."""
+
+    def __init__(self, address: str, config_builtins: Any, *,
+                 max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.address = address
+        self._config = config_builtins
+        self.max_frame_bytes = max_frame_bytes
+        self._engine: Any = None
+        self._clients: dict[bytes, _Client] = {}
+        self._by_fd: dict[int, _Client] = {}
+        self._routes: dict[str, _Client] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._deferred_handshakes: list[tuple[bytes, int]] = []
+        self._flush_scheduled = False
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = P.make_inbound_decoder()
+        self.num_protocol_errors = 0
+        self.stopped = asyncio.Event()
+        self.stop_reason = ""
+        self._started = time.monotonic()
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        for opt, val in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
+                         (zmq.MAXMSGSIZE, 4 * max_frame_bytes)):
+            self._sock.setsockopt(opt, val)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor_reader = ZmqReader(self._loop, self._monitor, self._on_monitor)
+        self._sock.bind(address)
+        self._reader = ZmqReader(self._loop, self._sock, self._on_message, copy=False)
+        self._monitor_reader.start()
+        self._reader.start()
+        log.info("engine_server_listening", address=address)
+
+    def attach(self, engine: Any) -> None:
+        """The engine is ready: answer the handshakes that were waiting."""
+        self._engine = engine
+        for identity, call_id in self._deferred_handshakes:
+            self._send(identity, P.UtilityResult(call_id, self._info()))
+        self._deferred_handshakes.clear()
+
+    def stop(self, reason: str) -> None:
+        if not self.stopped.is_set():
+            self.stop_reason = reason
+            self.stopped.set()
+
+    async def close(self, reason: str) -> None:
+        """Tell every client the engine is gone, cancel pending utility tasks, close."""
+        self._reader.stop()
+        self._monitor_reader.stop()
+        self._flush()
+        for identity in list(self._clients):
+            self._send(identity, P.EngineDead(reason))
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=1000)
+        log.info("engine_server_closed", reason=reason, num_protocol_errors=self.num_protocol_errors)
+
+    # --- inbound ----------------------------------------------------------------
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        client = self._clients.get(identity)
+        if client is None:
+            client = self._new_client(identity, frames[0].get(zmq.SRCFD))
+        if len(frames) != 2:
+            return self._protocol_error(client, f"expected one frame per message, got {len(frames) - 1}")
+        frame = frames[1].buffer
+        if len(frame) > self.max_frame_bytes:
+            return self._protocol_error(client, f"frame of {len(frame)} bytes exceeds the limit of {self.max_frame_bytes}")
+        try:
+            msg = self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return self._protocol_error(client, f"undecodable message: {e}")
+        match msg:
+            case P.AddRequest():
+                self._add(client, msg)
+            case P.AbortRequests(request_ids=ids):
+                self._abort(client, ids)
+            case P.Utility(call_id=call_id, method=method):
+                self._utility(client, call_id, method)
+            case P.Shutdown(reason=reason):
+                log.info("engine_shutdown_requested", reason=reason)
+                self.stop(f"shutdown requested by a client ({reason})")
+
+    def _add(self, client: _Client, req: P.AddRequest) -> None:
+        rid = req.request_id
+        if self._engine is None:
+            return self._protocol_error(client, "engine not ready: wait for the handshake")
+        if rid in self._routes:
+            return self._send(client.identity, P.RequestRejected(rid, "duplicate", f"request_id {rid!r} is already in flight", "request_id"))
+        self._routes[rid] = client
+        client.requests.add(rid)
+        self._submit(client, req)
+
+    def _abort(self, client: _Client, ids: list[str]) -> None:
+        mine = [rid for rid in ids if self._routes.get(rid) is client]
+        unknown = [rid for rid in ids if self._routes.get(rid) is not client and rid not in client.recent]
+        if mine and self._engine is not None:
+            self._spawn(self._abort_all(mine))
+        if unknown:
+            self._protocol_error(client, f"abort of unknown request ids: {unknown[:8]}")
+
+    def _utility(self, client: _Client, call_id: int, method: str) -> None:
+        if method == "handshake":
+            if self._engine is None:
+                self._deferred_handshakes.append((client.identity, call_id))
+            else:
+                self._send(client.identity, P.UtilityResult(call_id, self._info()))
+        elif method == "health":
+            self._send(client.identity, P.UtilityResult(call_id, self._health()))
+        elif method in ("stats", "reset_prefix_cache"):
+            if self._engine is None:
+                self._send(client.identity, P.UtilityResult(call_id, None, "engine not ready"))
+            else:
+                self._spawn(self._call_engine(client.identity, call_id, method))
+        else:
+            self._protocol_error(client, f"unknown utility method {method!r} (known: {', '.join(P.UTILITY_METHODS)})")
+            self._send(client.identity, P.UtilityResult(call_id, None, f"unknown utility method {method!r}"))
+
+    def _new_client(self, identity: bytes, fd: int) -> _Client:
+        self._monitor_reader.drain_now()  # an old disconnect of this fd goes first
+        client = self._clients[identity] = self._by_fd[fd] = _Client(identity, fd)
+        log.info("client_connected", num_clients=len(self._clients))
+        return client
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        event = zmq.utils.monitor.parse_monitor_message(frames)
+        client = self._by_fd.get(event["value"])
+        if client is not None:
+            self._client_gone(client, "disconnected")
+
+    def _client_gone(self, client: _Client, reason: str) -> None:
+        if self._clients.get(client.identity) is not client:
+            return
+        del self._clients[client.identity]
+        if self._by_fd.get(client.fd) is client:
+            del self._by_fd[client.fd]
+        rids = list(client.requests)
+        for rid in rids:
+            self._routes.pop(rid, None)
+        if rids and self._engine is not None:
+            self._spawn(self._abort_all(rids))
+        log.info("client_gone", reason=reason, aborted_requests=len(rids))
+
+    def _protocol_error(self, client: _Client, message: str) -> None:
+        client.num_errors += 1
+        self.num_protocol_errors += 1
+        if client.num_errors == 1 or client.num_errors % _ERROR_LOG_EVERY == 0:
+            log.warning("client_protocol_error", message=message[:300], client_errors=client.num_errors,
+                        total_errors=self.num_protocol_errors)
+        self._send(client.identity, P.ProtocolError(message[:1000], client.num_errors))
+
+    # --- engine work ---------------------------------------------------------------
+
+    def _submit(self, client: _Client, req: P.AddRequest) -> None:
+        rid = req.request_id
+        try:
+            self._engine.submit(req.prompt, req.params, partial(self._on_output, client, rid), request_id=rid,
+                                priority=req.priority, cache_salt=req.cache_salt, lora_name=req.lora_name)
+        except RequestError as e:
+            text = str(e).removeprefix(f"{e.field}: ")  # the client's RequestError adds it back
+            self._reject(client, P.RequestRejected(rid, "invalid", text, e.field))
+        except ValueError as e:
+            self._reject(client, P.RequestRejected(rid, "invalid", str(e), ""))
+        except EngineOverloadedError as e:
+            self._reject(client, P.RequestRejected(rid, "overloaded", str(e)))
+        except EngineDeadError as e:
+            self.stop(f"engine died: {e}")
+        else:
+            return
+        self._request_done(client, rid)
+
+    def _on_output(self, client: _Client, rid: str, out: RequestOutput | BaseException) -> None:
+        """The engine's sink for one request: buffer for this iteration's flush."""
+        if isinstance(out, BaseException):  # EngineDeadError: the engine is gone
+            self._request_done(client, rid)
+            self.stop(f"engine died: {out}")
+            return
+        client.pending.append(out)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        if out.finished:
+            self._request_done(client, rid)
+
+    def _request_done(self, client: _Client, rid: str) -> None:
+        if self._routes.get(rid) is client:
+            del self._routes[rid]
+        client.finished(rid)
+
+    def _reject(self, client: _Client, msg: P.RequestRejected) -> None:
+        log.info("request_rejected", request_id=msg.request_id, kind=msg.kind, field=msg.field or None)
+        self._send(client.identity, msg)
+
+    async def _abort_all(self, rids: list[str]) -> None:
+        for rid in rids:
+            await self._engine.abort(rid)
+
+    async def _call_engine(self, identity: bytes, call_id: int, method: str) -> None:
+        try:
+            if method == "stats":
+                result: Any = msgspec.to_builtins(await self._engine.stats())
+            else:
+                result = await self._engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            self.stop(f"engine died: {e}")
+            return
+        except Exception as e:  # reported to the caller; the engine keeps serving
+            log.exception("utility_call_failed", method=method)
+            self._send(identity, P.UtilityResult(call_id, None, f"{type(e).__name__}: {e}"))
+            return
+        self._send(identity, P.UtilityResult(call_id, result))
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- outbound ------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        for client in list(self._clients.values()):
+            if client.pending:
+                batch, client.pending = client.pending, []
+                self._send(client.identity, P.Outputs(batch))
+
+    def _send(self, identity: bytes, msg: Any) -> None:
+        frame = self._encoder.encode(msg)
+        try:
+            # zero-copy only pays off for large frames
+            self._sock.send_multipart((identity, frame), zmq.NOBLOCK, copy=len(frame) < 65536)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY)
+            client = self._clients.get(identity)
+            if client is not None:
+                self._client_gone(client, f"unreachable: {e}")
+            return
+        self._reader.kick()
+
+    def _info(self) -> P.EngineInfo:
+        return P.EngineInfo(protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(), ready=self._engine is not None,
+                            config=self._config, max_frame_bytes=self.max_frame_bytes)
+
+    def _health(self) -> P.HealthInfo:
+        return P.HealthInfo(healthy=self._engine is not None and not self.stopped.is_set(),
+                            num_clients=len(self._clients), num_requests=len(self._routes),
+                            num_protocol_errors=self.num_protocol_errors,
+                            uptime_s=time.monotonic() - self._started)

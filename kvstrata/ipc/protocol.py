@@ -1,0 +1,133 @@
+"""Wire messages between engine clients and the engine subprocess.
+
+Every frame is one msgpack-encoded msgspec Struct from a tagged union, decoded
+by one typed decoder and dispatched with ``match``:
+
+    client (DEALER) ── Inbound ──▶  engine (ROUTER)
+        AddRequest | AbortRequests | Utility | Shutdown
+    client (DEALER) ◀── Outbound ── engine (ROUTER)
+        Outputs (one batch per engine step and client) | UtilityResult
+        | RequestRejected | ProtocolError | EngineDead
+
+The handshake is ``Utility(method="handshake")``; its result is an
+``EngineInfo`` (the engine's config, pid, protocol version, readiness).
+Health checks are ``Utility(method="health")``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvstrata.types import RequestOutput, SamplingParams
+
+PROTOCOL_VERSION = 1
+# Frames larger than this are rejected with a ProtocolError (the engine never
+# decodes them). A generous bound: a 1M-token prompt as msgpack ints is ~5 MiB.
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache")
+
+
+class _Wire(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag_field="t"):
+    """Base of every wire message: positional msgpack arrays, tag first."""
+
+
+# --- inbound (client -> engine) -------------------------------------------
+
+
+class AddRequest(_Wire, tag="add"):
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+class AbortRequests(_Wire, tag="abort"):
+    request_ids: list[str]
+
+
+class Utility(_Wire, tag="utility"):
+    call_id: int
+    method: str
+
+
+class Shutdown(_Wire, tag="shutdown"):
+    """Ask the engine to stop now (no draining): every client gets EngineDead
+    and its pending requests fail with EngineDeadError."""
+
+    reason: str = "client_requested"
+
+
+Inbound = AddRequest | AbortRequests | Utility | Shutdown
+
+
+# --- outbound (engine -> client) ------------------------------------------
+
+
+class Outputs(_Wire, tag="outputs"):
+    """All outputs of one engine step for one client, in engine order."""
+
+    outputs: list[RequestOutput]
+
+
+class UtilityResult(_Wire, tag="result"):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class RequestRejected(_Wire, tag="rejected"):
+    """An AddRequest that was not queued. ``kind`` is "invalid" (a bad field,
+    named in ``message``), "overloaded" (the waiting queue is full) or
+    "duplicate" (the request id is already running)."""
+
+    request_id: str
+    kind: str
+    message: str
+    field: str = ""
+
+
+class ProtocolError(_Wire, tag="protocol_error"):
+    """A frame the engine could not accept: malformed msgpack, wrong field
+    types, an oversized frame, an unknown tag or an unknown request id.
+    ``num_errors`` is the running count for this client."""
+
+    message: str
+    num_errors: int
+
+
+class EngineDead(_Wire, tag="dead"):
+    reason: str
+
+
+Outbound = Outputs | UtilityResult | RequestRejected | ProtocolError | EngineDead
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The handshake result: what the engine runs and whether it is ready."""
+
+    protocol_version: int
+    pid: int
+    ready: bool
+    config: Any  # EngineConfig as plain data (msgspec.to_builtins)
+    max_frame_bytes: int
+
+
+class HealthInfo(msgspec.Struct, frozen=True, kw_only=True):
+    healthy: bool
+    num_clients: int
+    num_requests: int
+    num_protocol_errors: int
+    uptime_s: float
+
+
+def make_inbound_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Inbound)
+
+
+def make_outbound_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Outbound)

@@ -1,0 +1,228 @@
+"""The model runner's persistent batch: what it remembers about each request
+between steps, and how one step's flat inputs are built from it.
+
+The scheduler sends new requests in full and running ones as deltas
+(``SchedulerOutput``); this keeps the rest. Block tables live in one numpy
+array, a row per request slot, so a step's tables, positions and slot
+mappings are a handful of vectorised numpy operations, not work per token:
+
+    row r:  [b7, b2, b9, 0, 0 ...]    block ids of request r, in order
+    token at position p of request r  ->  slot = row_r[p // bs] * bs + p % bs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstrata.worker.model.attention import AttentionMetadata
+from kvstrata.worker.sampler import SamplingMetadata
+from kvstrata.types import CachedRequestData, NewRequestData, SamplingParams
+
+_U64 = (1 << 64) - 1
+
+
+class RequestState:
+    """One request as the runner sees it. ``token_ids`` grows with every token
+    the runner samples, so a decode step finds its input token here."""
+
+    __slots__ = ("req_id", "row", "token_ids", "num_prompt_tokens", "num_computed_tokens", "params",
+                 "generator", "num_blocks")
+
+    def __init__(self, data: NewRequestData, row: int, device: torch.device) -> None:
+        self.req_id = data.req_id
+        self.row = row
+        self.token_ids = list(data.token_ids)
+        self.num_prompt_tokens = data.num_prompt_tokens
+        self.num_computed_tokens = data.num_computed_tokens
+        self.params: SamplingParams = data.sampling_params
+        seeded = self.params.seed is not None and not self.params.greedy
+        self.generator = torch.Generator(device) if seeded else None
+        self.num_blocks = 0
+
+
+@dataclass(slots=True, frozen=True)
+class StepInputs:
+    """One step's flattened inputs; ``sample_batch_idx[i]`` is the position in
+    the step's request order of the i-th sampled request."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_states: list[RequestState]
+    sample_batch_idx: list[int]
+
+
+class InputBatch:
+    """Owns: the state of every request the runner holds, and the block-table
+    array (one row per request slot, rows reused after a request leaves)."""
+
+    def __init__(self, block_size: int, max_model_len: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.block_table = np.zeros((16, self.max_blocks), dtype=np.int32)
+        self.requests: dict[str, RequestState] = {}
+        self._free_rows = list(range(15, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def remove(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def add(self, data: NewRequestData) -> None:
+        self.remove(data.req_id)  # resumed after preemption, or re-sent: start afresh
+        if not self._free_rows:
+            self._grow()
+        state = RequestState(data, self._free_rows.pop(), self.device)
+        self.requests[data.req_id] = state
+        self._append_blocks(state, data.block_ids[0])
+
+    def update(self, cached: CachedRequestData) -> None:
+        requests = self.requests
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = requests[req_id]
+            state.num_computed_tokens = num_computed
+            if new_blocks is not None:
+                self._append_blocks(state, new_blocks[0])
+
+    def holds_any(self, state: RequestState, block_ids) -> bool:
+        """Whether any of ``block_ids`` is in the request's block table."""
+        row = self.block_table[state.row, : state.num_blocks]
+        return bool(np.isin(row, np.fromiter(block_ids, dtype=np.int32)).any())
+
+    def _append_blocks(self, state: RequestState, block_ids: list[int]) -> None:
+        n = len(block_ids)
+        if not n:
+            return
+        end = state.num_blocks + n
+        if end > self.max_blocks:
+            raise ValueError(
+                f"request {state.req_id!r} has {end} blocks, more than max_model_len allows ({self.max_blocks})"
+            )
+        self.block_table[state.row, state.num_blocks : end] = block_ids
+        state.num_blocks = end
+
+    def _grow(self) -> None:
+        old = self.block_table.shape[0]
+        table = np.zeros((old * 2, self.max_blocks), dtype=np.int32)
+        table[:old] = self.block_table
+        self.block_table = table
+        self._free_rows.extend(range(old * 2 - 1, old - 1, -1))
+
+    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+        """Flat inputs for computing tokens [num_computed, num_computed + n) of each
+        scheduled request; a request samples when that reaches its last known token."""
+        requests = self.requests
+        num_reqs = len(num_scheduled_tokens)
+        rows = np.empty(num_reqs, dtype=np.int64)
+        starts = np.empty(num_reqs, dtype=np.int64)
+        counts = np.empty(num_reqs, dtype=np.int64)
+        tokens: list[int] = []
+        sample_states: list[RequestState] = []
+        sample_idx: list[int] = []
+        for b, (req_id, n) in enumerate(num_scheduled_tokens.items()):
+            state = requests[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            known = len(state.token_ids)
+            assert end <= known, f"{req_id}: scheduled past its known tokens ({end} > {known})"
+            rows[b], starts[b], counts[b] = state.row, start, n
+            if n == 1:
+                tokens.append(state.token_ids[start])
+            else:
+                tokens.extend(state.token_ids[start:end])
+            if end == known:
+                sample_states.append(state)
+                sample_idx.append(b)
+        return self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx)
+
+    def _tensors(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        tokens: list[int],
+        sample_states: list[RequestState],
+        sample_idx: list[int],
+    ) -> StepInputs:
+        bs = self.block_size
+        cu = np.cumsum(counts)
+        num_tokens = int(cu[-1])
+        qsl = np.zeros(len(counts) + 1, dtype=np.int32)
+        qsl[1:] = cu
+        positions = np.repeat(starts - qsl[:-1], counts) + np.arange(num_tokens)
+        token_rows = np.repeat(rows, counts)
+        slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (starts + counts).astype(np.int32)
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        tables = self.block_table[rows, :max_blocks]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+        )
+        logits_indices = torch.from_numpy(cu[sample_idx] - 1).to(dev)
+        return StepInputs(
+            req_ids=req_ids,
+            input_ids=torch.tensor(tokens, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            logits_indices=logits_indices,
+            sample_states=sample_states,
+            sample_batch_idx=sample_idx,
+        )
+
+
+def sampling_metadata(
+    states: list[RequestState], eos_token_ids: tuple[int, ...], device: torch.device
+) -> SamplingMetadata:
+    """Per-row sampling parameters for the requests sampled this step."""
+    params = [s.params for s in states]
+    temps = [p.temperature for p in params]
+    all_greedy = all(t == 0.0 for t in temps)
+    meta = SamplingMetadata(
+        temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+        all_greedy=all_greedy,
+        all_random=all(t != 0.0 for t in temps),
+    )
+    if not all_greedy:
+        if any(p.top_k > 0 for p in params):
+            meta.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if any(p.min_p > 0.0 for p in params):
+            meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    for i, state in enumerate(states):
+        p = params[i]
+        if state.generator is not None:
+            state.generator.manual_seed(step_seed(p.seed, len(state.token_ids)))
+            meta.generators[i] = state.generator
+        if p.min_tokens and len(state.token_ids) - state.num_prompt_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) if p.ignore_eos else [*p.stop_token_ids, *eos_token_ids]
+            if banned:
+                meta.banned_token_ids[i] = banned
+    if any(p.logprobs is not None for p in params):
+        meta.num_logprobs = [p.logprobs for p in params]
+    return meta
+
+
+def step_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for sampling the token at ``position`` of a seeded request
+    (splitmix64 of the pair): the draw depends on nothing else."""
+    z = ((seed & _U64) + 0x9E3779B97F4A7C15 * (position + 1)) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)

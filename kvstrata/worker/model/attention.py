@@ -1,0 +1,92 @@
+"""Grouped-query self-attention over the paged KV cache.
+
+Per layer and step: project q/k/v (one fused matmul), rotate q and k, write
+the step's k/v into the paged cache at ``slot_mapping``
+(``kvstrata.kernels.reshape_and_cache``), then attend from the cache
+(``kvstrata.kernels.paged_attention``, varlen: every sequence's new tokens
+back to back). Prefill, chunked prefill after a prefix-cache hit, and decode
+are the same call; only the metadata differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvstrata.worker.model.layers import Linear
+from kvstrata.worker.model.rope import apply_rotary
+from kvstrata.kernels import paged_attention, reshape_and_cache
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionMetadata:
+    """Where one step's tokens live in the paged cache (built by the model runner).
+
+    ``slot_mapping`` int64 [T]: cache slot of each new token
+    (block_id * block_size + offset). ``block_tables`` int32 [B, max_blocks]
+    (0-padded), ``query_start_loc`` int32 [B + 1], ``seq_lens`` int32 [B]
+    (context length including the new tokens).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) [num_blocks, block_size, Hkv, D]
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v are one fused projection (``qkv_proj``), filled by the loader from
+    HF's ``q_proj``/``k_proj``/``v_proj``: one matmul instead of three."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(qkv_rows, hidden_size, bias, dtype, device)
+        self.o_proj = Linear(hidden_size, self.q_size, bias, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

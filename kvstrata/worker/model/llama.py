@@ -1,0 +1,111 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)
+running over the paged KV cache.
+
+Module names mirror Hugging Face's ``LlamaForCausalLM`` (``model.layers.3.
+self_attn.o_proj.weight``) except the two fused projections, ``qkv_proj``
+and ``gate_up_proj``, which the loader fills from HF's separate tensors.
+Tied embeddings share one tensor between ``embed_tokens`` and ``lm_head``.
+
+The forward pass takes a flat batch: T tokens of B sequences back to back,
+with their positions and an ``AttentionMetadata``; it returns hidden states
+[T, hidden]. Logits are computed separately, for the rows that are sampled
+only (a 2,000-token prefill chunk needs one row of logits, not 2,000).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.worker.model.attention import AttentionMetadata, KVCache, LlamaAttention
+from kvstrata.worker.model.config import LlamaArchConfig
+from kvstrata.worker.model.layers import Embedding, Linear, RMSNorm
+from kvstrata.worker.model.rope import RotaryEmbedding
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU; gate and up are one fused projection [2 * intermediate, hidden]."""
+
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+        self.down_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.attention_bias,
+            dtype,
+            device,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(cfg, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Owns: the weights and the rotary frequencies. The KV cache is passed
+    in per call (the model runner owns it)."""
+
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.model = LlamaModel(cfg, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, "meta")
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for ``input_ids`` [T] at ``positions`` [T]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] for hidden states [N, hidden]."""
+        return self.lm_head(hidden).float()

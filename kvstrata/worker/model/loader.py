@@ -1,0 +1,202 @@
+"""Load a Hugging Face Llama checkpoint from a local directory.
+
+A checkpoint is ``config.json`` plus either ``model.safetensors`` or
+``model.safetensors.index.json`` and the shards it names (other single
+``*.safetensors`` files are accepted when neither exists). Tensors may be
+fp32, fp16 or bf16 and are cast to the requested dtype while copied.
+
+Every tensor the model needs must be present with its exact shape, and every
+tensor present must be one the model uses: a checkpoint with extra weights
+(a bias we would not apply) is a different architecture, refused rather than
+run wrongly. Errors name the directory and the file or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig, parse_arch_config
+from kvstrata.worker.model.fingerprint import checkpoint_fingerprint
+from kvstrata.worker.model.llama import LlamaForCausalLM
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# HF tensor name piece -> (our fused parameter, index of the slice it fills)
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    model: LlamaForCausalLM
+    arch: LlamaArchConfig
+    directory: Path
+    dtype: str
+    fingerprint: str
+
+
+def load_checkpoint(path: str, dtype: str = "float32", device: str = "cpu") -> LoadedCheckpoint:
+    """Build the model in ``dtype`` ("float32", "float16", "bfloat16" or "auto":
+    the checkpoint's own) on ``device`` and fill it from ``path``."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(f"model: {str(directory)!r} is not a directory")
+    config_path = directory / "config.json"
+    raw = _read_config(config_path)
+    arch = parse_arch_config(raw, str(config_path))
+    files = weight_files(directory)
+    dtype_name = resolve_dtype(dtype, arch.checkpoint_dtype)
+    model = LlamaForCausalLM(arch, _DTYPES[dtype_name], device)
+    _fill(model, arch, files, directory)
+    model.eval()
+    fingerprint = checkpoint_fingerprint(raw, files, dtype_name)
+    log.info(
+        "checkpoint_loaded",
+        path=str(directory),
+        dtype=dtype_name,
+        num_files=len(files),
+        num_layers=arch.num_hidden_layers,
+        fingerprint=fingerprint[:16],
+    )
+    return LoadedCheckpoint(model, arch, directory, dtype_name, fingerprint)
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None) -> str:
+    if requested == "auto":
+        return checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
+    if requested not in _DTYPES:
+        raise ValueError(f"model.dtype must be float32, float16, bfloat16 or auto, got {requested!r}")
+    return requested
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of the checkpoint, in a stable order."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"model: {str(index)!r} is not a valid safetensors index: {exc}") from exc
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"model: shard {file.name!r} named in {str(index)!r} is missing")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return files
+    hint = " (only safetensors are supported, not pytorch .bin)" if any(directory.glob("*.bin")) else ""
+    raise CheckpointError(
+        f"model: {str(directory)!r} has no model.safetensors or model.safetensors.index.json{hint}"
+    )
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"model: {str(path.parent)!r} is missing config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"model: cannot parse {str(path)!r}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"model: {str(path)!r} must hold a JSON object")
+    return raw
+
+
+def _slices(arch: LlamaArchConfig) -> dict[str, list[int]]:
+    """Row offsets of the pieces of each fused parameter."""
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    inter = arch.intermediate_size
+    return {"qkv_proj": [0, q, q + kv, q + 2 * kv], "gate_up_proj": [0, inter, 2 * inter]}
+
+
+def _fill(model: LlamaForCausalLM, arch: LlamaArchConfig, files: list[Path], directory: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=True))
+    if arch.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    needed: set[tuple[str, int]] = set()
+    offsets = _slices(arch)
+    for name in params:
+        fused = name.split(".")[-2]
+        count = len(offsets[fused]) - 1 if fused in offsets else 1
+        needed.update((name, i) for i in range(count))
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                target = _target(key, arch)
+                if target is None:
+                    continue
+                name, piece = target
+                if name not in params:
+                    raise CheckpointError(
+                        f"model: {file.name!r} has tensor {key!r}, which a Llama model with this config.json "
+                        "does not use (different architecture?)"
+                    )
+                _copy(params[name], piece, offsets, name, reader.get_tensor(key), key, file)
+                needed.discard((name, piece))
+    if needed:
+        missing = sorted(_hf_name(name, piece) for name, piece in needed)
+        raise CheckpointError(
+            f"model: checkpoint {str(directory)!r} is missing {len(missing)} tensor(s), e.g. {missing[:3]}"
+        )
+
+
+def _target(key: str, arch: LlamaArchConfig) -> tuple[str, int] | None:
+    if key.endswith(_IGNORED_SUFFIXES):
+        return None
+    if key == "lm_head.weight" and arch.tie_word_embeddings:
+        return None  # tied: the embedding is the head; HF ignores this copy too
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[-2] in _PACKED:
+        fused, piece = _PACKED[parts[-2]]
+        parts[-2] = fused
+        return ".".join(parts), piece
+    return key, 0
+
+
+def _hf_name(name: str, piece: int) -> str:
+    for hf, (fused, idx) in _PACKED.items():
+        if f".{fused}." in name and idx == piece:
+            return name.replace(f".{fused}.", f".{hf}.")
+    return name
+
+
+def _copy(
+    param: torch.Tensor,
+    piece: int,
+    offsets: dict[str, list[int]],
+    name: str,
+    tensor: torch.Tensor,
+    key: str,
+    file: Path,
+) -> None:
+    """Copy checkpoint ``tensor`` into ``param`` (or its ``piece`` of a fused one), casting the dtype."""
+    fused = name.split(".")[-2]
+    dest = param.data
+    if fused in offsets:
+        lo, hi = offsets[fused][piece], offsets[fused][piece + 1]
+        dest = dest[lo:hi]
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise CheckpointError(
+            f"model: tensor {key!r} in {file.name!r} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(dest.shape)} from config.json"
+        )
+    dest.copy_(tensor)

@@ -1,0 +1,245 @@
+"""The model runner: executes one ``SchedulerOutput`` on the model.
+
+    SchedulerOutput ─► InputBatch (persistent: tokens, block tables per request)
+                     ─► flat step inputs (token ids, positions, slot mapping,
+                        block tables, query_start_loc, seq_lens)
+                     ─► LlamaForCausalLM.forward (one varlen pass, every request)
+                     ─► logits for the requests whose scheduled tokens reach
+                        the end of their known tokens ─► Sampler
+                     ─► ModelRunnerOutput
+
+``execute_model`` is synchronous; the engine calls it from its worker
+thread and never from the event loop. With a KV connector's worker side
+attached (``set_kv_connector``) the forward pass runs layer by layer between
+the connector's hooks (``start_load_kv``, ``wait_for_layer_load(i)``,
+``save_kv_layer(i)``, ``wait_for_save``) and the output reports what the
+connector finished; a step with only connector work (no tokens) still runs
+the hooks. The runner keeps its own copy of each
+request's tokens, appending what it samples, so the next decode step knows its
+input token without the scheduler resending it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+
+from kvstrata.config import CacheConfig, ModelConfig
+from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
+from kvstrata.worker.model.default_model import default_model_dir
+from kvstrata.worker.model.loader import load_checkpoint
+from kvstrata.worker.sampler import Sampler
+from kvstrata.text.tokenizer import load_tokenizer
+from kvstrata.types import Logprobs, ModelRunnerOutput, SchedulerOutput
+from kvstrata.kernels import KVCacheShape, allocate_kv_caches
+
+log = structlog.get_logger(__name__)
+
+
+class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Geometry of the model's paged KV cache, for sizing the KV manager's pool.
+
+    ``layer_names`` are the attention layers (one KV cache group: every
+    layer is full attention). ``bytes_per_block`` covers K and V of all layers.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_size: int
+    layer_names: list[str]
+    bytes_per_block: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return torch.device(device)
+
+
+def kv_cache_spec_for(num_layers: int, num_kv_heads: int, head_size: int, dtype: str, block_size: int) -> KVCacheSpec:
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return KVCacheSpec(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        block_size=block_size,
+        layer_names=[f"model.layers.{i}.self_attn" for i in range(num_layers)],
+        bytes_per_block=2 * num_layers * block_size * num_kv_heads * head_size * elem,
+    )
+
+
+def check_max_model_len(requested: int | None, max_positions: int) -> int:
+    if requested is None:
+        return max_positions
+    if requested > max_positions:
+        raise ValueError(
+            f"model.max_model_len ({requested}) exceeds the checkpoint's max_position_embeddings ({max_positions})"
+        )
+    return requested
+
+
+class ModelRunner:
+    """Owns: the model weights, the paged KV cache tensors, the persistent
+    batch (per-request tokens and block tables) and the sampler's generator."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu") -> None:
+        self.device = resolve_device(device)
+        if model_config.num_threads is not None:
+            torch.set_num_threads(model_config.num_threads)
+        path = model_config.model
+        if path is None:
+            path = str(default_model_dir(model_config.seed))
+        ckpt = load_checkpoint(path, model_config.dtype, str(self.device))
+        self.model = ckpt.model
+        self.arch = ckpt.arch
+        self.dtype = ckpt.dtype
+        self.model_fingerprint: str = ckpt.fingerprint
+        self.tokenizer = load_tokenizer(model_config.tokenizer or str(ckpt.directory))
+        self.vocab_size: int = ckpt.arch.vocab_size
+        self.max_model_len: int = check_max_model_len(model_config.max_model_len, ckpt.arch.max_position_embeddings)
+        eos = [self.tokenizer.eos_token_id, *ckpt.arch.eos_token_ids]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(t for t in eos if t is not None))
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.block_size = cache_config.block_size
+        self.kv_layout = cache_config.kv_layout
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kv_cache_backing: torch.Tensor | None = None
+        self.kv_connector: Any = None  # a KV connector's worker side, or None
+        self.batch = InputBatch(self.block_size, self.max_model_len, self.device)
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
+        if self.tokenizer.vocab_size > self.vocab_size:
+            log.warning("tokenizer_vocab_exceeds_model", tokenizer=self.tokenizer.vocab_size, model=self.vocab_size)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        a = self.arch
+        return kv_cache_spec_for(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.block_size)
+
+    def num_blocks_for_memory(self, mib: int) -> int:
+        """How many blocks (K and V of every layer) fit in ``mib`` MiB."""
+        return (mib * 1024 * 1024) // self.kv_cache_spec().bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the zeroed paged cache for ``num_blocks`` blocks (block 0 is the null block)."""
+        a = self.arch
+        shape = KVCacheShape(
+            num_layers=a.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=a.num_key_value_heads,
+            head_size=a.head_dim,
+        )
+        self.kv_cache_backing, self.kv_caches = allocate_kv_caches(
+            shape, self.kv_layout, self.model.dtype, self.device
+        )
+        log.info("kv_cache_allocated", num_blocks=num_blocks, layout=self.kv_layout,
+                 mib=round(self.kv_cache_backing.nbytes / 2**20, 1))
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches, self.device)
+
+    def set_kv_connector(self, worker: Any) -> None:
+        """Attach a KV connector's worker side (``kvstrata.connector``): the
+        forward pass then runs layer by layer with its load and save hooks."""
+        self.kv_connector = worker
+        if self.kv_caches is not None:
+            worker.register_kv_caches(self.kv_caches, self.device)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute every scheduled token, sample for requests that reach their end."""
+        if self.kv_caches is None:
+            raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        self._update_batch(scheduler_output)
+        if self.kv_connector is not None:
+            return self._execute_with_connector(scheduler_output, self.kv_connector)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput.empty()
+        step = self.batch.prepare(scheduler_output.num_scheduled_tokens)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+        return self._sample(scheduler_output, step, hidden, ())
+
+    def _execute_with_connector(self, so: SchedulerOutput, conn: Any) -> ModelRunnerOutput:
+        """The step with the connector's hooks: loads before (and layer by layer
+        within) the forward, saves after each layer; then what it finished."""
+        conn.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            conn.start_load_kv()
+            step = hidden = None
+            if so.num_scheduled_tokens:
+                step = self.batch.prepare(so.num_scheduled_tokens)
+                hidden = self._forward_layerwise(step, conn)
+            conn.wait_for_save()
+            sending, recving = conn.get_finished(so.finished_req_ids)
+            invalid = conn.get_block_ids_with_load_errors()
+            report = conn.take_report()
+        finally:
+            conn.clear_connector_metadata()
+        out = self._sample(so, step, hidden, invalid) if step is not None else ModelRunnerOutput.empty()
+        if not (sending or recving or invalid or report is not None):
+            return out
+        return msgspec.structs.replace(
+            out, finished_sending=sorted(sending), finished_recving=sorted(recving),
+            invalid_block_ids=sorted(invalid), kv_connector_stats=report,
+        )
+
+    @torch.inference_mode()
+    def _forward_layerwise(self, step: StepInputs, conn: Any) -> torch.Tensor:
+        """``LlamaForCausalLM.forward`` with the connector's hooks around each
+        decoder layer: layer i's KV load is waited for before its attention
+        reads the cache, and its KV is saved once its attention wrote it."""
+        m = self.model
+        x = m.model.embed_tokens(step.input_ids)
+        cos, sin = m.rotary.cos_sin(step.positions, x.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(m.model.layers, self.kv_caches, strict=True)):
+            conn.wait_for_layer_load(i)
+            x = layer(x, cos, sin, kv_cache, step.meta)
+            conn.save_kv_layer(i)
+        return m.model.norm(x)
+
+    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+                invalid_blocks) -> ModelRunnerOutput:
+        """Sample the requests that reached their last known token; a request
+        whose loaded KV failed (``invalid_blocks``) samples nothing: the
+        scheduler recomputes from its first failed block."""
+        sample_states, sample_idx = step.sample_states, step.sample_batch_idx
+        if invalid_blocks and sample_states:
+            keep = [i for i, st in enumerate(sample_states) if not self.batch.holds_any(st, invalid_blocks)]
+            sample_states = [sample_states[i] for i in keep]
+            sample_idx = [sample_idx[i] for i in keep]
+            hidden_rows = step.logits_indices[keep] if keep else None
+        else:
+            hidden_rows = step.logits_indices
+        sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs_out: list[Logprobs | None] | None = None
+        if sample_states:
+            logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
+            meta = sampling_metadata(sample_states, self.eos_token_ids, self.device)
+            tokens, logprobs = self.sampler(logits, meta)
+            for state, b, token in zip(sample_states, sample_idx, tokens, strict=True):
+                state.token_ids.append(token)
+                sampled_ids[b] = [token]
+            if logprobs is not None:
+                logprobs_out = [None] * len(step.req_ids)
+                for b, lp in zip(sample_idx, logprobs, strict=True):
+                    logprobs_out[b] = lp
+        requests = self.batch.requests
+        for req_id, n in so.num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += n
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs_out)
+
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in so.finished_req_ids:
+            batch.remove(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove(req_id)
+        for data in so.scheduled_new_reqs:
+            batch.add(data)
+        if so.scheduled_cached_reqs.req_ids:
+            batch.update(so.scheduled_cached_reqs)
