@@ -83,21 +83,9 @@ class FSTier(SharedMediumTier):
         self.files.write(key, obj.numpy_bytes(), obj.shape, dtype_name(obj.dtype), obj.layout)
         return True
 
-    async def _put_job(self, key: ChunkKey, obj: MemoryObj) -> bool:
+    async def _write(self, key: ChunkKey, obj: MemoryObj) -> bool:
         assert self._pool is not None
-        try:
-            wrote = await run_in_thread(self._pool, self._write_if_absent, key, obj)
-        except OSError as e:
-            self.counters.dropped_puts += 1
-            self._fault(e)
-            return False
-        finally:
-            self._end_put(key, obj)
-        self._health.ok()
-        if wrote:
-            self.counters.puts += 1
-            self.counters.bytes_in += obj.nbytes
-        return wrote
+        return await run_in_thread(self._pool, self._write_if_absent, key, obj)
 
     async def _read_job(self, key: ChunkKey, meta: ObjectMeta, dst: MemoryObj) -> bool:
         assert self._pool is not None

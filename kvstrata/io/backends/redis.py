@@ -66,6 +66,7 @@ class RedisTier(SharedMediumTier):
 
     kind = "redis"
     options_type = RedisOptions
+    faults = _FAULTS
 
     def __init__(self, opts: RedisOptions, *, name: str = "redis", write_back: bool = False) -> None:
         super().__init__(opts, name=name, write_back=write_back, max_in_flight=opts.max_in_flight)
@@ -145,29 +146,18 @@ class RedisTier(SharedMediumTier):
         self.submit_remove(key)
 
     # --- put -----------------------------------------------------------
-    async def _put_job(self, key: ChunkKey, obj: MemoryObj) -> bool:
+    async def _write(self, key: ChunkKey, obj: MemoryObj) -> bool:
         assert self._client is not None and self._pool is not None
-        try:
-            stored = not await self._client.exists(self._rkey(key, "m"))  # else: already there
-            if stored:
-                payload = obj.numpy_bytes()
-                csum = await run_in_thread(self._pool, xxhash.xxh3_64_intdigest, payload)
-                meta = _encode(RedisMeta(key, obj.shape, dtype_name(obj.dtype), obj.layout, obj.nbytes, csum))
-                pipe = self._client.pipeline(transaction=False)
-                pipe.set(self._rkey(key, "d"), memoryview(payload), ex=self._opts.ttl_s)
-                pipe.set(self._rkey(key, "m"), meta, ex=self._opts.ttl_s)
-                await pipe.execute()
-        except _FAULTS as e:
-            self.counters.dropped_puts += 1
-            self._fault(e)
-            return False
-        finally:
-            self._end_put(key, obj)
-        self._health.ok()
-        if stored:
-            self.counters.puts += 1
-            self.counters.bytes_in += obj.nbytes
-        return stored
+        if await self._client.exists(self._rkey(key, "m")):
+            return False  # already there
+        payload = obj.numpy_bytes()
+        csum = await run_in_thread(self._pool, xxhash.xxh3_64_intdigest, payload)
+        meta = _encode(RedisMeta(key, obj.shape, dtype_name(obj.dtype), obj.layout, obj.nbytes, csum))
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._rkey(key, "d"), memoryview(payload), ex=self._opts.ttl_s)
+        pipe.set(self._rkey(key, "m"), meta, ex=self._opts.ttl_s)
+        await pipe.execute()
+        return True
 
     # --- read ----------------------------------------------------------
     async def _read_job(self, key: ChunkKey, want: ObjectMeta, dst: MemoryObj) -> bool:

@@ -2,8 +2,9 @@
 filesystem, Redis): no local index (``has`` is always None, ``metas`` asks
 the medium), no capacity management (the medium's owner runs its own), no
 pins (this process cannot keep other hosts from deleting). Subclasses
-provide the medium: ``metas``, ``_put_job``, ``_read_job``,
-``submit_remove``, and ``_close_medium``.
+provide the medium: ``metas``, ``_write`` (one put), ``_read_job``,
+``submit_remove``, ``_fault`` and ``_close_medium``, and name the
+exceptions that mean "the medium failed" in ``faults``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class SharedMediumTier:
 
     kind = ""
     options_type: type = object
+    faults: tuple[type[BaseException], ...] = (OSError,)
 
     def __init__(self, opts: Any, *, name: str, write_back: bool, max_in_flight: int) -> None:
         opts.validate(name)
@@ -87,6 +89,27 @@ class SharedMediumTier:
                                  on_drop=dst.release)
 
     async def _put_job(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """One queued put: the medium's ``_write``, with the counting and
+        fault handling every shared medium does the same way."""
+        try:
+            stored = await self._write(key, obj)
+        except self.faults as e:
+            self.counters.dropped_puts += 1
+            self._fault(e)
+            return False
+        finally:
+            self._end_put(key, obj)
+        self._health.ok()
+        if stored:
+            self.counters.puts += 1
+            self.counters.bytes_in += obj.nbytes
+        return stored
+
+    async def _write(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Store ``obj`` unless the medium has it; True when it was written."""
+        raise NotImplementedError
+
+    def _fault(self, e: BaseException) -> None:
         raise NotImplementedError
 
     async def _read_job(self, key: ChunkKey, meta: ObjectMeta, dst: MemoryObj) -> bool:
