@@ -7,15 +7,19 @@ exceed ``capacity_bytes``; the policy picks victims among entries that are not
 pinned and not being read. All file I/O runs on the tier's bounded thread
 pool, scheduled by its priority executor.
 
-Faults (ENOSPC, EACCES/EPERM, EROFS, EIO, the directory gone) make the tier
-unavailable (see ``Health``): reads miss, puts drop, until a retry succeeds. A
-single missing file is just a miss; a corrupt one is a miss, counted, logged
-and deleted.
+A full filesystem (ENOSPC, EDQUOT) is not a fault: the disk holds less than
+``capacity_bytes``, so the capacity is lowered to the bytes in use and the
+policy evicts to make room, as it does at capacity; the put that hit the
+wall is dropped and later ones land. Faults (EACCES/EPERM, EROFS, EIO, the
+directory gone) make the tier unavailable (see ``Health``): reads miss, puts
+drop, until a retry succeeds. A single missing file is just a miss; a
+corrupt one is a miss, counted, logged and deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -32,6 +36,7 @@ from kvstrata.io.policies import make_policy
 from kvstrata.io.stats import TierCounters, TierStats
 
 log = structlog.get_logger(__name__)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class _Entry:
@@ -133,16 +138,21 @@ class DiskTier:
 
     async def _put_job(self, key: ChunkKey, obj: MemoryObj, size: int) -> bool:
         assert self._pool is not None
+        full = False
         try:
             written = await run_in_thread(self._pool, self.files.write, key, obj.numpy_bytes(),
                                           obj.shape, dtype_name(obj.dtype), obj.layout)
         except OSError as e:
-            self.counters.faults += 1
             self.counters.dropped_puts += 1
-            self._health.fault(e)
+            full = e.errno in _FULL
+            if not full:
+                self.counters.faults += 1
+                self._health.fault(e)
             return False
         finally:
             self._unreserve(key, obj, size)
+            if full:
+                self._medium_full(size)
         self._health.ok()
         self._add(key, _Entry(ObjectMeta(obj.shape, dtype_name(obj.dtype), obj.layout, obj.nbytes), written))
         self.counters.puts += 1
@@ -150,6 +160,17 @@ class DiskTier:
         if self._used > self.capacity:  # header larger than estimated (never with this format)
             self._make_room(0)
         return True
+
+    def _medium_full(self, size: int) -> None:
+        """The filesystem ran out of room before our capacity did: what we
+        hold now is what fits. Lower the capacity to it and evict (by
+        policy) room for one more object of ``size`` bytes."""
+        new_capacity = max(size, self._used + self._reserved)
+        if new_capacity < self.capacity:
+            log.warning("disk_tier_full", tier=self.name, capacity_bytes=self.capacity,
+                        new_capacity_bytes=new_capacity, used_bytes=self._used)
+            self.capacity = new_capacity
+        self._make_room(size)
 
     def _make_room(self, size: int) -> bool:
         """Evict until ``size`` more bytes fit; False (nothing changed beyond
