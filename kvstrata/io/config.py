@@ -124,7 +124,10 @@ class RedisOptions(msgspec.Struct, **_STRUCT):
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    ssl_check_hostname: bool = False
+    ssl_check_hostname: bool = True
+    # The server's certificate is verified (against ssl_ca_certs, else the
+    # system's CA store) unless this is set: for test setups only.
+    ssl_insecure_skip_verify: bool = False
     key_prefix: str = "kvstrata"
     ttl_s: int | None = None
     socket_timeout_s: float = 5.0
@@ -142,6 +145,9 @@ class RedisOptions(msgspec.Struct, **_STRUCT):
             check_int(f"{prefix}.ttl_s", self.ttl_s)
         if not self.key_prefix or ":" in self.key_prefix:
             raise ValueError(f"{prefix}.key_prefix must be non-empty and contain no ':'")
+        if self.ssl_insecure_skip_verify and self.ssl_ca_certs:
+            raise ValueError(f"{prefix}.ssl_insecure_skip_verify contradicts {prefix}.ssl_ca_certs: "
+                             "a CA is given to verify against")
         check_float(f"{prefix}.socket_timeout_s", self.socket_timeout_s)
         check_float(f"{prefix}.connect_timeout_s", self.connect_timeout_s)
         check_int(f"{prefix}.max_connections", self.max_connections)

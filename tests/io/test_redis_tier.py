@@ -9,6 +9,8 @@ import shutil
 import subprocess
 
 import pytest
+import structlog
+import structlog.testing
 from io_helpers import IDENT, get_ids, key, put_all, put_pattern
 
 from kvstrata.io import TierSpec
@@ -49,22 +51,56 @@ async def test_password_is_required_and_used(make_store, redis_factory):
     assert await get_ids(good, [1]) == [1]
 
 
-async def test_tls_connection(make_store, redis_factory, tmp_path):
+def _tls_server(redis_factory, tmp_path):
+    """A TLS-only Redis with a self-signed certificate for 127.0.0.1 (which
+    no system CA store trusts); returns (server, certificate path)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
     crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-keyout", str(pem), "-out", str(crt)],
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(pem), "-out", str(crt)],
                    check=True, capture_output=True)
     server = redis_factory(start=False)
     server.extra = ["--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(crt),
                     "--tls-key-file", str(pem), "--tls-ca-cert-file", str(crt), "--tls-auth-clients", "no"]
     server.start()
+    return server, crt
+
+
+async def test_tls_connection(make_store, redis_factory, tmp_path):
+    server, crt = _tls_server(redis_factory, tmp_path)
     store = await make_store(tiers=[redis_spec(server, ssl=True, ssl_ca_certs=str(crt))])
     await put_all(store, [0])
     evict_l1(store, [0])
     assert await get_ids(store, [0]) == [0]
     assert store.stats().tier("redis").available
+
+
+async def test_tls_without_a_ca_verifies_against_the_system_store(make_store, redis_factory, tmp_path):
+    server, _crt = _tls_server(redis_factory, tmp_path)
+    store = await make_store(tiers=[redis_spec(server, ssl=True)])
+    await put_all(store, [0])
+    r = store.stats().tier("redis")
+    assert not r.available and r.puts == 0  # the self-signed certificate is refused
+
+
+async def test_tls_verification_is_skipped_only_when_asked_loudly(make_store, redis_factory, tmp_path):
+    server, _crt = _tls_server(redis_factory, tmp_path)
+    with structlog.testing.capture_logs() as logs:
+        store = await make_store(tiers=[redis_spec(server, ssl=True, ssl_insecure_skip_verify=True)])
+    assert any(e["event"] == "redis_tls_verification_disabled" and e["log_level"] == "warning"
+               for e in logs)
+    await put_all(store, [0])
+    evict_l1(store, [0])
+    assert await get_ids(store, [0]) == [0]
+
+
+def test_skipping_verification_with_a_ca_is_a_config_error():
+    from kvstrata.io.config import RedisOptions
+
+    with pytest.raises(ValueError, match="ssl_insecure_skip_verify"):
+        RedisOptions(ssl=True, ssl_ca_certs="/ca.pem", ssl_insecure_skip_verify=True).validate("tiers[0].options")
 
 
 async def test_server_down_at_start_then_up(make_store, redis_factory):

@@ -91,13 +91,19 @@ class RedisTier(SharedMediumTier):
             self._fault(e)
 
     def _ssl_kwargs(self) -> dict:
+        """TLS verifies the server (its CA, else the system store, and its
+        host name) unless ``ssl_insecure_skip_verify`` says otherwise."""
         o = self._opts
         if not o.ssl:
             return {}
-        return dict(connection_class=aioredis.SSLConnection, ssl_ca_certs=o.ssl_ca_certs,
-                    ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
-                    ssl_check_hostname=o.ssl_check_hostname,
-                    ssl_cert_reqs="required" if o.ssl_ca_certs else "none")
+        kw = dict(connection_class=aioredis.SSLConnection, ssl_ca_certs=o.ssl_ca_certs,
+                  ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
+                  ssl_check_hostname=o.ssl_check_hostname, ssl_cert_reqs="required")
+        if o.ssl_insecure_skip_verify:
+            log.warning("redis_tls_verification_disabled", tier=self.name,
+                        reason="ssl_insecure_skip_verify is set: any certificate is accepted")
+            kw.update(ssl_cert_reqs="none", ssl_check_hostname=False)
+        return kw
 
     def _rkey(self, key: ChunkKey, part: str) -> str:
         return f"{self._opts.key_prefix}:{key.identity}:{key.name}:{part}"
