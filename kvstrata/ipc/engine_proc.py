@@ -1,5 +1,6 @@
 """The engine subprocess: ``python -m kvstrata.ipc.engine_proc --address URL
---config-json JSON``.
+--config-stdin`` (the EngineConfig as JSON on stdin, so no secret is ever in
+argv).
 
 Lifecycle (a small state machine; every path ends in ``EngineDead`` to the
 clients, so none of them hangs):
@@ -68,14 +69,15 @@ async def serve_engine(config: EngineConfig, address: str, *, parent_pid: int | 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvstrata.ipc.engine_proc")
     p.add_argument("--address", required=True)
-    p.add_argument("--config-json", required=True)
+    p.add_argument("--config-stdin", action="store_true", required=True,
+                   help="read the EngineConfig as JSON from stdin (never from argv: it may hold secrets)")
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--max-frame-bytes", type=int, default=P.DEFAULT_MAX_FRAME_BYTES)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--log-json", dest="log_json", action="store_const", const=True, default=None)
     g.add_argument("--log-console", dest="log_json", action="store_const", const=False)
     args = p.parse_args(argv)
-    config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
     configure_logging(config.log_level, json=args.log_json)
     config.validate()
     try:

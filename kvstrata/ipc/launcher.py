@@ -1,7 +1,9 @@
 """Starting the engine subprocess and watching it die.
 
 The child is ``python -m kvstrata.ipc.engine_proc`` (a fresh interpreter:
-no forked torch threads, no inherited event loop). Its exit is observed with a
+no forked torch threads, no inherited event loop). Its config travels on
+its stdin, never in argv: argv is readable by every local user (``ps``,
+``/proc/PID/cmdline``), and the config can hold secrets (a Redis password). Its exit is observed with a
 pidfd on the event loop, so a ``kill -9`` is seen within milliseconds.
 """
 
@@ -59,16 +61,22 @@ class ProcessWatch:
 def spawn_engine(config: EngineConfig, address: str, *, watch_parent: bool = True,
                  log_json: bool | None = None, max_frame_bytes: int | None = None) -> subprocess.Popen:
     """Start the engine process bound to ``address``; it exits when this
-    process dies (``--parent-pid``), so an engine is never orphaned."""
-    cmd = [sys.executable, "-m", "kvstrata.ipc.engine_proc", "--address", address,
-           "--config-json", msgspec.json.encode(config).decode()]
+    process dies (``--parent-pid``), so an engine is never orphaned. The
+    config is written to its stdin (a pipe only it reads)."""
+    cmd = [sys.executable, "-m", "kvstrata.ipc.engine_proc", "--address", address, "--config-stdin"]
     if watch_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     if max_frame_bytes is not None:
         cmd += ["--max-frame-bytes", str(max_frame_bytes)]
     if log_json is not None:
         cmd += ["--log-json" if log_json else "--log-console"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
+    assert proc.stdin is not None
+    try:  # a config is a few KiB: well within a pipe's buffer, so this does not block
+        proc.stdin.write(msgspec.json.encode(config))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the child already died; its exit is reported by the watch
     log.info("engine_process_started", pid=proc.pid, address=address)
     return proc
 
