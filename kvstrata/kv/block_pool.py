@@ -163,19 +163,25 @@ class BlockPool:
                 sampler.on_touched(block)  # type: ignore[union-attr]
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; those that reach zero go to the
-        free queue tail *in the given order* (pass a request's blocks tail
-        first, so a chain's tail is evicted before its head)."""
-        freed: list[KVCacheBlock] = []
-        append = freed.append
+        """Drop one reference on each block. Those that reach zero go back to
+        the free queue *in the given order* (pass a request's blocks tail
+        first, so a chain's tail is evicted before its head): cached blocks
+        (with a hash) at the tail, blocks no hit can use (no hash) at the
+        head, to be reused first. With caching off every block goes to the
+        tail (vLLM's rule)."""
+        cached: list[KVCacheBlock] = []
+        plain: list[KVCacheBlock] = cached if not self.enable_caching else []
         for block in ordered_blocks:
             if block.is_null:
                 continue
             ref_cnt = block.ref_cnt - 1
             block.ref_cnt = ref_cnt
             if ref_cnt == 0:
-                append(block)
-        self.free_block_queue.append_n(freed)
+                (cached if block.block_hash is not None else plain).append(block)
+        queue = self.free_block_queue
+        if plain is not cached:
+            queue.prepend_n(plain)
+        queue.append_n(cached)
 
     # -- caching -------------------------------------------------------------
 

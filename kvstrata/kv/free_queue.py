@@ -1,12 +1,15 @@
 """The free block queue: an intrusive doubly linked list of free blocks.
 
-Its order is the eviction order. Blocks are appended at the tail when freed
-and taken from the head when allocated, so a cached block that was freed
-long ago is evicted before one freed recently (LRU), and a request's blocks,
-freed tail first, give their chain's tail up before its head::
+Its order is the eviction order, vLLM v1's: blocks are taken from the head
+when allocated. A freed block that holds a cached prefix (it has a hash) is
+appended at the tail, so a cached block freed long ago is evicted before one
+freed recently (LRU), and a request's blocks, freed tail first, give their
+chain's tail up before its head. A freed block with no hash can never be a
+prefix hit, so it is prepended at the head and reused first, keeping the
+cached ones longer::
 
-    head <-> B7 <-> B3 <-> B9 <-> ... <-> B4 <-> tail
-    ^ popleft (next victim)               ^ append (just freed)
+    head <-> U2 <-> U5 <-> B7 <-> B3 <-> ... <-> B4 <-> tail
+    ^ prepend_n (freed, no hash)  ^ popleft       ^ append_n (freed, cached)
 
 A prefix-cache hit on a free block takes it out of the middle (``remove``),
 which is why the list is intrusive: the links live in the block itself, so
@@ -101,6 +104,20 @@ class FreeBlockQueue:
             last = block
         last.next_free_block = self._tail  # type: ignore[union-attr]
         self._tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the head, in order (the first one is the next victim)."""
+        if not blocks:
+            return
+        prev = self._head
+        first = prev.next_free_block
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev  # type: ignore[union-attr]
         self.num_free_blocks += len(blocks)
 
     def __iter__(self) -> Iterator[KVCacheBlock]:

@@ -43,14 +43,32 @@ def test_get_new_blocks_beyond_free_raises_and_changes_nothing():
     assert _free(pool) == [1, 2, 3]
 
 
-def test_free_blocks_appends_in_given_order_and_skips_held_and_null():
+def test_free_blocks_without_hash_go_to_the_head_in_given_order_skipping_held_and_null():
     pool = BlockPool(6)
     a = pool.get_new_blocks(3)  # 1, 2, 3
     pool.touch([a[0]])  # block 1 now held twice
     pool.free_blocks(reversed([pool.null_block, *a]))
-    assert _free(pool) == [4, 5, 3, 2]
+    assert _free(pool) == [3, 2, 4, 5]  # no hash: reused first (vLLM's order)
     assert a[0].ref_cnt == 1
     assert pool.null_block.ref_cnt == 0
+
+
+def test_freed_cached_blocks_go_to_the_tail_and_uncached_ones_to_the_head():
+    pool = BlockPool(8)
+    req = make_request("r", range(8), block_size=4)
+    blocks = pool.get_new_blocks(3)  # 1, 2, 3: two full blocks cached, the third partial
+    _cache(pool, req, blocks, 2)
+    pool.free_blocks(reversed(blocks))  # tail first: 3 (no hash), 2, 1 (cached)
+    assert _free(pool) == [3, 4, 5, 6, 7, 2, 1]
+    assert _ids(pool.get_new_blocks(1)) == [3]  # the uncached block is reused first
+    assert pool.get_cached_block(req.block_hashes[0]) is blocks[0]
+
+
+def test_with_caching_off_every_freed_block_goes_to_the_tail():
+    pool = BlockPool(6, enable_caching=False)
+    a = pool.get_new_blocks(3)
+    pool.free_blocks(reversed(a))
+    assert _free(pool) == [4, 5, 3, 2, 1]
 
 
 def _cache(pool, request, blocks, num_full, block_size=4, group_id=0):
@@ -117,10 +135,10 @@ def test_touch_revives_a_free_cached_block_out_of_the_queue():
     pool = BlockPool(5)
     blocks = pool.get_new_blocks(2)
     pool.free_blocks(reversed(blocks))
-    assert _free(pool) == [3, 4, 2, 1]
+    assert _free(pool) == [2, 1, 3, 4]  # no hash: at the head
     pool.touch([blocks[1], pool.null_block])
     assert blocks[1].ref_cnt == 1
-    assert _free(pool) == [3, 4, 1]
+    assert _free(pool) == [1, 3, 4]
     assert pool.null_block.ref_cnt == 0
 
 

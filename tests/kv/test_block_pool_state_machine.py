@@ -2,7 +2,9 @@
 
 The model keeps the free queue as a Python list and ref counts in a dict;
 every allocation must return exactly the model's head blocks, and the
-queue order must match after every operation.
+queue order must match after every operation. The model's free rule is
+vLLM's: blocks reaching zero references go back in the order given, those
+with a hash to the tail, those without one to the head.
 """
 
 import hypothesis.strategies as st
@@ -56,10 +58,13 @@ class PoolMachine(RuleBasedStateMachine):
     def release(self, data):
         ids = self.holders.pop(data.draw(st.integers(0, len(self.holders) - 1)))
         self.pool.free_blocks([self.pool.blocks[i] for i in reversed(ids)])
+        head, tail = [], []
         for i in reversed(ids):
             self.refs[i] -= 1
             if self.refs[i] == 0:
-                self.free.append(i)
+                (tail if i in self.cached else head).append(i)
+        self.free[:0] = head
+        self.free.extend(tail)
 
     @precondition(lambda self: self.cached)
     @rule(data=st.data())

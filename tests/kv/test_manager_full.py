@@ -31,8 +31,9 @@ def test_prefill_shares_the_common_prefix_and_frees_tail_first():
     assert free_ids(m) == [6, 7, 8, 9, 10]
     m.free(r0)
     m.free(r1)
-    # unallocated, r0's unshared tail, then r1's blocks tail first
-    assert free_ids(m) == [6, 7, 8, 9, 10, 4, 5, 3, 2, 1]
+    # the partial (uncached) blocks at the head, last freed first; then the
+    # unallocated; then r1's cached blocks, tail first
+    assert free_ids(m) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     assert m.num_free_blocks == 10 and m.usage == 0.0
 
 
@@ -41,11 +42,11 @@ def test_eviction_victims_follow_the_free_queue():
     r0 = make_request("r0", _prompt(3, 7))
     schedule(m, r0)
     m.free(r0)
-    assert free_ids(m) == [5, 6, 7, 8, 9, 10, 4, 3, 2, 1]
+    assert free_ids(m) == [4, 5, 6, 7, 8, 9, 10, 3, 2, 1]  # uncached block 4 first
     r1 = make_request("r1", list(range(50_000, 50_000 + 8 * BS)))
     _, n_hit, new = schedule(m, r1)
     assert n_hit == 0
-    assert new.get_block_ids() == ([5, 6, 7, 8, 9, 10, 4, 3],)
+    assert new.get_block_ids() == ([4, 5, 6, 7, 8, 9, 10, 3],)
     # block 3 (tail of r0's chain) was evicted; its head survives
     r2 = make_request("r2", _prompt(3, 7, start=500))
     hit, n_hit, _ = m.get_computed_blocks(r2), None, None
@@ -143,10 +144,10 @@ def test_external_computed_tokens_get_blocks_after_the_local_hit():
     assert n_hit == 2 * BS
     # the connector holds 2 more blocks; 4 tokens left to compute
     new = m.allocate_slots(r1, 4, n_hit, hit, num_external_computed_tokens=3 * BS)
-    assert new.get_block_ids() == ([4, 5, 6, 7],)
-    assert m.get_block_ids("r1") == ([1, 2, 4, 5, 6, 7],)
+    assert new.get_block_ids() == ([3, 4, 5, 6],)  # r0's uncached block 3 is reused first
+    assert m.get_block_ids("r1") == ([1, 2, 3, 4, 5, 6],)
     cached = [m.block_pool.get_cached_block(h) for h in r1.block_hashes]
-    assert [b.block_id if b else None for b in cached] == [1, 2, 4, 5, 6]
+    assert [b.block_id if b else None for b in cached] == [1, 2, 3, 4, 5]
 
 
 def test_external_tokens_alone_may_allocate_with_zero_new_tokens():
@@ -179,7 +180,7 @@ def test_freeing_an_unknown_request_names_it_and_changes_nothing():
     m.free(r0)
     with pytest.raises(KeyError):
         m.free(r0)  # already freed
-    assert free_ids(m) == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1] and len(before) == 8
+    assert free_ids(m) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 1] and len(before) == 8
 
 
 @pytest.mark.parametrize(
