@@ -129,7 +129,6 @@ class SchedulerOutput(msgspec.Struct, frozen=True, kw_only=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
-    num_common_prefix_blocks: list[int] = []
     kv_connector_metadata: Any = None
 
     @property

@@ -207,7 +207,7 @@ class AsyncEngine:
         self._check_alive()
         s = self._core.scheduler
         async with asyncio.timeout(timeout_s):
-            while s.loading or s.delayed_free or s.connector.has_pending_work():
+            while s.has_pending_transfers():
                 self._wakeup.set()
                 await asyncio.sleep(0.002)
             connector = self._core.kv_connector

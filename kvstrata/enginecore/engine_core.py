@@ -38,7 +38,6 @@ from kvstrata.enginecore.request import (
     RequestStatus,
     validate_engine_request,
 )
-from kvstrata.enginecore.scheduler.transfers import fail_transfers
 from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.types import (
     EngineStats,
@@ -224,14 +223,13 @@ class EngineCore:
         """Anything to schedule, finished ids the runner has not been told, or
         KV transfers to hear about."""
         s = self.scheduler
-        return (bool(s.requests) or bool(s.finished_req_ids) or bool(s.delayed_free)
-                or s.connector.has_pending_work())
+        return s.has_unfinished_requests() or bool(s.finished_req_ids) or s.has_pending_transfers()
 
     def should_execute(self, so: SchedulerOutput) -> bool:
         """Whether ``so`` is worth a runner call: tokens to compute, state to
         drop, or KV transfers whose completion the runner reports."""
         return bool(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
-                    or so.kv_connector_metadata is not None or self.scheduler.has_pending_transfers())
+                    or so.kv_connector_metadata is not None or self.scheduler.transfers.has_pending())
 
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -268,10 +266,7 @@ class EngineCore:
         if suspect:
             self.kv.evict_blocks(suspect)
         done = s.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        fail_transfers(s, scheduler_output)
-        # The runner may not have applied these; tell it again next step.
-        s.finished_req_ids.update(scheduler_output.finished_req_ids)
-        s.finished_req_ids.update(scheduler_output.preempted_req_ids)
+        s.fail_step(scheduler_output)
         message = f"model step failed: {type(exc).__name__}: {exc}"
         log.error("step_failed", error=message, num_failed_requests=len(done),
                   consecutive_failures=self.consecutive_failed_steps)

@@ -76,17 +76,16 @@ class Request:
     up, the block hasher adds the hashes of the newly full blocks, so the KV
     manager never hashes tokens twice.
 
-    ``num_slots`` is how many token positions the request's KV blocks hold
-    (blocks * block_size); the scheduler keeps it so that a decode step whose
-    token fits in the current block skips the KV manager entirely.
+    Which blocks the request holds is the KV cache manager's to know (keyed
+    by ``request_id``); nothing here copies it.
     """
 
     __slots__ = (
         "request_id", "all_token_ids", "num_prompt_tokens", "sampling_params",
         "arrival_time", "priority", "cache_salt", "lora_name", "mm_features",
         "prompt_embeds_digest", "block_hashes", "num_computed_tokens",
-        "num_cached_tokens", "num_external_computed_tokens", "num_preemptions",
-        "status", "stop_reason", "num_slots", "max_tokens", "min_tokens",
+        "num_cached_tokens", "num_preemptions",
+        "status", "stop_reason", "max_tokens", "min_tokens",
         "stop_ids", "eos_token_ids", "detokenizer", "seq", "sort_key",
         "_block_hasher", "_hash_block_size", "hash_boundary",
     )
@@ -118,11 +117,9 @@ class Request:
         self.prompt_embeds_digest: bytes | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set at the first schedule: the prefix hit
-        self.num_external_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
-        self.num_slots = 0
         self.max_tokens = sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens
         self.eos_token_ids = frozenset(eos_token_ids)

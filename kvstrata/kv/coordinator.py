@@ -157,9 +157,6 @@ class KVCacheCoordinator:
     def get_blocks(self, request_id: str) -> GroupBlocks:
         return tuple(m.req_to_blocks.get(request_id, []) for m in self.managers)
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        return [m.get_num_common_prefix_blocks(request_id) for m in self.managers]
-
     def new_step_starts(self) -> None:
         for m in self.managers:
             m.new_step_starts()

@@ -263,13 +263,6 @@ class KVCacheManager:
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Per group, the leading blocks shared by *every* request holding
-        blocks (for cascade attention); 0 where the type cannot tell."""
-        if not self.coordinator.has_request(running_request_id):
-            raise UnknownRequestError(running_request_id)
-        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
-
     def new_step_starts(self) -> None:
         """Call once per scheduler step (Mamba 'align' needs it)."""
         self.coordinator.new_step_starts()

@@ -95,7 +95,7 @@ def _runner(config: EngineConfig):
 
 def assert_idle(core: EngineCore) -> list:
     kv, sched = core.kv, core.scheduler
-    assert not sched.requests and not sched.delayed_free and not sched.loading
+    assert not sched.requests and not sched.transfers.has_pending()
     assert kv.num_free_blocks == kv.num_blocks - 1, f"{kv.num_blocks - 1 - kv.num_free_blocks} device blocks in use"
     bundles = offload_bundles(core.kv_connector)
     for b in bundles:

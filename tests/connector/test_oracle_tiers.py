@@ -162,10 +162,10 @@ async def test_f_redis_killed_mid_run(oracle, make_engine, redis_server):
     tasks = [asyncio.create_task(gen(engine, p)) for p in prompts]
     sched = engine.core.scheduler
     for _ in range(2000):
-        if sched.loading:  # a load from Redis is in flight
+        if sched.transfers.loading:  # a load from Redis is in flight
             break
         await asyncio.sleep(0.001)
-    assert sched.loading
+    assert sched.transfers.loading
     redis_server.kill()
     assert await asyncio.gather(*tasks) == [oracle.greedy(p, N) for p in prompts]
     stats = await engine.stats()

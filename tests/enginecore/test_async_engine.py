@@ -215,7 +215,7 @@ async def test_async_kv_load_is_polled_to_completion(start_engine):
     runner = FakeRunner()
     engine = await start_engine(runner, connector=ScriptedConnector(hits={"a": (8, True)}))
     task = asyncio.create_task(collect(engine, list(range(10, 20)), max_tokens=2, request_id="a"))
-    await wait_for(lambda: "a" in engine.core.scheduler.loading)
+    await wait_for(lambda: "a" in engine.core.scheduler.transfers.loading)
     assert engine.core.scheduler.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     runner.finished_recving = ["a"]  # the worker's load completes
     outs = await task

@@ -157,19 +157,6 @@ def test_external_tokens_alone_may_allocate_with_zero_new_tokens():
     assert new.get_block_ids() == ([1, 2],)
 
 
-def test_common_prefix_blocks_count_blocks_shared_by_every_holder():
-    m = make_manager(20)
-    reqs = [make_request(f"r{i}", _prompt(2, 20, start=100 * i)) for i in range(3)]
-    for r in reqs:
-        schedule(m, r)
-    assert m.get_num_common_prefix_blocks("r0") == [2]
-    lone = make_request("x", list(range(5000, 5000 + BS)))
-    schedule(m, lone)
-    assert m.get_num_common_prefix_blocks("r0") == [0]
-    with pytest.raises(UnknownRequestError):
-        m.get_num_common_prefix_blocks("nope")
-
-
 def test_freeing_an_unknown_request_names_it_and_changes_nothing():
     m = make_manager(11)
     r0 = make_request("r0", list(range(20)))

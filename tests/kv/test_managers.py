@@ -117,7 +117,6 @@ def test_sliding_window_frees_blocks_that_left_the_window_tail_first():
     assert m.get_block_ids("r") == ([0, 0, 0, 4, 5, 6],)
     assert free_ids(m) == [7, 8, 9, 10, 11, 3, 2, 1]
     assert m.block_pool.blocks[3].block_hash == req.block_hashes[2]  # freed early, still cached
-    assert m.get_num_common_prefix_blocks("r") == [0]
 
 
 def test_sliding_window_hit_is_taken_with_null_padding():
@@ -237,7 +236,6 @@ def test_cross_attention_allocates_for_encoder_tokens_once():
     r0.num_computed_tokens = 10
     r0.append_output_token_ids([3])
     assert m.allocate_slots(r0, 1, num_encoder_tokens=40).get_block_ids() == ([], [])
-    assert m.get_num_common_prefix_blocks("r0") == [1, 0]
     m.free(r0)
     assert m.num_free_blocks == 9
 

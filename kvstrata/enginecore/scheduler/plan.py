@@ -1,13 +1,18 @@
-"""What one schedule() call has decided so far for the running requests."""
+"""What one schedule() call has decided so far, and the SchedulerOutput it
+becomes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvstrata.enginecore.request import Request
+from kvstrata.types import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class StepPlan:
     """The running requests scheduled so far in one schedule() call, as
-    parallel lists (the shape CachedRequestData wants)."""
+    parallel lists (the shape CachedRequestData wants), the tokens of every
+    scheduled request, and the requests preempted on the way."""
 
     __slots__ = ("reqs", "prev_computed", "new_blocks", "n", "num_scheduled", "preempted")
 
@@ -24,3 +29,37 @@ class StepPlan:
         j = self.reqs.index(req)
         del self.reqs[j], self.prev_computed[j], self.new_blocks[j], self.n[j]
         return self.num_scheduled.pop(req.request_id)
+
+    def to_output(
+        self,
+        new_reqs: list[Request],
+        total: int,
+        finished_req_ids: list[str],
+        block_ids: Callable[[str], tuple[list[int], ...]],
+    ) -> SchedulerOutput:
+        """The step as a diff: new requests in full (their block tables from
+        ``block_ids``, the KV manager's), running ones as deltas. Reads the
+        requests' counts before this step advances them."""
+        return SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    token_ids=list(r.all_token_ids),
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    sampling_params=r.sampling_params,
+                    block_ids=block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                    lora_name=r.lora_name,
+                )
+                for r in new_reqs
+            ],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in self.reqs],
+                new_block_ids=self.new_blocks,
+                num_computed_tokens=self.prev_computed,
+            ),
+            num_scheduled_tokens=self.num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=[r.request_id for r in self.preempted],
+        )

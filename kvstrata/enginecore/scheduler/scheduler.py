@@ -16,7 +16,10 @@ runner's output into per-request outputs. vLLM v1's algorithm:
     update_from_output(): append sampled tokens, check stops, free finished
       requests (their full blocks stay in the prefix cache), emit outputs.
 
-The scheduler does no I/O; it runs on the event loop that owns it.
+The scheduler does no I/O; it runs on the event loop that owns it. Its
+helpers own their own state and return decisions it applies: ``admit``
+(waiting.py) reserves one request's blocks and returns an Admission, the
+TransferTracker (transfers.py) returns what a step's KV transfers settle.
 """
 
 from __future__ import annotations
@@ -34,34 +37,32 @@ from kvstrata.enginecore.scheduler.plan import StepPlan
 from kvstrata.enginecore.scheduler.queues import make_waiting_queue, remove_all
 from kvstrata.enginecore.scheduler.stats import SchedulerCounters
 from kvstrata.enginecore.scheduler.stop import append_and_check, detokenize
-from kvstrata.enginecore.scheduler.transfers import settle_transfers
-from kvstrata.enginecore.scheduler.waiting import schedule_waiting
-from kvstrata.types import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    RequestOutput,
-    SchedulerOutput,
-)
+from kvstrata.enginecore.scheduler.transfers import TransferTracker
+from kvstrata.enginecore.scheduler.waiting import Admission, Refusal, admit
+from kvstrata.kv import KVCacheManager
+from kvstrata.types import ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 _LENGTH = RequestStatus.FINISHED_LENGTH
 _STOPPED = RequestStatus.FINISHED_STOPPED
 
 
 class Scheduler:
     """Owns: every live Request (``requests``), the waiting queue, the running
-    list, the ids finished since the last output, and the counters. Drives
-    the KV cache manager and the connector but owns neither.
+    list, the ids finished since the last output, the counters, and the
+    TransferTracker (``transfers``: which requests wait on the worker's KV
+    loads and saves). Drives the KV cache manager and the connector but owns
+    neither: the KV manager alone knows which blocks a request holds.
     """
 
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache_manager,
+        kv_cache_manager: KVCacheManager,
         *,
         max_model_len: int,
         enable_prefix_caching: bool = True,
@@ -81,22 +82,15 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        # Connector bookkeeping: requests whose KV is loading, loads the
-        # worker reported done, finished requests whose free waits for a save.
-        # ``sync_loading``: requests whose blocks this step's worker fills;
-        # ``recv_rollback``: where an async load failed (see sched/transfers).
-        self.loading: set[str] = set()
-        self.finished_recving: set[str] = set()
-        self.delayed_free: dict[str, Request] = {}
-        self.sync_loading: list[Request] = []
-        self.recv_rollback: dict[str, int] = {}
+        self.transfers = TransferTracker(self.block_size, kv_cache_manager.get_block_ids)
         self.counters = SchedulerCounters()
         self._seq = itertools.count()
 
     # -- admission and removal --------------------------------------------
     def add_request(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self.requests or rid in self.delayed_free:
+        # A finished request whose save still reads its blocks holds them under its id.
+        if rid in self.requests or self.kv.has_request(rid):
             raise RequestError("request_id", f"{rid!r} is already in use by a live request")
         request.seq = next(self._seq)
         prio = request.priority if self.policy == "priority" else 0
@@ -135,16 +129,13 @@ class Scheduler:
 
     def _free_request(self, req: Request) -> None:
         rid = req.request_id
-        # num_slots > 0 exactly when the request holds blocks (a waiting or
-        # preempted request holds none).
-        holds_blocks = req.num_slots > 0
+        # A waiting or preempted request holds no blocks, unless it is parked
+        # for (or done with) an async load.
+        holds_blocks = self.kv.has_request(rid)
         block_ids = self.kv.get_block_ids(rid) if holds_blocks else ()
         delay, _params = self.connector.request_finished(req, block_ids)
         del self.requests[rid]
-        loading = rid in self.loading
-        self.loading.discard(rid)
-        self.finished_recving.discard(rid)
-        self.recv_rollback.pop(rid, None)
+        loading = self.transfers.forget(rid)
         self.finished_req_ids.add(rid)
         self.counters.num_finished += 1
         log.debug("request_finished", request_id=rid, reason=FINISH_REASONS[req.status],
@@ -153,10 +144,9 @@ class Scheduler:
             if not loading:  # blocks an async load is still filling are never cached
                 self._cache_computed_blocks(req)
             if delay:
-                self.delayed_free[rid] = req
+                self.transfers.delay_free(req)
             else:
                 self.kv.free(req)
-        req.num_slots = 0
 
     def _cache_computed_blocks(self, req: Request) -> None:
         """Register the request's full computed blocks before they are freed
@@ -173,9 +163,10 @@ class Scheduler:
         return bool(self.requests)
 
     def has_pending_transfers(self) -> bool:
-        """KV loads or saves in flight: the worker must be stepped (even with
-        nothing to compute) to report them."""
-        return bool(self.loading) or bool(self.delayed_free)
+        """KV loads or saves not done yet: those the worker has to report
+        (``transfers.has_pending()``) or the connector's own (lookups,
+        writes to its tiers)."""
+        return self.transfers.has_pending() or self.connector.has_pending_work()
 
     # -- schedule ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -199,19 +190,19 @@ class Scheduler:
             if n <= 0:
                 i += 1  # nothing to compute (its sampled token never came back)
                 continue
-            total = nc + n
             new_ids = None
-            if total > req.num_slots:
-                # The tokens overflow the last block: ask the pool, preempting if full.
+            if n > -nc % bs:
+                # The tokens overflow the block holding the computed ones (the
+                # request holds at least up to it; only the KV manager knows
+                # if more): ask it, preempting while the pool is full.
                 blocks, i, returned = self._allocate_running(req, n, i, plan)
                 budget += returned
                 if blocks is None:
                     break
-                req.num_slots = -(-total // bs) * bs
                 ids = blocks.get_block_ids()
                 if any(ids):
                     new_ids = ids
-            # Else the tokens fit in the blocks it holds: no KV manager call.
+            # Else the tokens fit in the last block: no KV manager call.
             # A block that fills up now is registered in the prefix cache by
             # the next allocate_slots (next step), or when the request is
             # freed or preempted.
@@ -225,7 +216,7 @@ class Scheduler:
 
         new_reqs: list[Request] = []
         if not plan.preempted and self.waiting:
-            budget = schedule_waiting(self, budget, new_reqs, num_scheduled)
+            budget = self._schedule_waiting(budget, new_reqs, num_scheduled)
         return self._make_output(new_reqs, plan, self.max_num_batched_tokens - budget)
 
     def _allocate_running(self, req: Request, n: int, i: int, plan: StepPlan):
@@ -262,7 +253,6 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_slots = 0
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
         self.waiting.prepend(req)
@@ -270,55 +260,128 @@ class Scheduler:
                  num_tokens=len(req.all_token_ids))
 
     def _make_output(self, new_reqs: list[Request], plan: StepPlan, total: int) -> SchedulerOutput:
-        kv = self.kv
-        requests_new = [
-            NewRequestData(
-                req_id=r.request_id,
-                token_ids=list(r.all_token_ids),
-                num_prompt_tokens=r.num_prompt_tokens,
-                sampling_params=r.sampling_params,
-                block_ids=kv.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-                lora_name=r.lora_name,
-            )
-            for r in new_reqs
-        ]
-        sched_reqs = plan.reqs
-        cached = CachedRequestData(
-            req_ids=[r.request_id for r in sched_reqs],
-            new_block_ids=plan.new_blocks,
-            num_computed_tokens=plan.prev_computed,
-        )
-        running = self.running
-        common = kv.get_num_common_prefix_blocks(running[0].request_id) if running else []
         finished = list(self.finished_req_ids)
         self.finished_req_ids = set()
-        num_scheduled = plan.num_scheduled
-        out = SchedulerOutput(
-            scheduled_new_reqs=requests_new,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=finished,
-            preempted_req_ids=[r.request_id for r in plan.preempted],
-            num_common_prefix_blocks=common,
-        )
+        out = plan.to_output(new_reqs, total, finished, self.kv.get_block_ids)
         meta = self.connector.build_connector_meta(out)
         if meta is not None:
             out = msgspec.structs.replace(out, kv_connector_metadata=meta)
         # Advance only now: the output carries the counts before this step.
-        for r, n in zip(sched_reqs, plan.n):
+        for r, n in zip(plan.reqs, plan.n):
             r.num_computed_tokens += n
+        num_scheduled = plan.num_scheduled
         for r in new_reqs:
             r.num_computed_tokens += num_scheduled[r.request_id]
         return out
+
+    # -- admission ----------------------------------------------------------
+    def _schedule_waiting(self, budget: int, new_reqs: list[Request], num_scheduled: dict[str, int]) -> int:
+        """Admit waiting requests in policy order into ``new_reqs``; returns
+        the budget left. A request parked for an async load, or one the
+        connector cannot answer for yet, is skipped and keeps its place at the
+        front; the first request that does not fit ends the pass."""
+        waiting, running = self.waiting, self.running
+        skipped: list[Request] = []
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting.peek()
+            if req.status == _WAITING_FOR_REMOTE_KVS and not self._load_landed(req):
+                skipped.append(waiting.pop())
+                continue
+            a = admit(req, self.kv, self.connector, budget=budget, long_prefill_threshold=self.long_prefill_threshold,
+                      chunked_prefill=self.config.enable_chunked_prefill, enable_caching=self.enable_caching)
+            if a is Refusal.NOT_KNOWN:
+                skipped.append(waiting.pop())
+                continue
+            if a is Refusal.NO_FIT:
+                break
+            waiting.pop()
+            if not self._apply_admission(req, a):
+                skipped.append(req)  # parked until its async load lands
+                continue
+            new_reqs.append(req)
+            num_scheduled[req.request_id] = a.num_new
+            budget -= a.num_new
+        if skipped:
+            waiting.prepend_all(skipped)
+        return budget
+
+    def _apply_admission(self, req: Request, a: Admission) -> bool:
+        """Count the hits and set the request going; False if it is parked
+        for an async load instead of running."""
+        if a.first_lookup:
+            c = self.counters
+            c.prefix_cache_queries += len(req.all_token_ids)
+            c.prefix_cache_hits += a.num_local
+            c.external_cache_hits += a.num_external
+        req.num_computed_tokens = a.num_computed
+        if a.load_async:
+            req.status = _WAITING_FOR_REMOTE_KVS
+            self.transfers.start_async_load(req.request_id)
+            return False
+        if a.num_external:
+            self.transfers.start_sync_load(req)
+        req.status = _RUNNING
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = a.num_computed
+        self.running.append(req)
+        return True
+
+    def _load_landed(self, req: Request) -> bool:
+        """True once the worker reported ``req``'s async load done; its loaded
+        blocks (up to any failed one) then enter the prefix cache."""
+        landed = self.transfers.take_landed(req.request_id)
+        if landed is None:
+            return False
+        if landed.roll_back_to is not None:
+            self._roll_back(req, landed.roll_back_to, "async")
+        self._cache_computed_blocks(req)
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+        return True
+
+    # -- KV transfers -------------------------------------------------------
+    def _settle(self, out: ModelRunnerOutput) -> None:
+        """Apply one step's connector results (before its sampled tokens)."""
+        self.connector.update_connector_output(out)
+        st = self.transfers.settle(out)
+        if not st:
+            return
+        if st.evict:
+            self.kv.evict_blocks(st.evict)
+        for req, pos in st.roll_back:
+            self._roll_back(req, pos, "sync")
+        for req in st.cache:
+            self._cache_computed_blocks(req)
+        for req in st.free:
+            self.kv.free(req)
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The step of ``scheduler_output`` raised (its requests already
+        failed): the connector drops its buffers, loads it did not make count
+        as failed, delayed frees it cannot confirm happen now, and the runner
+        is told again next step what this one should have told it."""
+        sending, recving, invalid = self.connector.step_failed(scheduler_output)
+        self.transfers.step_failed()
+        self._settle(ModelRunnerOutput(req_ids=[], sampled_token_ids=[], finished_sending=list(sending),
+                                       finished_recving=list(recving), invalid_block_ids=list(invalid)))
+        self.finished_req_ids.update(scheduler_output.finished_req_ids)
+        self.finished_req_ids.update(scheduler_output.preempted_req_ids)
+
+    def _roll_back(self, req: Request, pos: int, kind: str) -> None:
+        """A load into ``req``'s blocks failed from token ``pos`` on: recompute from there."""
+        if pos >= req.num_computed_tokens:
+            return
+        log.warning("kv_load_failed_recompute", request_id=req.request_id, kind=kind,
+                    recompute_from=pos, num_computed=req.num_computed_tokens)
+        req.num_computed_tokens = pos
+        if req.num_cached_tokens > pos:
+            req.num_cached_tokens = pos
 
     # -- update -----------------------------------------------------------
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply one step's sampled tokens; returns the outputs to stream."""
-        settle_transfers(self, runner_output)
+        self._settle(runner_output)
         outputs: list[RequestOutput] = []
         stopped: list[Request] = []
         requests = self.requests

@@ -1,5 +1,6 @@
-"""The scheduler's side of KV transfers: what a step's connector results do
-to requests and blocks.
+"""The scheduler's side of KV transfers: ``TransferTracker`` remembers which
+requests wait on the worker, and turns one step's connector results into a
+``Settlement``, the decisions the Scheduler applies to requests and blocks.
 
     sync load  (blocks filled inside the step, layer by layer): the blocks are
                allocated uncached; after the step they are cached, or, if the
@@ -18,88 +19,134 @@ prefix cache and recomputed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import structlog
+from collections.abc import Callable
 
 from kvstrata.enginecore.request import Request, RequestStatus
 from kvstrata.types import ModelRunnerOutput
 
-if TYPE_CHECKING:
-    from kvstrata.enginecore.scheduler import Scheduler
-
-log = structlog.get_logger(__name__)
 _RUNNING = RequestStatus.RUNNING
 
 
-def settle_transfers(s: Scheduler, out: ModelRunnerOutput) -> None:
-    """Apply one step's connector results (before its sampled tokens)."""
-    s.connector.update_connector_output(out)
-    invalid = set(out.invalid_block_ids)
-    if invalid:
-        s.kv.evict_blocks(sorted(invalid))
-    loads, s.sync_loading = s.sync_loading, []
-    for req in loads:
-        if req.status is not _RUNNING:
-            continue  # finished or aborted while the step ran
-        pos = first_failed_token(s, req, invalid) if invalid else None
-        if pos is not None:
-            _roll_back(req, pos, "sync")
-        elif s.enable_caching:
-            s.kv.cache_blocks(req, req.num_computed_tokens)
-    for rid in out.finished_recving:
-        if rid not in s.loading:
-            continue
-        s.finished_recving.add(rid)
-        req = s.requests.get(rid)
-        pos = first_failed_token(s, req, invalid) if invalid and req is not None else None
-        if pos is not None:
-            s.recv_rollback[rid] = pos
-    for rid in out.finished_sending:
-        req = s.delayed_free.pop(rid, None)
-        if req is not None:
-            s.kv.free(req)
+class Settlement:
+    """What one step's transfer results ask of the scheduler, in this order:
+    uncache the ``evict`` block ids; roll each of ``roll_back`` back to its
+    token position (a sync load that failed); cache the computed blocks of
+    each of ``cache`` (sync loads that arrived); free the blocks of each of
+    ``free`` (finished requests whose save is done)."""
+
+    __slots__ = ("evict", "roll_back", "cache", "free")
+
+    def __init__(self, evict: list[int]) -> None:
+        self.evict = evict
+        self.roll_back: list[tuple[Request, int]] = []
+        self.cache: list[Request] = []
+        self.free: list[Request] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.evict or self.roll_back or self.cache or self.free)
 
 
-def fail_transfers(s: Scheduler, scheduler_output) -> None:
-    """The step raised: the connector drops its buffers; loads it did not
-    make are treated as failed, delayed frees it cannot confirm happen now."""
-    sending, recving, invalid = s.connector.step_failed(scheduler_output)
-    s.sync_loading = []
-    settle_transfers(s, ModelRunnerOutput(req_ids=[], sampled_token_ids=[], finished_sending=list(sending),
-                                          finished_recving=list(recving), invalid_block_ids=list(invalid)))
+_NOTHING = Settlement([])  # never mutated: the answer of a step with no transfers
 
 
-def remote_kvs_ready(s: Scheduler, req: Request) -> bool:
-    """True once the worker reported the request's async load as done; its
-    loaded blocks (up to any failed one) then enter the prefix cache."""
-    rid = req.request_id
-    if rid not in s.finished_recving:
-        return False
-    s.finished_recving.discard(rid)
-    s.loading.discard(rid)
-    pos = s.recv_rollback.pop(rid, None)
-    if pos is not None:
-        _roll_back(req, pos, "async")
-    if s.enable_caching:
-        s.kv.cache_blocks(req, req.num_computed_tokens)
-    req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
-    return True
+class Landed:
+    """An async load the worker reported done: where the request must
+    recompute from (its first failed block), or None if every block arrived."""
+
+    __slots__ = ("roll_back_to",)
+
+    def __init__(self, roll_back_to: int | None) -> None:
+        self.roll_back_to = roll_back_to
 
 
-def first_failed_token(s: Scheduler, req: Request, invalid: set[int]) -> int | None:
-    """Token position of the request's first block in ``invalid``, or None."""
-    for i, b in enumerate(s.kv.get_block_ids(req.request_id)[0]):
-        if b in invalid:
-            return i * s.block_size
-    return None
+class TransferTracker:
+    """Owns: the async loads in flight (``loading``, request ids, until the
+    request is admitted or finishes), the loads the worker reported done
+    (with the position a failed block rolls them back to), this step's sync
+    loads, and the finished requests whose blocks wait for a save. Reads
+    block tables through ``block_ids`` (the KV manager's); changes nothing
+    but its own state: the Scheduler applies what it returns."""
 
+    __slots__ = ("loading", "_landed", "_sync", "_delayed", "_block_ids", "_block_size")
 
-def _roll_back(req: Request, pos: int, kind: str) -> None:
-    if pos >= req.num_computed_tokens:
-        return
-    log.warning("kv_load_failed_recompute", request_id=req.request_id, kind=kind,
-                recompute_from=pos, num_computed=req.num_computed_tokens)
-    req.num_computed_tokens = pos
-    if req.num_cached_tokens > pos:
-        req.num_cached_tokens = pos
+    def __init__(self, block_size: int, block_ids: Callable[[str], tuple[list[int], ...]]) -> None:
+        self.loading: set[str] = set()
+        self._landed: dict[str, int | None] = {}
+        self._sync: list[Request] = []
+        self._delayed: dict[str, Request] = {}
+        self._block_ids = block_ids
+        self._block_size = block_size
+
+    # -- recording --------------------------------------------------------
+    def start_async_load(self, request_id: str) -> None:
+        self.loading.add(request_id)
+
+    def start_sync_load(self, request: Request) -> None:
+        """``request``'s external blocks are filled by the step being planned."""
+        self._sync.append(request)
+
+    def delay_free(self, request: Request) -> None:
+        """``request`` finished; its blocks stay held until its save is reported."""
+        self._delayed[request.request_id] = request
+
+    def forget(self, request_id: str) -> bool:
+        """The request finished: drop its load state. True if an async load
+        was still filling its blocks (they must never be cached)."""
+        in_flight = request_id in self.loading
+        self.loading.discard(request_id)
+        self._landed.pop(request_id, None)
+        return in_flight
+
+    # -- answers ----------------------------------------------------------
+    def has_pending(self) -> bool:
+        """Loads or saves the worker has yet to report: it must be stepped
+        (even with nothing to compute) to report them."""
+        return bool(self.loading) or bool(self._delayed)
+
+    def take_landed(self, request_id: str) -> Landed | None:
+        """The request's async load, once the worker reported it done (the
+        request is then no longer loading); None while it is in flight."""
+        if request_id not in self._landed:
+            return None
+        self.loading.discard(request_id)
+        return Landed(self._landed.pop(request_id))
+
+    def settle(self, out: ModelRunnerOutput) -> Settlement:
+        """Take in one step's connector results (before its sampled tokens);
+        returns what the scheduler must do. This step's sync loads are done."""
+        if not (self._sync or out.invalid_block_ids or out.finished_recving or out.finished_sending):
+            return _NOTHING
+        invalid = set(out.invalid_block_ids)
+        st = Settlement(sorted(invalid))
+        loads, self._sync = self._sync, []
+        for req in loads:
+            if req.status is not _RUNNING:
+                continue  # finished or aborted while the step ran
+            pos = self._first_failed_token(req.request_id, invalid) if invalid else None
+            if pos is None:
+                st.cache.append(req)
+            elif pos < req.num_computed_tokens:
+                st.roll_back.append((req, pos))
+        for rid in out.finished_recving:
+            if rid not in self.loading:
+                continue  # finished (aborted) while it loaded
+            pos = self._first_failed_token(rid, invalid) if invalid else None
+            if pos is not None or rid not in self._landed:
+                self._landed[rid] = pos
+        for rid in out.finished_sending:
+            req = self._delayed.pop(rid, None)
+            if req is not None:
+                st.free.append(req)
+        return st
+
+    def step_failed(self) -> None:
+        """The step raised before filling its sync loads: forget them (their
+        requests were failed with the step)."""
+        self._sync = []
+
+    def _first_failed_token(self, request_id: str, invalid: set[int]) -> int | None:
+        """Token position of the request's first block in ``invalid``, or None."""
+        for i, b in enumerate(self._block_ids(request_id)[0]):
+            if b in invalid:
+                return i * self._block_size
+        return None

@@ -184,9 +184,5 @@ class SingleTypeKVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> int:
-        """Leading blocks shared by every request holding blocks (cascade attention)."""
-        return 0
-
     def new_step_starts(self) -> None:
         """Called once per scheduler step."""

@@ -42,15 +42,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             del hits[len(hits) * block_size // alignment * alignment // block_size :]
         return hits
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> int:
-        num_holders = len(self.req_to_blocks)
-        count = 0
-        for block in self.req_to_blocks[request_id]:
-            if block.ref_cnt != num_holders:
-                break
-            count += 1
-        return count
-
 
 class SinkFullAttentionManager(FullAttentionManager):
     """Full attention whose first ``sink_len`` positions are learned sinks
