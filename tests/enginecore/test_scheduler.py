@@ -184,6 +184,26 @@ def test_preempting_an_already_scheduled_request_returns_its_budget(make_harness
     h.run_to_completion()
 
 
+def test_a_victim_scheduled_earlier_in_the_step_leaves_no_uncomputed_block_cached(make_harness):
+    # Running order is [B, A]. B's third chunk is allocated (allocate_slots
+    # caches blocks 4 and 5 as it hands them out), then A's decode finds no
+    # room and the victim is B: that chunk is never computed, so only B's 16
+    # computed tokens may be hit afterwards, not block 4 (freed tail first,
+    # block 5 goes to A and block 4 would survive in the cache).
+    h = make_harness(policy="priority", num_blocks=8, long_prefill_token_threshold=8)  # 7 usable
+    prompt = list(range(100, 124))
+    h.add("B", prompt, max_tokens=2, priority=1, arrival=0.0)
+    assert h.step().num_scheduled_tokens == {"B": 8}
+    h.add("A", list(range(10, 14)), max_tokens=3, priority=0, arrival=1.0)
+    assert h.step().num_scheduled_tokens == {"B": 8, "A": 4}
+    so = h.step()
+    assert so.preempted_req_ids == ["B"] and so.num_scheduled_tokens == {"A": 1}
+    probe = h.add("probe", prompt + [7], max_tokens=1)
+    assert h.kv.get_computed_blocks(probe)[1] == 16
+    h.sched.finish_requests(["probe"], RequestStatus.FINISHED_ABORTED)
+    h.run_to_completion()
+
+
 class CountingKV(KVCacheManager):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

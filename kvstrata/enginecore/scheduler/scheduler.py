@@ -238,6 +238,10 @@ class Scheduler:
                 i -= 1
             if victim.request_id in plan.num_scheduled:
                 returned += plan.unschedule(victim)
+                # allocate_slots cached the blocks it handed out for tokens
+                # this step no longer computes: they must not be hit.
+                first = victim.num_computed_tokens // self.block_size
+                self.kv.evict_blocks([b for g in self.kv.get_block_ids(victim.request_id) for b in g[first:]])
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is req:
