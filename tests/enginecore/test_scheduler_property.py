@@ -21,11 +21,18 @@ PREFIXES = [list(range(100, 130)), list(range(200, 230)), list(range(300, 330))]
 MAX_PROMPT, MAX_OUT = 30, 10
 
 
-@st.composite
-def workloads(draw):
-    bs = draw(st.sampled_from([2, 4]))
-    min_blocks = -(-(MAX_PROMPT + MAX_OUT) // bs) + 1
-    cfg = dict(
+# One request of a workload: its prompt (a shared prefix and its own tail),
+# output length, priority, arrival step and abort step.
+REQUEST = dict(
+    prefix=st.integers(0, 2), shared=st.integers(0, MAX_PROMPT), tail=st.integers(0, 12),
+    max_tokens=st.integers(1, MAX_OUT), priority=st.integers(0, 2),
+    arrive=st.integers(0, 12), abort=st.one_of(st.none(), st.integers(0, 30)),
+)
+
+
+def draw_config(draw, bs: int, min_blocks: int) -> dict:
+    """A harness config (pool of at least ``min_blocks``), drawn."""
+    return dict(
         block_size=bs,
         num_blocks=draw(st.integers(min_blocks, min_blocks + 24)),
         caching=draw(st.booleans()),
@@ -34,12 +41,18 @@ def workloads(draw):
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
-    reqs = draw(st.lists(st.fixed_dictionaries(dict(
-        prefix=st.integers(0, 2), shared=st.integers(0, MAX_PROMPT), tail=st.integers(0, 12),
-        max_tokens=st.integers(1, MAX_OUT), priority=st.integers(0, 2),
-        arrive=st.integers(0, 12), abort=st.one_of(st.none(), st.integers(0, 30)),
-    )), min_size=1, max_size=10))
-    return cfg, reqs
+
+
+def prompt_of(k: int, spec: dict) -> list[int]:
+    prompt = PREFIXES[spec["prefix"]][: spec["shared"]] + [1000 + 50 * k + j for j in range(spec["tail"])]
+    return prompt[:MAX_PROMPT] or [7]
+
+
+@st.composite
+def workloads(draw):
+    bs = draw(st.sampled_from([2, 4]))
+    cfg = draw_config(draw, bs, -(-(MAX_PROMPT + MAX_OUT) // bs) + 1)
+    return cfg, draw(st.lists(st.fixed_dictionaries(REQUEST), min_size=1, max_size=10))
 
 
 def expected_outputs(prompt: list[int], n: int) -> list[int]:
@@ -80,9 +93,7 @@ def test_random_workloads_keep_every_invariant(make_harness, workload):
         for k, spec in enumerate(specs):
             rid = f"r{k}"
             if spec["arrive"] == step:
-                prompt = PREFIXES[spec["prefix"]][: spec["shared"]] + [1000 + 50 * k + j for j in range(spec["tail"])]
-                prompt = prompt[:MAX_PROMPT] or [7]
-                prompts[rid] = prompt
+                prompts[rid] = prompt = prompt_of(k, spec)
                 h.add(rid, prompt, max_tokens=spec["max_tokens"], priority=spec["priority"],
                       arrival=step + k / 100)
             if spec["abort"] == step and rid in h.sched.requests:

@@ -5,6 +5,7 @@ request or refuses without changing anything."""
 
 from __future__ import annotations
 
+import pytest
 from engine_fakes import EOS, ScriptedConnector, hasher_for, make_kv
 
 from kvstrata.enginecore.request import Request, RequestStatus
@@ -130,6 +131,14 @@ def fields(a: Admission) -> tuple:
     return (a.num_computed, a.num_new, a.num_local, a.num_external, a.load_async, a.first_lookup)
 
 
+@pytest.fixture
+def kv(kv_managers):
+    """A 16-block KV manager (block size 4), checked all free at the end."""
+    kv = make_kv(16)
+    kv_managers.append(kv)
+    return kv
+
+
 def cache_prefix(kv, tokens: list[int]) -> None:
     """Compute ``tokens`` once as request "warm" and free it: its full blocks stay cached."""
     warm = waiting_request("warm", tokens)
@@ -138,9 +147,7 @@ def cache_prefix(kv, tokens: list[int]) -> None:
     kv.free(warm)
 
 
-def test_admit_takes_the_device_hit_then_the_external_one_and_reserves_the_rest(kv_managers):
-    kv = make_kv(16)
-    kv_managers.append(kv)
+def test_admit_takes_the_device_hit_then_the_external_one_and_reserves_the_rest(kv):
     cache_prefix(kv, list(range(100, 108)))
     conn = ScriptedConnector(hits={"a": (4, False)})
     req = waiting_request("a", list(range(100, 114)))
@@ -152,18 +159,14 @@ def test_admit_takes_the_device_hit_then_the_external_one_and_reserves_the_rest(
     kv.free(req)
 
 
-def test_admit_never_counts_the_last_token_as_external(kv_managers):
-    kv = make_kv(16)
-    kv_managers.append(kv)
+def test_admit_never_counts_the_last_token_as_external(kv):
     req = waiting_request("a", list(range(10)))
     a = admit(req, kv, ScriptedConnector(hits={"a": (40, False)}), **admit_args())
     assert fields(a) == (9, 1, 0, 9, False, True)
     kv.free(req)
 
 
-def test_admit_parks_an_async_load_with_nothing_to_compute(kv_managers):
-    kv = make_kv(16)
-    kv_managers.append(kv)
+def test_admit_parks_an_async_load_with_nothing_to_compute(kv):
     req = waiting_request("a", list(range(10)))
     a = admit(req, kv, ScriptedConnector(hits={"a": (8, True)}), **admit_args())
     assert fields(a) == (8, 0, 0, 8, True, True)
@@ -171,9 +174,7 @@ def test_admit_parks_an_async_load_with_nothing_to_compute(kv_managers):
     kv.free(req)
 
 
-def test_admit_resumes_a_request_that_holds_blocks_without_a_lookup(kv_managers):
-    kv = make_kv(16)
-    kv_managers.append(kv)
+def test_admit_resumes_a_request_that_holds_blocks_without_a_lookup(kv):
     req = waiting_request("a", list(range(10)))
     kv.allocate_slots(req, 0, num_external_computed_tokens=8, delay_cache_blocks=True)
     req.num_computed_tokens = 4  # rolled back after a failed block

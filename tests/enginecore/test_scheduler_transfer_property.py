@@ -20,14 +20,12 @@ import random
 from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_kv, next_token
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_scheduler_property import MAX_OUT, MAX_PROMPT, REQUEST, draw_config, expected_outputs, prompt_of
 
 from kvstrata.config import SchedulerConfig
 from kvstrata.enginecore.request import RequestStatus
 from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.types import ModelRunnerOutput
-
-PREFIXES = [list(range(100, 130)), list(range(200, 230))]
-MAX_PROMPT, MAX_OUT = 30, 8
 
 
 class Load:
@@ -187,34 +185,15 @@ class LoadingRunner(FakeRunner):
 def workloads(draw):
     bs = draw(st.sampled_from([2, 4]))
     reqs = draw(st.lists(st.fixed_dictionaries(dict(
-        prefix=st.integers(0, 1), shared=st.integers(0, MAX_PROMPT), tail=st.integers(0, 12),
-        max_tokens=st.integers(1, MAX_OUT), priority=st.integers(0, 2),
-        arrive=st.integers(0, 12), abort=st.one_of(st.none(), st.integers(0, 30)),
-        hit=st.integers(0, MAX_PROMPT), load_async=st.booleans(), unknown=st.integers(0, 2),
+        REQUEST, hit=st.integers(0, MAX_PROMPT), load_async=st.booleans(), unknown=st.integers(0, 2),
         delay_free=st.booleans(),
     )), min_size=1, max_size=8))
     # A request alone must fit beside every parked async load: a load that
     # finished is only admitted when the waiting pass reaches it, and a
     # running request that cannot fit preempts itself forever meanwhile.
     parked = sum(-(-r["hit"] // bs) + 1 for r in reqs if r["load_async"])
-    min_blocks = -(-(MAX_PROMPT + MAX_OUT) // bs) + 1 + parked
-    cfg = dict(
-        block_size=bs,
-        num_blocks=draw(st.integers(min_blocks, min_blocks + 24)),
-        caching=draw(st.booleans()),
-        max_num_batched_tokens=draw(st.integers(2, 48)),
-        max_num_seqs=draw(st.integers(1, 6)),
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
-    )
+    cfg = draw_config(draw, bs, -(-(MAX_PROMPT + MAX_OUT) // bs) + 1 + parked)
     return cfg, reqs, draw(st.sampled_from([0.0, 0.2, 0.5])), draw(st.integers(0, 2**32))
-
-
-def expected_outputs(prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
 
 
 def check_step(h, so, cfg, conn, saving):
@@ -257,8 +236,7 @@ def run_workload(kv_managers, workload):
         for k, spec in enumerate(specs):
             rid = f"r{k}"
             if spec["arrive"] == step:
-                prompt = PREFIXES[spec["prefix"]][: spec["shared"]] + [1000 + 50 * k + j for j in range(spec["tail"])]
-                prompts[rid] = prompt[:MAX_PROMPT] or [7]
+                prompts[rid] = prompt_of(k, spec)
                 h.add(rid, prompts[rid], max_tokens=spec["max_tokens"], priority=spec["priority"],
                       arrival=step + k / 100)
             if spec["abort"] == step and rid in h.sched.requests:

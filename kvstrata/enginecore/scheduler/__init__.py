@@ -1,7 +1,9 @@
-"""The scheduler (``Scheduler``, in ``scheduler.py``) and its parts: waiting
-queues per policy (``queues``), admission of waiting requests (``waiting``),
-the running-request plan of one step (``plan``), the KV-transfer bookkeeping
-(``transfers``), stop checks (``stop``), and counters (``stats``)."""
+"""The scheduler (``Scheduler``, in ``scheduler.py``) and its parts, none of
+which imports it: waiting queues per policy (``queues``), the admission of
+one waiting request (``waiting.admit``), one step's plan and the output it
+becomes (``plan``), the KV-transfer tracker that returns what a step's
+transfers settle (``transfers``), stop checks (``stop``), and counters
+(``stats``). The Scheduler owns the state and applies their decisions."""
 
 from kvstrata.enginecore.scheduler.scheduler import Scheduler
 
