@@ -1,6 +1,6 @@
 """Publishing KV cache events over ZMQ, with replay of missed messages.
 
-Wire format (every message on the PUB socket, three frames)::
+Wire format (vLLM's; every message on the PUB socket, three frames)::
 
     [topic bytes] [seq: 8-byte big-endian unsigned] [msgpack(KVEventBatch)]
 
@@ -13,17 +13,34 @@ marker ``[-1 as 8 signed bytes, b""]``. The buffer is a bounded ring (the
 last ``buffer_steps`` batches): older ones are gone for good, which the
 subscriber sees as replayed sequence numbers starting later than asked.
 
-``publish`` never blocks the caller (the engine loop): it hands the batch to
-a bounded queue and returns; a background thread owns both sockets,
-encodes, numbers, sends and serves replays. When the queue is full the
-batch is dropped and counted (these are cache hints, never correctness).
+Nothing here blocks the engine loop::
+
+    loop                                   publisher thread (owns the sockets)
+    ────                                   ───────────────────────────────────
+    pub = ZmqEventPublisher(...)           (nothing yet: no socket, no thread)
+    await pub.start()        ──starts──►   bind PUB (+ ROUTER); report the bound
+                             ◄─future───   endpoints or the bind error
+    pub.publish(batch)       ──queue──►    sleeps in zmq.poll on the wake-up
+                             ──wake-up─►   socket and the ROUTER; encodes,
+                                           numbers, sends; serves replays
+    await pub.aclose()       ──wake-up─►   sends what is queued, closes
+                             ◄─future───   the sockets, ends
+
+``publish`` hands the batch to a bounded queue and returns; when the queue
+is full the batch is dropped and counted (``dropped``: these are cache
+hints, never correctness). The PUB socket's high-water mark bounds what
+waits for slow subscribers (ZMQ drops beyond it), and the replay socket's
+fits one full replay.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import socket
 import threading
 from collections import deque
+from typing import Any
 
 import msgspec
 import structlog
@@ -34,16 +51,20 @@ from kvstrata.kv.events import KVEventBatch
 log = structlog.get_logger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-_SHUTDOWN = object()
 
 
 class ZmqEventPublisher:
-    """Owns: the hand-off queue, the publisher thread and, inside that thread
-    only, the ZMQ context's sockets, the sequence counter and the ring buffer.
+    """Owns: the hand-off queue, the wake-up socket pair, the publisher
+    thread and, inside that thread only, the ZMQ context and its sockets,
+    the sequence counter and the ring buffer.
 
     ``endpoint``/``replay_endpoint`` may use a wildcard port
     (``tcp://127.0.0.1:*``); the bound addresses are in ``self.endpoint`` and
-    ``self.replay_endpoint`` once the constructor returns.
+    ``self.replay_endpoint`` once ``start()`` returns.
+
+    States: new ─start()─► running ─aclose()─► closed (also new ─aclose()─►
+    closed). ``publish`` queues in "new" too (sent once started) and refuses
+    once closed.
     """
 
     def __init__(
@@ -55,114 +76,189 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         max_queue_size: int = 100_000,
         hwm: int = 100_000,
-        poll_interval_s: float = 0.01,
     ) -> None:
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}")
+        if hwm < 1:
+            raise ValueError(f"hwm must be >= 1 (0 would be unbounded), got {hwm}")
         self.topic = topic.encode("utf-8")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self.dropped = 0
+        self.dropped = 0  # batches refused because the queue was full
+        self.published = 0  # batches sent, the next sequence number (the thread's)
         self._buffer_steps = buffer_steps
         self._hwm = hwm
-        self._poll_s = poll_interval_s
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue_size)
+        self._queue: queue.SimpleQueue[KVEventBatch] = queue.SimpleQueue()
+        self._queued = 0  # loop side: accepted batches not yet taken by the thread
+        self._taken = 0  # thread side: batches taken off the queue
+        self._max_queue = max_queue_size
         self._closed = False
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._stop = False  # set on the loop, read by the thread after a wake-up
+        self._thread: threading.Thread | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._done: asyncio.Future[None] | None = None
+
+    # -- the loop side ------------------------------------------------------------
+
+    async def start(self) -> ZmqEventPublisher:
+        """Start the thread and wait (without blocking the loop) until it has
+        bound its sockets. Raises ValueError naming the endpoints when a bind
+        fails (then the publisher is closed)."""
+        if self._closed:
+            raise RuntimeError("the kv event publisher is closed")
+        if self._thread is not None:
+            raise RuntimeError("the kv event publisher is already started")
+        loop = asyncio.get_running_loop()
+        self._ready, self._done = loop.create_future(), loop.create_future()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(
+            target=self._run, args=(loop,), name="kv-event-publisher", daemon=True
+        )
         self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            self._thread.join()
-            raise ValueError(f"cannot bind kv event sockets ({endpoint!r}, {replay_endpoint!r}): {self._error}")
+        try:
+            await asyncio.shield(self._ready)
+        except BaseException:
+            await self.aclose()
+            raise
+        log.info("kv_event_publisher_started", endpoint=self.endpoint, replay_endpoint=self.replay_endpoint)
+        return self
 
     def publish(self, batch: KVEventBatch) -> bool:
-        """Queue ``batch`` for sending; never blocks. False if dropped."""
+        """Queue ``batch`` for sending; never blocks. False if dropped (the
+        queue is full) or refused (closed)."""
         if self._closed:
             return False
-        try:
-            self._queue.put_nowait(batch)
-        except queue.Full:
+        if self._queued - self._taken >= self._max_queue:
             self.dropped += 1
             return False
+        self._queued += 1
+        self._queue.put(batch)
+        self._wake()
         return True
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, stop the thread, close the sockets. Idempotent."""
+    @property
+    def queued(self) -> int:
+        """Batches accepted and not yet taken by the thread."""
+        return self._queued - self._taken
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Send what is queued, stop the thread, close the sockets, without
+        blocking the loop. Idempotent; a thread that does not end within
+        ``timeout`` seconds is left behind (a daemon) and logged."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self._queue.put(_SHUTDOWN, timeout=timeout)
-        except queue.Full:
-            log.warning("kv_event_publisher_close_queue_full", dropped=self.dropped)
-        self._thread.join(timeout)
+        self._stop = True
+        done = self._done
+        if done is not None:
+            self._wake()
+            try:
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(done)
+            except TimeoutError:
+                log.warning("kv_event_publisher_close_timeout", timeout_s=timeout, queued=self.queued)
+            except Exception:
+                pass  # the thread's failure was logged where it happened
+        for s in (self._wake_w, self._wake_r):
+            if s is not None:
+                s.close()
         if self.dropped:
             log.warning("kv_event_publisher_dropped", dropped=self.dropped)
 
-    def __enter__(self) -> ZmqEventPublisher:
+    async def __aenter__(self) -> ZmqEventPublisher:
+        if self._thread is None:
+            await self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
-    # -- the publisher thread ---------------------------------------------------
+    def _wake(self) -> None:
+        w = self._wake_w
+        if w is None:
+            return  # not started: the thread drains the queue when it starts
+        try:
+            w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the buffer is full of wake-ups already (or closing): the thread will look
 
-    def _run(self) -> None:
+    # -- the publisher thread -----------------------------------------------------
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         ctx = zmq.Context()
         pub = replay = None
         try:
-            pub = ctx.socket(zmq.PUB)
-            pub.setsockopt(zmq.SNDHWM, self._hwm)
-            pub.setsockopt(zmq.LINGER, 1000)
-            pub.bind(self.endpoint)
-            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            if self.replay_endpoint is not None:
-                replay = ctx.socket(zmq.ROUTER)
-                replay.setsockopt(zmq.LINGER, 0)
-                replay.bind(self.replay_endpoint)
-                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError as e:
-            self._error = e
-            self._ready.set()
+            try:
+                pub = ctx.socket(zmq.PUB)
+                pub.setsockopt(zmq.SNDHWM, self._hwm)
+                pub.setsockopt(zmq.LINGER, 1000)
+                pub.bind(self.endpoint)
+                endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                replay_endpoint = None
+                if self.replay_endpoint is not None:
+                    replay = ctx.socket(zmq.ROUTER)
+                    replay.setsockopt(zmq.SNDHWM, self._buffer_steps + 1)  # one whole replay
+                    replay.setsockopt(zmq.LINGER, 0)
+                    replay.bind(self.replay_endpoint)
+                    replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            except zmq.ZMQError as e:
+                err = ValueError(
+                    f"cannot bind kv event sockets ({self.endpoint!r}, {self.replay_endpoint!r}): {e}"
+                )
+                _settle(loop, self._ready, err)
+                return
+            _settle(loop, self._ready, None, lambda: self._bound(endpoint, replay_endpoint))
+            self._loop(pub, replay)
+        except Exception as e:
+            log.exception("kv_event_publisher_failed")
+            _settle(loop, self._ready, e)
+        finally:
             for s in (pub, replay):
                 if s is not None:
-                    s.close(0)
+                    s.close()
             ctx.term()
-            return
-        self._ready.set()
-        try:
-            self._loop(pub, replay)
-        except Exception:
-            log.exception("kv_event_publisher_failed")
-        finally:
-            pub.close()
-            if replay is not None:
-                replay.close()
-            ctx.term()
+            _settle(loop, self._done, None)
+
+    def _bound(self, endpoint: str, replay_endpoint: str | None) -> None:
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint  # on the loop
 
     def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+        assert self._wake_r is not None
+        wake = self._wake_r
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
         encoder = msgspec.msgpack.Encoder()
         ring: deque[tuple[int, bytes]] = deque(maxlen=self._buffer_steps)
-        seq = 0
         topic = self.topic
         while True:
-            if replay is not None:
+            stopping = self._stop  # read before draining: what was queued before it is sent
+            while True:
+                try:
+                    batch = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._taken += 1
+                payload = encoder.encode(batch)
+                seq = self.published
+                pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                ring.append((seq, payload))
+                self.published = seq + 1
+            if stopping:
+                return
+            events = dict(poller.poll())
+            if wake.fileno() in events or wake in events:
+                _drain(wake)
+            if replay is not None and replay in events:
                 while replay.poll(0):
                     self._serve_replay(replay, ring)
-            try:
-                item = self._queue.get(timeout=self._poll_s)
-            except queue.Empty:
-                continue
-            if item is _SHUTDOWN:
-                return
-            payload = encoder.encode(item)
-            pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-            ring.append((seq, payload))
-            seq += 1
 
     @staticmethod
     def _serve_replay(replay: zmq.Socket, ring: deque[tuple[int, bytes]]) -> None:
@@ -175,6 +271,37 @@ class ZmqEventPublisher:
             if seq >= start:
                 replay.send_multipart((client, seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, END_OF_REPLAY, b""))
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
+def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None] | None,
+            error: BaseException | None, then: Any = None) -> None:
+    """From the thread: resolve ``fut`` on its loop (after running ``then``
+    there); nothing if the loop is gone or the future already settled."""
+    if fut is None:
+        return
+
+    def settle() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            if then is not None:
+                then()
+            fut.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the loop is closed: nobody waits
 
 
 def request_replay(
