@@ -1,5 +1,9 @@
-"""kvstrata.enginecore: requests, the scheduler, the engine core and its
-asyncio shell, the model runner.
+"""kvstrata.enginecore: the loop side of the engine. Requests
+(``request.py``), the scheduler (``scheduler/``), the engine core and its
+asyncio shell (``engine_core.py``, ``async_engine.py``), the ``EngineClient``
+Protocol every transport implements (``client.py``), client-side input and
+output processing (``processing.py``) and the composition root
+(``builder.py``). The model runner it drives is ``kvstrata.worker``'s.
 
 Exports are resolved lazily (PEP 562), so importing a light submodule such
 as ``kvstrata.types`` does not import the KV manager or torch.

@@ -6,6 +6,8 @@
     launcher.py        spawning the subprocess, watching it (pidfd)
     addresses.py       ipc:// in a 0700 directory, tcp:// on loopback
     engines.py         open_engine(config, transport): one switch for all transports
-    kv_publisher.py    KV cache events over ZMQ PUB, with replay over ROUTER
+    kv_publisher.py    KV cache events over ZMQ PUB, with replay over ROUTER: its
+                       thread binds on ``await start()``; the process starting
+                       the engine hands it to ``AsyncEngine.start(kv_events=...)``
     zmq_io.py          socket helpers
 """

@@ -2,12 +2,17 @@
 
 Wire types: frozen, tagged, array-like msgspec Structs, so a batch crosses
 ZMQ as compact msgpack and decodes back into the same classes. ``medium``
-says which tier the event is about ("device" for the paged device cache;
-the tiered store uses "cpu", "disk", ...).
+says which tier the event is about: the block pool writes "device"; the
+engine renames it "GPU" when it publishes (``EngineCore.take_kv_events``),
+beside the connector's tiers, "CPU", "DISK" and "REMOTE"
+(``kvstrata.connector.events``).
 
 The block pool records events only when asked to (``enable_events``); the
 engine drains them with ``KVCacheManager.take_events()`` once per step and
-hands a :class:`KVEventBatch` to a publisher.
+hands a :class:`KVEventBatch` to its events sink, which in a process with
+``cache.kv_events_endpoint`` set is the ZMQ publisher of
+``kvstrata.ipc.kv_publisher`` (its wire format and replay protocol are
+described there). This module holds no socket and no thread.
 """
 
 from __future__ import annotations
