@@ -184,11 +184,43 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tru
     error: str | None = None
 
 
-class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of the engine's counters, for `/metrics` and the load tests.
+class HistogramSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """Observations since start: ``counts[i]`` of them fell in
+    ``(bounds[i-1], bounds[i]]``; the last count is above every bound (+Inf).
+    Counts are per bucket; Prometheus' cumulative ``le`` counts are their
+    running sums."""
 
-    ``extra`` carries component-specific gauges and counters by dotted name
-    (for example ``"kv.evictions"`` or ``"store.cpu.hit_tokens"``).
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float = 0.0
+    count: int = 0
+
+
+class BlockResidencyStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampled device KV blocks since start: a fraction ``sample_rate`` of
+    block allocations is followed until the block is evicted. Per evicted
+    sample: its lifetime (allocation to eviction), its idle time before
+    eviction (last use to eviction) and the gaps between its reuses (prefix
+    hits); ``num_reuses`` counts those hits."""
+
+    sample_rate: float
+    num_samples: int
+    num_reuses: int
+    lifetime_s: HistogramSnapshot
+    idle_before_eviction_s: HistogramSnapshot
+    reuse_gap_s: HistogramSnapshot
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the engine's counters since start, for `/metrics` and
+    the load tests.
+
+    ``prefix_cache_queries``/``hits``: prompt tokens looked up in / found in
+    the device prefix cache, counted once per admission (of a new or a
+    preempted request) by the KV cache manager.
+    ``block_residency`` is None when block sampling is off. ``extra``
+    carries component-specific gauges and counters by dotted name (for
+    example ``"kv.prefix_cache.preempted_hits"`` or ``"store.cpu.hit_tokens"``).
     """
 
     num_running: int = 0
@@ -200,4 +232,5 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_finished: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
+    block_residency: BlockResidencyStats | None = None
     extra: dict[str, float] = {}

@@ -35,16 +35,9 @@ import time
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.logs import configure_logging
 from kvstrata.enginecore.request import Request
-from kvstrata.enginecore.scheduler import Scheduler
+from kvstrata.enginecore.builder import build_block_hasher, build_scheduler, cache_identity
 from kvstrata.types import ModelRunnerOutput, SamplingParams
-from kvstrata.kv import (
-    CacheIdentity,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheManager,
-    make_block_hasher,
-)
+from kvstrata.kv import FullAttentionSpec
 
 VLLM_MS = {64: 2.1, 256: 8.7, 1024: 39.0}  # issue 4: vLLM 0.33, 2-core CPU
 GOAL_US_PER_REQUEST = 11.0
@@ -61,14 +54,11 @@ def bench_scheduler(n: int, steps: int, prompt_len: int = 512, block_size: int =
     budget = max(2048, n)
     warm_steps = -(-n * prompt_len // budget) + 1
     per_req_blocks = -(-(prompt_len + warm_steps + steps + block_size) // block_size)
-    kv = KVCacheManager(
-        KVCacheConfig(num_blocks=n * per_req_blocks + 2, groups=[KVCacheGroupSpec(
-            layer_names=["l0"], spec=FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=64))]),
-        max_model_len=8192, enable_caching=True, log_stats=True, metrics_sample_rate=0.01,
-    )
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=n), kv, max_model_len=8192)
-    hasher = make_block_hasher(CacheIdentity(model_fingerprint="bench", kv_dtype="float32",
-                                             kv_layout="per_layer", block_size=block_size))
+    specs = {"l0": FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=64)}
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=n * per_req_blocks + 2),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=n))
+    sched = build_scheduler(config, specs, max_model_len=8192)  # as the engine builds it
+    hasher = build_block_hasher(config.cache, cache_identity(config.cache, specs, "bench"), with_connector=False)
     rng = random.Random(n)
     for i in range(n):
         prompt = [rng.randrange(2, 256) for _ in range(prompt_len)]

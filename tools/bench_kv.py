@@ -35,14 +35,9 @@ from collections.abc import Callable
 
 import cbor2
 
-from kvstrata.kv import (
-    CacheIdentity,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheManager,
-    make_block_hasher,
-)
+from kvstrata.config import CacheConfig
+from kvstrata.enginecore.builder import build_block_hasher, build_kv_cache_manager, cache_identity
+from kvstrata.kv import FullAttentionSpec, KVCacheManager
 from kvstrata.logs import configure_logging
 
 BLOCK_SIZE = 16
@@ -80,16 +75,23 @@ class BenchRequest:
         return len(self.all_token_ids)
 
 
-def _identity(algo: str = "sha256") -> CacheIdentity:
-    return CacheIdentity(model_fingerprint="bench", kv_dtype="bfloat16", kv_layout="per_layer",
-                         block_size=BLOCK_SIZE, hash_algo=algo)
+LAYER_SPECS = {"l0": FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype="bfloat16")}
 
 
-def _manager(log_stats: bool, enable_events: bool) -> KVCacheManager:
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype="bfloat16")
-    cfg = KVCacheConfig(num_blocks=NUM_BLOCKS, groups=[KVCacheGroupSpec(layer_names=["l0"], spec=spec)])
-    return KVCacheManager(cfg, max_model_len=32768, enable_caching=True, log_stats=log_stats,
-                          enable_events=enable_events, metrics_sample_rate=0.01)
+def _cache(algo: str = "sha256", enable_events: bool = False) -> CacheConfig:
+    # An events endpoint turns event recording on; only the manager is built here, nothing publishes.
+    return CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, hash_algo=algo, metrics_sample_rate=0.01,
+                       kv_events_endpoint="ipc://unused" if enable_events else None)
+
+
+def _hasher(algo: str = "sha256") -> Callable:
+    cache = _cache(algo)
+    return build_block_hasher(cache, cache_identity(cache, LAYER_SPECS, "bench"), with_connector=False)
+
+
+def _manager(enable_events: bool) -> KVCacheManager:
+    """Built as the engine builds it (log_stats on, 1% residency sampling)."""
+    return build_kv_cache_manager(_cache(enable_events=enable_events), LAYER_SPECS, max_model_len=32768)
 
 
 class TokenSource:
@@ -130,11 +132,10 @@ def _cycle(mgr: KVCacheManager, req: BenchRequest) -> tuple[int, int]:
     return t1 - t0, num_hit
 
 
-def bench_cycle(prompt_len: int, shared_frac: float, iters: int, *, log_stats: bool = True,
-                enable_events: bool = False) -> dict:
-    hasher = make_block_hasher(_identity())
+def bench_cycle(prompt_len: int, shared_frac: float, iters: int, *, enable_events: bool = False) -> dict:
+    hasher = _hasher()
     tokens = TokenSource()
-    mgr = _manager(log_stats, enable_events)
+    mgr = _manager(enable_events)
     _warm_full(mgr, hasher, tokens)
     shared = tokens.take(int(prompt_len * shared_frac))
     if shared:
@@ -177,7 +178,7 @@ def bench_hashing(rounds: int) -> dict:
     tokens = list(range(7, 7 + 4096))
     out: dict[str, float] = {}
     for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
-        hasher = make_block_hasher(_identity(algo))
+        hasher = _hasher(algo)
 
         def run() -> int:
             return len(BenchRequest("h", tokens, hasher).block_hashes)

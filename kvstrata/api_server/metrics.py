@@ -1,12 +1,16 @@
 """Prometheus text exposition for ``/metrics`` (format 0.0.4), without a
-client library: engine counters from ``EngineStats`` and latency histograms
-measured by the server.
+client library: every field of ``EngineStats`` and latency histograms
+measured by the server; ``stats_from_metrics`` reads an ``EngineStats``
+back (the load tester, against a server).
 
 Per-tier hit rates: the device tier comes from the prefix cache counters; a
 lower tier ``<tier>`` comes from ``EngineStats.extra`` keys
 ``store.<tier>.hit_tokens`` plus ``store.<tier>.query_tokens`` or
 ``store.<tier>.miss_tokens`` (queries = hits + misses), the convention
-``tier_hit_rates`` reads; other ``extra`` keys are exported as gauges.
+``tier_hit_rates`` reads; other ``extra`` keys are exported as gauges named
+``kvstrata_<key>`` (``metric_name``). Sampled KV block residency is three
+histograms (lifetime, idle time before eviction, gaps between reuses) and
+two counters.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 import bisect
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from kvstrata.types import EngineStats
+from kvstrata.types import BlockResidencyStats, EngineStats, HistogramSnapshot
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -41,16 +46,31 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(bounds=self.bounds, counts=tuple(self.counts), sum=self.sum, count=self.count)
+
     def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        acc = 0
-        for bound, n in zip(self.bounds, self.counts):
-            acc += n
-            lines.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {acc}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {_fmt(self.sum)}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+        return render_histogram(name, help_text, self.snapshot())
+
+
+def render_histogram(name: str, help_text: str, h: HistogramSnapshot, label: str = "") -> list[str]:
+    """A histogram's exposition: cumulative ``le`` buckets, sum and count."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    head = f"{label}," if label else ""
+    tail = f"{{{label}}}" if label else ""
+    acc = 0
+    for bound, n in zip(h.bounds, h.counts):
+        acc += n
+        lines.append(f'{name}_bucket{{{head}le="{_fmt(bound)}"}} {acc}')
+    lines.append(f'{name}_bucket{{{head}le="+Inf"}} {h.count}')
+    lines.append(f"{name}_sum{tail} {_fmt(h.sum)}")
+    lines.append(f"{name}_count{tail} {h.count}")
+    return lines
+
+
+def metric_name(extra_key: str) -> str:
+    """The gauge an ``EngineStats.extra`` key is exported as."""
+    return "kvstrata_" + _NAME_BAD.sub("_", extra_key)
 
 
 class ServerMetrics:
@@ -110,10 +130,34 @@ def render_metrics(stats: EngineStats, server: ServerMetrics | None, model_name:
     _per_tier(lines, "kvstrata_prefix_cache_hit_rate", "gauge", "Hits over queries since start, per tier.", label, tiers, "hit_rate")
     for key in sorted(stats.extra):
         if not _TIER_KEY.match(key):
-            gauge("kvstrata_" + _NAME_BAD.sub("_", key), f"Engine counter {key}.", stats.extra[key])
+            gauge(metric_name(key), f"Engine counter {key}.", stats.extra[key])
+    if stats.block_residency is not None:
+        _render_residency(lines, stats.block_residency, label)
     if server is not None:
         _render_server(lines, server, label)
     return "\n".join(lines) + "\n"
+
+
+_RESIDENCY_HISTOGRAMS = (
+    ("lifetime_s", "kvstrata_kv_block_lifetime_seconds",
+     "Sampled device KV blocks: allocation to eviction."),
+    ("idle_before_eviction_s", "kvstrata_kv_block_idle_before_eviction_seconds",
+     "Sampled device KV blocks: last use to eviction."),
+    ("reuse_gap_s", "kvstrata_kv_block_reuse_gap_seconds",
+     "Sampled device KV blocks: time between two uses (prefix hits)."),
+)
+
+
+def _render_residency(lines: list[str], r: BlockResidencyStats, label: str) -> None:
+    gauge = _emitter(lines, "gauge", label)
+    counter = _emitter(lines, "counter", label)
+    gauge("kvstrata_kv_block_residency_sample_rate", "Fraction of device KV block allocations sampled.",
+          r.sample_rate)
+    counter("kvstrata_kv_block_residency_samples_total", "Sampled device KV blocks evicted.", r.num_samples)
+    counter("kvstrata_kv_block_residency_reuses_total", "Prefix hits on sampled blocks before their eviction.",
+            r.num_reuses)
+    for field, name, help_text in _RESIDENCY_HISTOGRAMS:
+        lines += render_histogram(name, help_text, getattr(r, field), label)
 
 
 def _render_server(lines: list[str], server: ServerMetrics, label: str) -> None:
@@ -148,6 +192,78 @@ def parse_metrics(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
         name, _, rest = head.partition("{")
         labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
         yield name, labels, float(value)
+
+
+_FIELDS = {
+    "kvstrata_num_requests_running": "num_running",
+    "kvstrata_num_requests_waiting": "num_waiting",
+    "kvstrata_kv_cache_usage_ratio": "kv_usage",
+    "kvstrata_num_preemptions_total": "num_preemptions",
+    "kvstrata_requests_finished_total": "num_finished",
+    "kvstrata_prompt_tokens_total": "num_prompt_tokens",
+    "kvstrata_generation_tokens_total": "num_generated_tokens",
+}
+_TIER_FIELDS = {"kvstrata_prefix_cache_hits_total": ("prefix_cache_hits", "hit_tokens"),
+                "kvstrata_prefix_cache_queries_total": ("prefix_cache_queries", "query_tokens")}
+_RESIDENCY_SCALARS = {"kvstrata_kv_block_residency_sample_rate": "sample_rate",
+                      "kvstrata_kv_block_residency_samples_total": "num_samples",
+                      "kvstrata_kv_block_residency_reuses_total": "num_reuses"}
+_NOT_EXTRA = re.compile(r"^kvstrata_(prefix_cache_hit_rate|kv_block_|http_requests_total)")
+_HIST_PART = re.compile(r"^(kvstrata_kv_block_\w+_seconds)_(bucket|sum|count)$")
+
+
+def stats_from_metrics(text: str) -> EngineStats:
+    """Read ``render_metrics``' page back into an EngineStats. ``extra``
+    keys come back as their gauge names without the ``kvstrata_`` prefix
+    (``metric_name`` is not invertible: dots became underscores), except
+    the tier counters, which come back as ``store.<tier>.*``."""
+    fields: dict[str, Any] = {}
+    extra: dict[str, float] = {}
+    residency: dict[str, Any] = {}
+    hists: dict[str, dict[str, Any]] = {}
+    for name, labels, value in parse_metrics(text):
+        if "model_name" not in labels:
+            continue  # the server's own histograms
+        if name in _FIELDS:
+            fields[_FIELDS[name]] = value if name == "kvstrata_kv_cache_usage_ratio" else int(value)
+        elif name in _TIER_FIELDS:
+            field, suffix = _TIER_FIELDS[name]
+            tier = labels.get("tier")
+            if tier == "device":
+                fields[field] = int(value)
+            else:
+                extra[f"store.{tier}.{suffix}"] = value
+        elif name in _RESIDENCY_SCALARS:
+            residency[_RESIDENCY_SCALARS[name]] = value
+        elif name.startswith("kvstrata_kv_block_") and (m := _HIST_PART.match(name)):
+            h = hists.setdefault(m.group(1), {"le": []})
+            if m.group(2) == "bucket":
+                h["le"].append((float(labels["le"]), int(value)))
+            else:
+                h[m.group(2)] = value
+        elif not _NOT_EXTRA.match(name) and name.startswith("kvstrata_"):
+            extra[name[len("kvstrata_"):]] = value
+    if residency:
+        for field, name, _ in _RESIDENCY_HISTOGRAMS:
+            residency[field] = _histogram_from(hists.get(name, {"le": []}))
+        fields["block_residency"] = BlockResidencyStats(
+            sample_rate=residency.get("sample_rate", 0.0), num_samples=int(residency.get("num_samples", 0)),
+            num_reuses=int(residency.get("num_reuses", 0)), lifetime_s=residency["lifetime_s"],
+            idle_before_eviction_s=residency["idle_before_eviction_s"], reuse_gap_s=residency["reuse_gap_s"],
+        )
+    return EngineStats(**fields, extra=extra)
+
+
+def _histogram_from(h: dict[str, Any]) -> HistogramSnapshot:
+    """Per-bucket counts from cumulative ``le`` buckets."""
+    le = sorted(h["le"])
+    counts, prev = [], 0
+    for _, acc in le:
+        counts.append(acc - prev)
+        prev = acc
+    bounds = tuple(b for b, _ in le if b != float("inf"))
+    return HistogramSnapshot(bounds=bounds, counts=tuple(counts), sum=float(h.get("sum", 0.0)),
+                             count=int(h.get("count", 0)))
 
 
 def _fmt(v: float) -> str:

@@ -1,15 +1,17 @@
-"""The load-test report: throughput, latency percentiles, prefix cache hit
-rate per tier and preemptions (engine counters, before/after deltas), as a
-JSON-able dict; optional PNG plots when matplotlib is importable."""
+"""The load-test report: throughput, latency percentiles, and every engine
+stat (``EngineStats``: prefix cache hit rate per tier, preemptions, engine
+token counts, sampled KV block residency, the components' ``extra``
+counters; counters as before/after deltas), as a JSON-able dict; optional
+PNG plots when matplotlib is importable."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from kvstrata.types import EngineStats
+from kvstrata.types import BlockResidencyStats, EngineStats, HistogramSnapshot
 from kvstrata.bench.driver import LoadResult
-from kvstrata.api_server.metrics import tier_hit_rates
+from kvstrata.api_server.metrics import metric_name, tier_hit_rates
 
 PERCENTILES = (50, 90, 99)
 
@@ -73,9 +75,10 @@ def build_report(result: LoadResult, before: EngineStats | None, after: EngineSt
 
 
 def engine_deltas(before: EngineStats | None, after: EngineStats | None) -> dict[str, Any]:
-    """Prefix hit rate per tier and preemptions during the run."""
+    """Every engine stat during the run: prefix hit rate per tier,
+    preemptions, engine counters, block residency, ``extra``."""
     if after is None:
-        return {"prefix_cache": None, "preemptions": None}
+        return {"prefix_cache": None, "preemptions": None, "engine": None, "kv_block_residency": None}
     t1 = tier_hit_rates(after)
     t0 = tier_hit_rates(before) if before is not None else {}
     tiers: dict[str, Any] = {}
@@ -84,8 +87,61 @@ def engine_deltas(before: EngineStats | None, after: EngineStats | None) -> dict
         hits, queries = v["hits"] - b["hits"], v["queries"] - b["queries"]
         tiers[tier] = {"hit_tokens": int(hits), "query_tokens": int(queries),
                        "hit_rate": round(hits / queries, 4) if queries > 0 else 0.0}
-    pre = after.num_preemptions - (before.num_preemptions if before is not None else 0)
-    return {"prefix_cache": tiers, "preemptions": pre, "kv_usage_at_end": round(after.kv_usage, 4)}
+    base = before if before is not None else EngineStats()
+    return {
+        "prefix_cache": tiers,
+        "preemptions": after.num_preemptions - base.num_preemptions,
+        "kv_usage_at_end": round(after.kv_usage, 4),
+        "engine": {
+            "finished": after.num_finished - base.num_finished,
+            "prompt_tokens": after.num_prompt_tokens - base.num_prompt_tokens,
+            "generated_tokens": after.num_generated_tokens - base.num_generated_tokens,
+            "running_at_end": after.num_running,
+            "waiting_at_end": after.num_waiting,
+            # Gauges and counters of the components (counters: since start),
+            # named as on /metrics so a server's read back the same.
+            "extra_at_end": {metric_name(k)[len("kvstrata_"):]: v for k, v in sorted(after.extra.items())},
+        },
+        "kv_block_residency": residency_delta(base.block_residency, after.block_residency),
+    }
+
+
+def residency_delta(before: BlockResidencyStats | None, after: BlockResidencyStats | None) -> dict[str, Any] | None:
+    """Sampled KV blocks evicted during the run: how many, their reuses, and
+    per quantity the mean and the bucket bounds holding the median and p90
+    (None when sampling is off)."""
+    if after is None:
+        return None
+    out: dict[str, Any] = {
+        "sample_rate": after.sample_rate,
+        "samples": after.num_samples - (before.num_samples if before is not None else 0),
+        "reuses": after.num_reuses - (before.num_reuses if before is not None else 0),
+    }
+    for field in ("lifetime_s", "idle_before_eviction_s", "reuse_gap_s"):
+        out[field] = _histogram_summary(getattr(after, field), getattr(before, field) if before is not None else None)
+    return out
+
+
+def _histogram_summary(after: HistogramSnapshot, before: HistogramSnapshot | None) -> dict[str, Any]:
+    counts = list(after.counts)
+    total, count = after.sum, after.count
+    if before is not None and before.bounds == after.bounds:
+        counts = [a - b for a, b in zip(counts, before.counts)]
+        total, count = total - before.sum, count - before.count
+    summary: dict[str, Any] = {"count": count, "mean": round(total / count, 4) if count else None}
+    for p in (50, 90):
+        summary[f"p{p}_le"] = _bucket_bound(after.bounds, counts, count * p / 100) if count else None
+    return summary
+
+
+def _bucket_bound(bounds: tuple[float, ...], counts: list[int], rank: float) -> float | str:
+    """The upper bound of the bucket holding the ``rank``-th observation."""
+    acc = 0
+    for bound, n in zip(bounds, counts):
+        acc += n
+        if acc >= rank:
+            return bound
+    return "+Inf"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -102,6 +158,11 @@ def format_report(report: dict[str, Any]) -> str:
     for tier, v in (report.get("prefix_cache") or {}).items():
         lines.append(f"hit rate {tier:<6} {v['hit_rate']:.2%} ({v['hit_tokens']}/{v['query_tokens']} tokens)")
     lines.append(f"preemptions     {report.get('preemptions')}")
+    res = report.get("kv_block_residency")
+    if res and res["samples"]:
+        life = res["lifetime_s"]
+        lines.append(f"kv blocks       {res['samples']} sampled evictions: lifetime mean {life['mean']} s "
+                     f"(p50 <= {life['p50_le']} s), {res['reuses']} reuses")
     if report["num_errors"]:
         lines.append(f"errors          {report['num_errors']}: {report['errors_sample']}")
     return "\n".join(lines)

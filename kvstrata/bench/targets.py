@@ -14,7 +14,7 @@ import aiohttp
 import msgspec
 
 from kvstrata.types import EngineStats, SamplingParams
-from kvstrata.api_server.metrics import parse_metrics
+from kvstrata.api_server.metrics import stats_from_metrics
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
@@ -158,26 +158,3 @@ class _Choice(msgspec.Struct):
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] = []
     usage: _Usage | None = None
-
-
-def stats_from_metrics(text: str) -> EngineStats:
-    """Rebuild the EngineStats fields the report needs from /metrics."""
-    fields: dict[str, Any] = {}
-    extra: dict[str, float] = {}
-    for name, labels, value in parse_metrics(text):
-        tier = labels.get("tier")
-        if name == "kvstrata_prefix_cache_hits_total":
-            if tier == "device":
-                fields["prefix_cache_hits"] = int(value)
-            else:
-                extra[f"store.{tier}.hit_tokens"] = value
-        elif name == "kvstrata_prefix_cache_queries_total":
-            if tier == "device":
-                fields["prefix_cache_queries"] = int(value)
-            else:
-                extra[f"store.{tier}.query_tokens"] = value
-        elif name == "kvstrata_num_preemptions_total":
-            fields["num_preemptions"] = int(value)
-        elif name == "kvstrata_kv_cache_usage_ratio":
-            fields["kv_usage"] = value
-    return EngineStats(**fields, extra=extra)

@@ -38,6 +38,7 @@ from typing import Any
 import structlog
 
 from kvstrata.config import EngineConfig
+from kvstrata.enginecore.builder import build_engine_core
 from kvstrata.enginecore.engine_core import EngineCore, ModelRunnerLike
 from kvstrata.errors import EngineDeadError, RequestError
 from kvstrata.enginecore.request import EngineRequest
@@ -91,11 +92,7 @@ class AsyncEngine:
             connector = owned = await KVConnectorFactory().open(config.kv_transfer)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-step")
         loop = asyncio.get_running_loop()
-        build = (
-            partial(EngineCore.from_config, config, connector=connector)
-            if runner is None
-            else partial(EngineCore, config, runner, connector=connector)
-        )
+        build = partial(build_engine_core, config, runner, connector)
         try:
             core = await loop.run_in_executor(executor, build)
         except BaseException:

@@ -24,7 +24,8 @@ in a row.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import structlog
 
@@ -45,32 +46,32 @@ from kvstrata.types import (
     RequestOutput,
     SchedulerOutput,
 )
-from kvstrata.kv import (
-    CacheIdentity,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheManager,
-    make_block_hasher,
-)
-from kvstrata.connector import ConnectorSpec, KVConnectorScheduler
+from kvstrata.kv import BlockHasher, CacheIdentity, KVCacheSpec
+from kvstrata.connector import KVConnector
 from kvstrata.connector.events import device_events
+from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.kv.events import AnyKVCacheEvent
 
 log = structlog.get_logger(__name__)
 
 
 class ModelRunnerLike(Protocol):
-    """What EngineCore needs of a model runner (ModelRunner, NullModelRunner)."""
+    """What the engine needs of a model runner (ModelRunner, NullModelRunner).
 
-    tokenizer: Any
+    ``kv_cache_spec()`` describes the model's KV per layer, by layer name,
+    with ``kvstrata.kv``'s specs; the builder groups equal specs into KV
+    cache groups and sizes the pool from their page sizes. A runner that can
+    move KV through a connector also has ``set_kv_connector(worker_side)``.
+    """
+
+    tokenizer: Tokenizer | None
     max_model_len: int
+    vocab_size: int | None
     eos_token_id: int | None
-    eos_token_ids: tuple[int, ...]  # every id that ends generation (optional)
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
     model_fingerprint: str
 
-    def kv_cache_spec(self) -> Any: ...
-    def num_blocks_for_memory(self, mib: int) -> int: ...
+    def kv_cache_spec(self) -> Mapping[str, KVCacheSpec]: ...
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -84,71 +85,27 @@ class EngineCore:
         self,
         config: EngineConfig,
         runner: ModelRunnerLike,
+        scheduler: Scheduler,
         *,
-        connector: Any = None,
+        identity: CacheIdentity,
+        block_hasher: BlockHasher | None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
-        """``connector``: a KV connector (``kvstrata.connector.KVConnector``,
-        whose two sides are built here for this engine), or a scheduler side
-        alone (tests), or None."""
-        config.validate()
+        """Takes its parts; ``kvstrata.enginecore.builder.build_engine_core``
+        assembles them. ``kv_connector``: the connector whose two sides the
+        scheduler and the runner hold, or None."""
         self.config = config
         self.runner = runner
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.identity = identity
+        self.block_hasher = block_hasher
+        self.kv_connector = kv_connector
+        self.max_model_len = scheduler.max_model_len
         self.tokenizer = runner.tokenizer
-        self.vocab_size: int | None = getattr(runner, "vocab_size", None)
-        eos = getattr(runner, "eos_token_ids", None) or (runner.eos_token_id,)
+        self.vocab_size: int | None = runner.vocab_size
+        eos = runner.eos_token_ids or (runner.eos_token_id,)
         self.eos_token_ids: tuple[int, ...] = tuple(t for t in eos if t is not None)
-        cache = config.cache
-        spec = runner.kv_cache_spec()
-        if spec.block_size != cache.block_size:
-            raise ValueError(
-                f"cache.block_size ({cache.block_size}) differs from the runner's ({spec.block_size})"
-            )
-        num_blocks = cache.num_blocks or runner.num_blocks_for_memory(cache.kv_cache_memory_mib)
-        if num_blocks < 2:
-            raise ValueError(
-                f"cache.kv_cache_memory_mib={cache.kv_cache_memory_mib} holds {num_blocks} blocks; need >= 2"
-            )
-        kv_config = KVCacheConfig(num_blocks=num_blocks, groups=[KVCacheGroupSpec(
-            layer_names=list(spec.layer_names),
-            spec=FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                   head_size=spec.head_size, dtype=spec.dtype),
-        )])
-        # A request alone must always fit in the pool (block 0 is the null block),
-        # else it would preempt itself forever: cap the context at the pool.
-        pool_tokens = (num_blocks - 1) * cache.block_size
-        self.max_model_len = min(runner.max_model_len, pool_tokens)
-        if self.max_model_len < runner.max_model_len:
-            log.warning("max_model_len_capped_by_kv_cache", model=runner.max_model_len,
-                        kv_cache_tokens=pool_tokens)
-        sched = config.scheduler
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
-            )
-        self.identity = CacheIdentity(
-            model_fingerprint=runner.model_fingerprint, kv_dtype=spec.dtype,
-            kv_layout=cache.kv_layout, block_size=cache.block_size,
-            hash_algo=cache.hash_algo, namespace=cache.cache_namespace,
-        )
-        hashing = cache.enable_prefix_caching or connector is not None
-        self.block_hasher = (
-            make_block_hasher(self.identity, random_root=cache.random_hash_root) if hashing else None
-        )
-        self.kv = KVCacheManager(
-            kv_config, max_model_len=self.max_model_len,
-            enable_caching=cache.enable_prefix_caching, log_stats=True,
-            enable_events=cache.kv_events_endpoint is not None,
-            metrics_sample_rate=cache.metrics_sample_rate,
-        )
-        runner.initialize_kv_cache(num_blocks)
-        self.kv_connector = connector if hasattr(connector, "scheduler_side") else None
-        if self.kv_connector is not None:
-            connector = self._attach(self.kv_connector, spec)
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv, max_model_len=self.max_model_len,
-            enable_prefix_caching=cache.enable_prefix_caching, connector=connector,
-        )
         self.max_waiting = config.scheduler.max_waiting_requests
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0
@@ -156,30 +113,9 @@ class EngineCore:
         # that the step was writing (suspect if the step fails).
         self._in_flight: SchedulerOutput | None = None
         self._aborted_in_flight: list[int] = []
-        log.info("engine_core_ready", num_blocks=num_blocks, block_size=cache.block_size,
-                 max_model_len=self.max_model_len, prefix_caching=cache.enable_prefix_caching)
-
-    def _attach(self, connector: Any, spec: Any) -> KVConnectorScheduler:
-        """Build the connector's two sides for this engine; the worker side
-        goes to the runner. Returns the scheduler side."""
-        if not callable(getattr(self.runner, "set_kv_connector", None)):
-            raise ValueError(f"executor {self.config.executor!r} cannot run a KV connector (kv_transfer)")
-        cspec = ConnectorSpec(identity=self.identity, num_layers=len(spec.layer_names),
-                              num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=spec.dtype,
-                              max_model_len=self.max_model_len)
-        sched_side = connector.scheduler_side(cspec)
-        self.runner.set_kv_connector(connector.worker_side(cspec))
-        return sched_side
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, *, connector: Any = None) -> EngineCore:
-        """Build the runner the config names (blocking: loads the model)."""
-        config.validate()
-        if config.executor == "null":
-            from kvstrata.worker.null_runner import NullModelRunner as runner_cls
-        else:
-            from kvstrata.worker.model_runner import ModelRunner as runner_cls
-        return cls(config, runner_cls(config.model, config.cache, config.device), connector=connector)
+        log.info("engine_core_ready", num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+                 num_kv_cache_groups=len(self.kv.config.groups), max_model_len=self.max_model_len,
+                 prefix_caching=self.kv.enable_caching)
 
     # -- requests ---------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -300,21 +236,33 @@ class EngineCore:
         return device_events(self.kv.take_events()) + self.scheduler.connector.take_events()
 
     def stats(self) -> EngineStats:
+        """Counters since start. The prefix-cache counts are the KV cache
+        manager's (the one count); resumptions of preempted requests are in
+        the totals and split out in ``extra``."""
         s = self.scheduler
         c = s.counters
+        kv = self.kv
+        p = kv.prefix_cache_totals()
+        assert p is not None  # the builder turns log_stats on
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
-            kv_usage=self.kv.usage,
-            prefix_cache_queries=c.prefix_cache_queries,
-            prefix_cache_hits=c.prefix_cache_hits,
+            kv_usage=kv.usage,
+            prefix_cache_queries=p.queries + p.preempted_queries,
+            prefix_cache_hits=p.hits + p.preempted_hits,
             num_preemptions=c.num_preemptions,
             num_finished=c.num_finished,
             num_generated_tokens=c.num_generated_tokens,
             num_prompt_tokens=c.num_prompt_tokens,
+            block_residency=kv.block_residency(),
             extra={
-                "kv.num_blocks": float(self.kv.num_blocks),
-                "kv.num_free_blocks": float(self.kv.num_free_blocks),
+                "kv.num_blocks": float(kv.num_blocks),
+                "kv.num_free_blocks": float(kv.num_free_blocks),
+                "kv.prefix_cache.requests": float(p.requests),
+                "kv.prefix_cache.preempted_requests": float(p.preempted_requests),
+                "kv.prefix_cache.preempted_queries": float(p.preempted_queries),
+                "kv.prefix_cache.preempted_hits": float(p.preempted_hits),
+                "kv.prefix_cache.resets": float(p.resets),
                 "kv.external_hit_tokens": float(c.external_cache_hits),
                 "engine.failed_steps": float(self.num_failed_steps),
                 **s.connector.stats(),

@@ -1,8 +1,19 @@
-"""kvstrata.kv: the paged, prefix-cached device KV cache manager.
+"""kvstrata.kv: the paged, prefix-cached device KV cache manager, and
+nothing else (layer 1: it imports only ``kvstrata.types`` and itself).
 
 KVCacheManager -> coordinator (no-prefix-cache, unitary, hybrid) ->
 single-type managers (full, sliding window, chunked local, mamba, cross,
 sink) -> BlockPool (blocks, free queue, hash map, null block).
+
+A model describes its KV per layer with the specs here (``FullAttentionSpec``,
+``SlidingWindowSpec``, ...); ``kvstrata.enginecore.builder`` groups equal
+specs into ``KVCacheGroupSpec``s, and the group count and caching pick the
+coordinator, each group's spec its manager (``SPEC_MANAGERS``).
+
+The KV events this package records (``take_events``) are plain Structs; it
+holds no socket or thread. Publishing them over ZMQ is the process side's
+job: ``kvstrata.ipc.kv_publisher``. The KV connector (external tiers) is its
+own layer above this one: ``kvstrata.connector``.
 """
 
 from kvstrata.kv.block import KVCacheBlock
@@ -35,6 +46,7 @@ from kvstrata.kv.manager import KVCacheBlocks, KVCacheManager
 from kvstrata.kv.managers import SPEC_MANAGERS, get_manager_class
 from kvstrata.kv.metrics import BlockResidencySample, PrefixCacheStats
 from kvstrata.kv.specs import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -45,13 +57,13 @@ from kvstrata.kv.specs import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+from kvstrata.types import RequestId  # the engine's request id type (one definition)
 from kvstrata.kv.types import (
     BlockHash,
     BlockId,
     KVCacheError,
     KVRequest,
     MultiModalFeature,
-    RequestId,
     UnknownHashAlgorithmError,
     UnknownRequestError,
 )
@@ -60,6 +72,7 @@ __all__ = [
     "HASH_ALGOS",
     "SPEC_MANAGERS",
     "AllBlocksCleared",
+    "AttentionSpec",
     "BlockHash",
     "BlockHasher",
     "BlockHashesView",

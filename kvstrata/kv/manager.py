@@ -31,6 +31,7 @@ from kvstrata.kv.events import AnyKVCacheEvent
 from kvstrata.kv.metrics import PrefixCacheStats, PrefixCacheStatsCollector, ResidencySampler
 from kvstrata.kv.specs import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig, SinkFullAttentionSpec
 from kvstrata.kv.types import KVRequest, UnknownRequestError, require_non_negative_int, require_positive_int
+from kvstrata.types import BlockResidencyStats
 
 log = structlog.get_logger(__name__)
 
@@ -133,7 +134,11 @@ class KVCacheManager:
     # -- the two scheduler calls -----------------------------------------------
 
     def get_computed_blocks(self, request: KVRequest) -> tuple[KVCacheBlocks, int]:
-        """The cached leading blocks of ``request`` and their token count."""
+        """The cached leading blocks of ``request`` and their token count.
+
+        Counted in the prefix-cache stats when ``allocate_slots`` takes this
+        answer (``new_computed_blocks``), not here: a lookup the scheduler
+        retries (no room yet) is one query, not several."""
         num_tokens = request.num_tokens
         if num_tokens <= 0:
             raise ValueError(f"request {request.request_id!r}: all_token_ids must not be empty")
@@ -145,8 +150,6 @@ class KVCacheManager:
                 f"tokens; hash with a block hasher of block_size {self.hash_block_size}"
             )
         blocks, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, num_tokens - 1)
-        if self._stats is not None:
-            self._stats.record(num_tokens, num_hit, getattr(request, "num_preemptions", 0) > 0)
         return KVCacheBlocks(blocks), num_hit
 
     def allocate_slots(
@@ -206,6 +209,9 @@ class KVCacheManager:
             allocated = tuple(a + b for a, b in zip(new_blocks, allocated))
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(request, num_to_cache)
+        if new_computed_blocks is not None and new_computed_blocks is not self._empty and self._stats is not None:
+            # A lookup's answer taken (a skipped lookup returns _empty): one query.
+            self._stats.record(request.num_tokens, num_new_computed_tokens, getattr(request, "num_preemptions", 0) > 0)
         return KVCacheBlocks(allocated)
 
     def _check_allocate_args(
@@ -272,7 +278,7 @@ class KVCacheManager:
         if not self.block_pool.reset_prefix_cache():
             return False
         if self._stats is not None:
-            self._stats.reset = True
+            self._stats.resets += 1
         return True
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
@@ -283,8 +289,18 @@ class KVCacheManager:
         return self.block_pool.take_events()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Counters since the last call (then reset), or None without log_stats."""
+        """Counters and residency samples since the last call, or None
+        without log_stats."""
         if self._stats is None:
             return None
         samples = self._sampler.take_samples() if self._sampler is not None else []
         return self._stats.snapshot(samples)
+
+    def prefix_cache_totals(self) -> PrefixCacheStats | None:
+        """Counters since start (what the engine reports), or None without log_stats."""
+        return self._stats.totals() if self._stats is not None else None
+
+    def block_residency(self) -> BlockResidencyStats | None:
+        """Sampled block residency since start, or None when sampling is off."""
+        sampler = self._sampler
+        return sampler.totals.snapshot(sampler.sample_rate) if sampler is not None else None

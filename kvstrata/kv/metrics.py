@@ -1,11 +1,18 @@
 """Prefix-cache statistics and sampled block residency.
 
-Hit rate denominators: ``queries`` counts the tokens of every request that
-*looked up* the cache (a request that skips the lookup, or a manager with
-caching off, adds nothing), ``hits`` the tokens found. A preempted request
-looks up again when it resumes; its tokens are counted apart
-(``preempted_*``) so resumptions, which hit almost always, do not inflate the
-hit rate of fresh requests.
+One count, kept by the KV cache manager: a lookup (``get_computed_blocks``)
+is counted when ``allocate_slots`` takes its answer, i.e. when the request
+(new, or preempted and starting over) gets its first blocks with that hit;
+a lookup the scheduler retries (no room yet, or the connector cannot answer
+yet) is counted once. ``queries`` counts the tokens of those requests,
+``hits`` the tokens found (a request that skips the lookup, or a manager
+with caching off, adds nothing). A preempted request looks up again when it
+resumes; its tokens are counted apart (``preempted_*``) so resumptions,
+which hit almost always, do not inflate the hit rate of fresh requests.
+
+The collector counts since start (``totals``, what the engine reports);
+``snapshot`` gives the counts since the previous snapshot (vLLM's
+per-interval stats), derived from the totals.
 
 Residency is sampled: a fraction ``sample_rate`` of block allocations
 (default 1%) is followed until the block is evicted, giving its lifetime
@@ -13,11 +20,14 @@ Residency is sampled: a fraction ``sample_rate`` of block allocations
 eviction) and the gaps between reuses (prefix hits). Sampling picks blocks
 with a geometric skip counter, so an allocation batch costs O(1) unless it
 contains a sampled block; the per-block state lives in the block's
-``sample`` slot.
+``sample`` slot. Each finished sample is folded into histograms since start
+(``ResidencySampler.totals``, reported as ``kvstrata.types.BlockResidencyStats``)
+and kept for the next interval snapshot.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import time
@@ -27,8 +37,12 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from kvstrata.kv.block import KVCacheBlock
+from kvstrata.types import BlockResidencyStats, HistogramSnapshot
 
 MAX_REUSE_GAPS = 32
+#: Bucket bounds (seconds) of the residency histograms: blocks live from
+#: milliseconds (a busy pool) to hours (an idle one).
+RESIDENCY_BUCKETS_S = (0.01, 0.1, 1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0)
 
 
 class BlockResidencySample(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,10 +55,12 @@ class BlockResidencySample(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters since the previous snapshot, in tokens (requests for
-    ``requests``). ``reset`` is True if the prefix cache was reset since."""
+    """Prefix-cache counters over a span (since start, or since the previous
+    snapshot), in tokens (requests for ``*requests``). ``resets`` counts
+    prefix-cache resets in the span; ``residency`` holds the block samples
+    that ended in it (snapshots only)."""
 
-    reset: bool = False
+    resets: int = 0
     requests: int = 0
     queries: int = 0
     hits: int = 0
@@ -54,47 +70,99 @@ class PrefixCacheStats(msgspec.Struct, frozen=True, kw_only=True):
     residency: list[BlockResidencySample] = []
 
     @property
+    def reset(self) -> bool:
+        """True if the prefix cache was reset in the span."""
+        return self.resets > 0
+
+    @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
 
-class PrefixCacheStatsCollector:
-    """Owns: the running prefix-cache counters between two snapshots."""
+_COUNTERS = ("resets", "requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
 
-    __slots__ = ("reset", "requests", "queries", "hits", "p_requests", "p_queries", "p_hits")
+
+class PrefixCacheStatsCollector:
+    """Owns: the prefix-cache counters since start, and the totals at the
+    previous snapshot (from which a snapshot's counts are derived)."""
+
+    __slots__ = (*_COUNTERS, "_mark")
 
     def __init__(self) -> None:
-        self._zero()
-
-    def _zero(self) -> None:
-        self.reset = False
-        self.requests = self.queries = self.hits = 0
-        self.p_requests = self.p_queries = self.p_hits = 0
+        for name in _COUNTERS:
+            setattr(self, name, 0)
+        self._mark = PrefixCacheStats()
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
         if preempted:
-            self.p_requests += 1
-            self.p_queries += num_tokens
-            self.p_hits += num_hits
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
         else:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
 
+    def totals(self) -> PrefixCacheStats:
+        """The counters since start."""
+        return PrefixCacheStats(**{name: getattr(self, name) for name in _COUNTERS})
+
     def snapshot(self, residency: list[BlockResidencySample]) -> PrefixCacheStats:
-        """Return the counters so far and start again from zero."""
-        stats = PrefixCacheStats(
-            reset=self.reset,
-            requests=self.requests,
-            queries=self.queries,
-            hits=self.hits,
-            preempted_requests=self.p_requests,
-            preempted_queries=self.p_queries,
-            preempted_hits=self.p_hits,
-            residency=residency,
+        """The counters since the previous snapshot (then this one is the mark)."""
+        now, mark = self.totals(), self._mark
+        self._mark = now
+        return PrefixCacheStats(
+            **{name: getattr(now, name) - getattr(mark, name) for name in _COUNTERS}, residency=residency
         )
-        self._zero()
-        return stats
+
+
+class _Histogram:
+    """Owns: per-bucket counts, sum and count of one quantity (seconds)."""
+
+    __slots__ = ("counts", "sum", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(RESIDENCY_BUCKETS_S) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(RESIDENCY_BUCKETS_S, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(bounds=RESIDENCY_BUCKETS_S, counts=tuple(self.counts), sum=self.sum,
+                                 count=self.count)
+
+
+class ResidencyTotals:
+    """Owns: the residency histograms since start (every finished sample is
+    folded in as it ends)."""
+
+    __slots__ = ("num_samples", "num_reuses", "lifetime", "idle", "reuse_gap")
+
+    def __init__(self) -> None:
+        self.num_samples = 0
+        self.num_reuses = 0
+        self.lifetime = _Histogram()
+        self.idle = _Histogram()
+        self.reuse_gap = _Histogram()
+
+    def add(self, sample: BlockResidencySample) -> None:
+        self.num_samples += 1
+        self.num_reuses += sample.num_reuses
+        self.lifetime.observe(sample.lifetime_s)
+        self.idle.observe(sample.idle_before_eviction_s)
+        for gap in sample.reuse_gaps_s:
+            self.reuse_gap.observe(gap)
+
+    def snapshot(self, sample_rate: float) -> BlockResidencyStats:
+        return BlockResidencyStats(
+            sample_rate=sample_rate, num_samples=self.num_samples, num_reuses=self.num_reuses,
+            lifetime_s=self.lifetime.snapshot(), idle_before_eviction_s=self.idle.snapshot(),
+            reuse_gap_s=self.reuse_gap.snapshot(),
+        )
 
 
 class _Residency:
@@ -110,11 +178,12 @@ class _Residency:
 
 
 class ResidencySampler:
-    """Owns: the sampling schedule and the finished samples (a bounded
-    buffer; the oldest are dropped when nobody drains it). The live
-    per-block state sits in the sampled blocks themselves."""
+    """Owns: the sampling schedule, the histograms of every finished sample
+    (``totals``) and the samples finished since the last ``take_samples``
+    (a bounded buffer; the oldest are dropped when nobody drains it). The
+    live per-block state sits in the sampled blocks themselves."""
 
-    __slots__ = ("sample_rate", "_rng", "_clock", "_skip", "_log_q", "_done")
+    __slots__ = ("sample_rate", "totals", "_rng", "_clock", "_skip", "_log_q", "_done")
 
     def __init__(
         self,
@@ -131,6 +200,7 @@ class ResidencySampler:
         self._clock = clock
         self._log_q = math.log1p(-self.sample_rate) if self.sample_rate < 1.0 else 0.0
         self._done: deque[BlockResidencySample] = deque(maxlen=max_samples)
+        self.totals = ResidencyTotals()
         self._skip = self._draw_skip()
 
     def _draw_skip(self) -> int:
@@ -165,14 +235,14 @@ class ResidencySampler:
         s: _Residency = block.sample  # type: ignore[assignment]
         block.sample = None
         now = self._clock()
-        self._done.append(
-            BlockResidencySample(
-                lifetime_s=now - s.birth,
-                idle_before_eviction_s=now - s.last_access,
-                num_reuses=s.num_reuses,
-                reuse_gaps_s=s.gaps,
-            )
+        sample = BlockResidencySample(
+            lifetime_s=now - s.birth,
+            idle_before_eviction_s=now - s.last_access,
+            num_reuses=s.num_reuses,
+            reuse_gaps_s=s.gaps,
         )
+        self._done.append(sample)
+        self.totals.add(sample)
 
     def take_samples(self) -> list[BlockResidencySample]:
         out = list(self._done)

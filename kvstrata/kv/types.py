@@ -1,5 +1,7 @@
 """Identifiers, the request protocol and the errors of ``kvstrata.kv``.
 
+(``RequestId`` is the engine's, ``kvstrata.types.RequestId``.)
+
 The KV manager never owns a request: it reads the fields of any object that
 satisfies :class:`KVRequest` (the engine's ``Request`` does; tests use a tiny
 class of their own).
@@ -13,7 +15,6 @@ import msgspec
 
 BlockId = NewType("BlockId", int)
 BlockHash = NewType("BlockHash", bytes)
-RequestId = NewType("RequestId", str)
 
 
 class MultiModalFeature(msgspec.Struct, frozen=True, kw_only=True):

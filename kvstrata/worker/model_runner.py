@@ -29,30 +29,16 @@ import torch
 
 from kvstrata.config import CacheConfig, ModelConfig
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
+from kvstrata.worker.model.config import LlamaArchConfig
 from kvstrata.worker.model.default_model import default_model_dir
 from kvstrata.worker.model.loader import load_checkpoint
 from kvstrata.worker.sampler import Sampler
 from kvstrata.text.tokenizer import load_tokenizer
 from kvstrata.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches
+from kvstrata.kv import FullAttentionSpec, KVCacheSpec
 
 log = structlog.get_logger(__name__)
-
-
-class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Geometry of the model's paged KV cache, for sizing the KV manager's pool.
-
-    ``layer_names`` are the attention layers (one KV cache group: every
-    layer is full attention). ``bytes_per_block`` covers K and V of all layers.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str
-    block_size: int
-    layer_names: list[str]
-    bytes_per_block: int
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,17 +49,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def kv_cache_spec_for(num_layers: int, num_kv_heads: int, head_size: int, dtype: str, block_size: int) -> KVCacheSpec:
-    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return KVCacheSpec(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype=dtype,
-        block_size=block_size,
-        layer_names=[f"model.layers.{i}.self_attn" for i in range(num_layers)],
-        bytes_per_block=2 * num_layers * block_size * num_kv_heads * head_size * elem,
-    )
+def layer_kv_specs(arch: LlamaArchConfig, dtype: str, block_size: int) -> dict[str, KVCacheSpec]:
+    """The model's KV, per attention layer in layer order (the engine's
+    builder groups equal specs into KV cache groups and sizes the pool from
+    their page sizes). Every Llama layer is full attention."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=arch.num_key_value_heads,
+                             head_size=arch.head_dim, dtype=dtype)
+    return {f"model.layers.{i}.self_attn": spec for i in range(arch.num_hidden_layers)}
 
 
 def check_max_model_len(requested: int | None, max_positions: int) -> int:
@@ -118,13 +100,9 @@ class ModelRunner:
         if self.tokenizer.vocab_size > self.vocab_size:
             log.warning("tokenizer_vocab_exceeds_model", tokenizer=self.tokenizer.vocab_size, model=self.vocab_size)
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        a = self.arch
-        return kv_cache_spec_for(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.block_size)
-
-    def num_blocks_for_memory(self, mib: int) -> int:
-        """How many blocks (K and V of every layer) fit in ``mib`` MiB."""
-        return (mib * 1024 * 1024) // self.kv_cache_spec().bytes_per_block
+    def kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """The KV spec of each attention layer, by layer name."""
+        return layer_kv_specs(self.arch, self.dtype, self.block_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the zeroed paged cache for ``num_blocks`` blocks (block 0 is the null block)."""

@@ -21,7 +21,8 @@ from pathlib import Path
 from kvstrata.config import CacheConfig, ModelConfig
 from kvstrata.worker.model.config import CheckpointError, parse_arch_config
 from kvstrata.worker.model.default_model import DEFAULT_MODEL_CONFIG
-from kvstrata.worker.model_runner import KVCacheSpec, check_max_model_len, kv_cache_spec_for
+from kvstrata.kv import KVCacheSpec
+from kvstrata.worker.model_runner import check_max_model_len, layer_kv_specs
 from kvstrata.text.tokenizer import load_tokenizer
 from kvstrata.types import ModelRunnerOutput, SchedulerOutput
 
@@ -56,12 +57,8 @@ class NullModelRunner:
         if not self._tokens:
             self._tokens = [t for t in range(self.vocab_size) if t not in self.eos_token_ids][:_SPAN]
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        a = self.arch
-        return kv_cache_spec_for(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.block_size)
-
-    def num_blocks_for_memory(self, mib: int) -> int:
-        return (mib * 1024 * 1024) // self.kv_cache_spec().bytes_per_block
+    def kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return layer_kv_specs(self.arch, self.dtype, self.block_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

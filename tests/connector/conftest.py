@@ -14,6 +14,7 @@ from conn_helpers import BLOCK, Oracle, RedisServer, build_tiny_llama, redis_ava
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.enginecore import AsyncEngine, EngineCore
+from kvstrata.enginecore.builder import build_engine_core
 from kvstrata.io import Outstanding
 from kvstrata.connector import KVConnectorFactory
 from kvstrata.connector.multi import MultiConnector
@@ -80,17 +81,11 @@ def make_core(oracle, built):
         config = EngineConfig(model=ModelConfig(model=oracle.path),
                               cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
                               scheduler=SchedulerConfig(**sched), device="cpu")
-        core = await asyncio.to_thread(EngineCore, config, _runner(config), connector=connector)
+        core = await asyncio.to_thread(build_engine_core, config, None, connector)
         built.cores.append((core, connector))
         return core
 
     return make
-
-
-def _runner(config: EngineConfig):
-    from kvstrata.worker.model_runner import ModelRunner
-
-    return ModelRunner(config.model, config.cache, config.device)
 
 
 def assert_idle(core: EngineCore) -> list:

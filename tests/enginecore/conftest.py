@@ -7,10 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from engine_fakes import FakeRunner, SchedulerHarness, engine_config, make_kv
+from engine_fakes import FakeRunner, SchedulerHarness, engine_config, make_scheduler
 
-from kvstrata.config import SchedulerConfig
-from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.kv import KVCacheManager
 
 
@@ -43,12 +41,11 @@ def all_blocks_free_after_test(request, kv_managers):
 def make_harness(kv_managers) -> Callable[..., SchedulerHarness]:
     def build(*, num_blocks: int = 64, block_size: int = 4, caching: bool = True,
               max_model_len: int = 256, script=None, **sched_cfg) -> SchedulerHarness:
-        kv = make_kv(num_blocks, block_size, caching, max_model_len)
-        kv_managers.append(kv)
-        sched = Scheduler(SchedulerConfig(**sched_cfg), kv, max_model_len=max_model_len,
-                          enable_prefix_caching=caching)
-        return SchedulerHarness(kv, sched, FakeRunner(block_size=block_size, script=script,
-                                                      max_model_len=max_model_len))
+        sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, caching=caching,
+                               max_model_len=max_model_len, **sched_cfg)
+        kv_managers.append(sched.kv)
+        return SchedulerHarness(sched.kv, sched, FakeRunner(block_size=block_size, script=script,
+                                                            max_model_len=max_model_len))
     return build
 
 

@@ -1,5 +1,7 @@
 """Shared builders for the engine-core tests: a scripted fake model runner,
-a scripted KV connector, KV managers, a scheduler harness and configs.
+a scripted KV connector, KV managers, a scheduler harness and configs. KV
+managers and schedulers come from the engine's own builder
+(``kvstrata.enginecore.builder``), from the fake runner's layer specs.
 
 ``FakeRunner`` implements the model runner interface with no model: it
 keeps its own copy of each request from the SchedulerOutput diffs (tokens,
@@ -15,34 +17,24 @@ the whole tree is collected.)
 from __future__ import annotations
 
 import time
-
-import msgspec
+from collections.abc import Mapping
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvstrata.connector.base import NoOpScheduler as NoOpConnector
+from kvstrata.connector.base import NoOpScheduler
+from kvstrata.enginecore.builder import build_block_hasher, build_kv_cache_manager, build_scheduler, cache_identity
 from kvstrata.enginecore.request import Request
 from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.types import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from kvstrata.kv import (
-    CacheIdentity,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheManager,
-    make_block_hasher,
-)
+from kvstrata.kv import FullAttentionSpec, KVCacheManager, KVCacheSpec
 
 EOS = 1
 VOCAB = 64
+FINGERPRINT = "fake-runner-v1"
 
 
-class FakeSpec(msgspec.Struct, frozen=True, kw_only=True):
-    block_size: int
-    num_kv_heads: int = 1
-    head_size: int = 4
-    dtype: str = "float32"
-    layer_names: tuple[str, ...] = ("layer.0",)
-    bytes_per_block: int = 1024
+def fake_layer_specs(block_size: int = 4) -> dict[str, KVCacheSpec]:
+    """The fake model's KV: one full-attention layer, 1,024 bytes a block at block size 4."""
+    return {"layer.0": FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32)}
 
 
 def next_token(tokens: list[int]) -> int:
@@ -73,13 +65,16 @@ class FakeRunner:
         script: dict[str, list[int]] | None = None,
         fail_steps: set[int] | None = None,
         delay_s: float = 0.0,
+        layer_specs: Mapping[str, KVCacheSpec] | None = None,
     ) -> None:
         self.block_size = block_size
+        self.layer_specs = dict(layer_specs or fake_layer_specs(block_size))
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.eos_token_id = EOS
+        self.eos_token_ids = (EOS,)
         self.vocab_size = VOCAB if tokenizer is None else max(VOCAB, tokenizer.vocab_size)
-        self.model_fingerprint = "fake-runner-v1"
+        self.model_fingerprint = FINGERPRINT
         self.script = script or {}
         self.fail_steps = fail_steps or set()
         self.delay_s = delay_s
@@ -91,11 +86,8 @@ class FakeRunner:
         self.finished_recving: list[str] = []
         self.finished_sending: list[str] = []
 
-    def kv_cache_spec(self) -> FakeSpec:
-        return FakeSpec(block_size=self.block_size)
-
-    def num_blocks_for_memory(self, mib: int) -> int:
-        return mib * 1024 * 1024 // 1024
+    def kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self.layer_specs
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -145,7 +137,7 @@ class FakeRunner:
                 st.block_ids.extend(new_ids[0])
 
 
-class ScriptedConnector(NoOpConnector):
+class ScriptedConnector(NoOpScheduler):
     """Answers from ``hits[rid] = (tokens, load_async)``; records every call."""
 
     def __init__(self, hits=None, delay_free=(), meta=None):
@@ -170,17 +162,29 @@ class ScriptedConnector(NoOpConnector):
         return request.request_id in self.delay_free, None
 
 
+def kv_cache_config(num_blocks: int, block_size: int = 4, caching: bool = True) -> CacheConfig:
+    return CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
+                       metrics_sample_rate=0.0)
+
+
 def make_kv(num_blocks: int, block_size: int = 4, caching: bool = True, max_model_len: int = 256) -> KVCacheManager:
-    cfg = KVCacheConfig(num_blocks=num_blocks, groups=[KVCacheGroupSpec(
-        layer_names=["layer.0"], spec=FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4),
-    )])
-    return KVCacheManager(cfg, max_model_len=max_model_len, enable_caching=caching, log_stats=True,
-                          enable_events=False, metrics_sample_rate=0.0)
+    return build_kv_cache_manager(kv_cache_config(num_blocks, block_size, caching), fake_layer_specs(block_size),
+                                  max_model_len=max_model_len)
+
+
+def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, caching: bool = True, max_model_len: int = 256,
+                   connector=None, **sched_cfg) -> Scheduler:
+    """A Scheduler over a new KV cache manager (``scheduler.kv``), built as the engine builds it."""
+    config = EngineConfig(cache=kv_cache_config(num_blocks, block_size, caching),
+                          scheduler=SchedulerConfig(**sched_cfg))
+    return build_scheduler(config, fake_layer_specs(block_size), max_model_len=max_model_len, connector=connector)
 
 
 def hasher_for(block_size: int):
-    return make_block_hasher(CacheIdentity(model_fingerprint="fake-runner-v1", kv_dtype="float32",
-                                           kv_layout="per_layer", block_size=block_size))
+    """The block hasher an engine over a FakeRunner gives its requests."""
+    cache = CacheConfig(block_size=block_size)
+    return build_block_hasher(cache, cache_identity(cache, fake_layer_specs(block_size), FINGERPRINT),
+                              with_connector=False)
 
 
 class SchedulerHarness:

@@ -8,6 +8,7 @@ import pytest
 from engine_fakes import EOS, FakeRunner, engine_config, next_token
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+from kvstrata.enginecore.builder import build_engine_core
 from kvstrata.enginecore.engine_core import EngineCore
 from kvstrata.errors import EngineOverloadedError, RequestError
 from kvstrata.enginecore.request import EngineRequest
@@ -18,7 +19,7 @@ from kvstrata.types import SamplingParams
 @pytest.fixture
 def make_core(kv_managers):
     def build(runner=None, **cfg) -> EngineCore:
-        core = EngineCore(engine_config(**cfg), runner or FakeRunner())
+        core = build_engine_core(engine_config(**cfg), runner or FakeRunner())
         kv_managers.append(core.kv)
         return core
     return build
@@ -193,7 +194,7 @@ def test_context_is_capped_by_the_pool(make_core):
 def test_pool_size_from_memory_and_identity_from_the_runner(kv_managers):
     runner = FakeRunner()
     config = EngineConfig(cache=CacheConfig(block_size=4, kv_cache_memory_mib=2))
-    core = EngineCore(config, runner)
+    core = build_engine_core(config, runner)
     kv_managers.append(core.kv)
     assert core.kv.num_blocks == runner.num_blocks == 2048
     assert core.identity.model_fingerprint == "fake-runner-v1"
@@ -201,7 +202,7 @@ def test_pool_size_from_memory_and_identity_from_the_runner(kv_managers):
 
 def test_null_executor_streams_text(kv_managers):
     config = EngineConfig(executor="null", model=ModelConfig(), cache=CacheConfig(num_blocks=64))
-    core = EngineCore.from_config(config)
+    core = build_engine_core(config)
     kv_managers.append(core.kv)
     prompt = core.tokenizer.encode("Hello")
     core.add_request(EngineRequest(request_id="n", prompt_token_ids=prompt,
@@ -209,3 +210,23 @@ def test_null_executor_streams_text(kv_managers):
     outs = run(core)["n"]
     text = "".join(o.text_delta for o in outs)
     assert len(text) == 5 and text.isalpha() and outs[-1].finish_reason == "length"
+
+
+def test_stats_report_the_kv_managers_prefix_counts_and_block_residency(kv_managers):
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=10, metrics_sample_rate=1.0))
+    core = build_engine_core(config, FakeRunner())  # 9 usable blocks
+    kv_managers.append(core.kv)
+    prompt = list(range(10, 19))  # two full blocks and one token
+    for rid in ("a", "b"):
+        core.add_request(req(rid, prompt, max_tokens=1))
+        run(core)
+    core.add_request(req("c", range(20, 55), max_tokens=1))  # 9 blocks: evicts every cached one
+    run(core)
+    stats = core.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9 + 9 + 35, 8)
+    assert stats.extra["kv.prefix_cache.requests"] == 3
+    assert stats.extra["kv.prefix_cache.preempted_queries"] == 0
+    r = stats.block_residency
+    assert (r.sample_rate, r.num_samples, r.num_reuses) == (1.0, 2, 2)  # a's blocks, hit once by b
+    assert r.lifetime_s.count == r.idle_before_eviction_s.count == 2 and r.reuse_gap_s.count == 2
+    assert core.stats() == stats  # counts since start: reading changes nothing

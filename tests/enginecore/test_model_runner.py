@@ -13,6 +13,8 @@ import torch
 from hf_utils import build_tiny_llama, hf_greedy, hf_logits
 
 from kvstrata.config import CacheConfig, ModelConfig
+from kvstrata.enginecore.builder import kv_bytes_per_block, kv_cache_groups, num_blocks_for_memory
+from kvstrata.kv import FullAttentionSpec
 from kvstrata.worker.model_runner import ModelRunner
 from kvstrata.worker.null_runner import NullModelRunner
 from kvstrata.text.tokenizer import ByteTokenizer
@@ -244,11 +246,13 @@ def test_runner_properties_and_kv_spec(tiny):
     runner = ModelRunner(ModelConfig(model=path, max_model_len=256), CacheConfig(block_size=BS))
     assert isinstance(runner.tokenizer, ByteTokenizer)
     assert (runner.max_model_len, runner.vocab_size, runner.eos_token_id) == (256, 320, 257)
-    spec = runner.kv_cache_spec()
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype, spec.block_size) == (2, 2, 16, "float32", 4)
-    assert spec.layer_names == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert spec.bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
-    assert runner.num_blocks_for_memory(1) == 1024 * 1024 // 2048
+    specs = runner.kv_cache_spec()  # per layer, kvstrata.kv's specs: every Llama layer is full attention
+    assert list(specs) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert set(specs.values()) == {FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=16, dtype="float32")}
+    assert kv_bytes_per_block(specs) == 2 * 2 * 4 * 2 * 16 * 4
+    assert num_blocks_for_memory(specs, 1) == 1024 * 1024 // 2048
+    [group] = kv_cache_groups(specs)
+    assert group.layer_names == list(specs)
     with pytest.raises(RuntimeError, match="initialize_kv_cache"):
         runner.execute_model(SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
                                              num_scheduled_tokens={}, total_num_scheduled_tokens=0))
@@ -267,8 +271,9 @@ def test_default_model_runs_with_byte_tokenizer(tmp_path, monkeypatch):
     runner = ModelRunner(ModelConfig(model=None), CacheConfig(block_size=16))
     assert isinstance(runner.tokenizer, ByteTokenizer)
     assert (runner.vocab_size, runner.eos_token_id, runner.max_model_len) == (258, 257, 8192)
-    spec = runner.kv_cache_spec()
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_size) == (8, 4, 64)
+    specs = runner.kv_cache_spec()
+    assert len(specs) == 8
+    assert {(s.num_kv_heads, s.head_size) for s in specs.values()} == {(4, 64)}
     runner.initialize_kv_cache(8)
     driver = StepDriver(runner, block_size=16)
     driver.add("r", runner.tokenizer.encode("hello, world"), SamplingParams(temperature=0.0, max_tokens=3))
@@ -281,7 +286,7 @@ def test_null_runner_matches_interface_without_a_model(tiny):
     real = ModelRunner(ModelConfig(model=path), CacheConfig(block_size=BS))
     assert null.kv_cache_spec() == real.kv_cache_spec()
     assert (null.max_model_len, null.vocab_size, null.eos_token_id) == (real.max_model_len, 320, 257)
-    assert null.num_blocks_for_memory(1) == real.num_blocks_for_memory(1)
+    assert num_blocks_for_memory(null.kv_cache_spec(), 1) == num_blocks_for_memory(real.kv_cache_spec(), 1)
     null.initialize_kv_cache(64)
     driver = StepDriver(null, budget=8)
     driver.add("a", PROMPTS["a"], SamplingParams(max_tokens=4))   # 5 tokens

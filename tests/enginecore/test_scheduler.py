@@ -77,8 +77,8 @@ def test_prefix_hit_skips_cached_blocks(make_harness):
     assert so.scheduled_new_reqs[0].num_computed_tokens == 8
     h.run_to_completion()
     assert h.outputs[-1].request_id == "B" and h.outputs[-1].num_cached_tokens == 8
-    assert h.sched.counters.prefix_cache_hits == 8
-    assert h.sched.counters.prefix_cache_queries == 20
+    assert h.kv.prefix_cache_totals().hits == 8  # the KV cache manager counts prefix hits
+    assert h.kv.prefix_cache_totals().queries == 20
 
 
 def test_whole_prompt_hit_still_computes_the_last_block(make_harness):

@@ -214,7 +214,7 @@ def test_prefix_cache_stats_count_tokens_and_split_preempted():
     schedule(m, r0)
     m.free(r0)
     schedule(m, make_request("r1", list(range(40))))
-    m.get_computed_blocks(make_request("r2", list(range(33)), num_preemptions=1))
+    schedule(m, make_request("r2", list(range(33)), num_preemptions=1))
     stats = m.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (2, 80, 32)
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 33, 32)
@@ -223,13 +223,39 @@ def test_prefix_cache_stats_count_tokens_and_split_preempted():
     assert make_manager(11, log_stats=False).make_prefix_cache_stats() is None
 
 
+def test_a_request_is_counted_once_when_it_gets_its_first_blocks():
+    m = make_manager(4)  # 3 usable blocks
+    r0 = make_request("r0", list(range(40)))
+    schedule(m, r0)
+    m.free(r0)
+    r1 = make_request("r1", list(range(40)))
+    hog = make_request("hog", list(range(100, 132)))
+    m.allocate_slots(hog, 32)  # no lookup, no query; takes r0's partial block and evicts its second one
+    for _ in range(3):  # the scheduler retries a lookup while there is no room
+        hit, n_hit = m.get_computed_blocks(r1)
+        assert n_hit == 16 and m.allocate_slots(r1, 40 - n_hit, n_hit, hit) is None
+    m.free(hog)
+    hit, n_hit = m.get_computed_blocks(r1)
+    assert m.allocate_slots(r1, 40 - n_hit, n_hit, hit) is not None
+    r1.num_computed_tokens = 40
+    r1.append_output_token_ids([7])
+    m.allocate_slots(r1, 1)  # a running request's allocation is no query
+    totals = m.prefix_cache_totals()
+    assert (totals.requests, totals.queries, totals.hits) == (2, 40 + 40, 16)
+    assert m.make_prefix_cache_stats().queries == 80
+    assert m.prefix_cache_totals() == totals  # snapshots derive from the totals, never reset them
+    assert make_manager(11, log_stats=False).prefix_cache_totals() is None
+
+
 def test_skip_reading_prefix_cache_is_honoured_and_not_counted():
     m = make_manager(11)
     r0 = make_request("r0", list(range(40)))
     schedule(m, r0)
     r1 = make_request("r1", list(range(40)))
     r1.skip_reading_prefix_cache = True
-    assert m.get_computed_blocks(r1)[1] == 0
+    hit, n_hit = m.get_computed_blocks(r1)
+    assert n_hit == 0
+    m.allocate_slots(r1, 40, n_hit, hit)
     assert m.make_prefix_cache_stats().requests == 1
 
 

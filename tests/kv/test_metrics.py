@@ -3,7 +3,8 @@
 import pytest
 
 from kvstrata.kv import BlockPool, BlockResidencySample
-from kvstrata.kv.metrics import ResidencySampler
+from kvstrata.kv.metrics import RESIDENCY_BUCKETS_S, ResidencySampler
+from kvstrata.types import HistogramSnapshot
 
 from .builders import make_manager, make_request
 
@@ -41,6 +42,15 @@ def test_residency_reports_lifetime_idle_time_and_reuse_gaps():
         BlockResidencySample(lifetime_s=10.0, idle_before_eviction_s=5.5, num_reuses=2, reuse_gaps_s=[3.0, 1.5])
     ]
     assert pool.sampler.take_samples() == []
+    # ... and the histograms since start hold it too, draining or not.
+    totals = pool.sampler.totals.snapshot(1.0)
+    assert (totals.num_samples, totals.num_reuses) == (1, 2)
+    bounds = RESIDENCY_BUCKETS_S  # 0.01, 0.1, 1, 10, 60, ...
+    assert totals.lifetime_s == HistogramSnapshot(bounds=bounds, counts=(0, 0, 0, 1, 0, 0, 0, 0, 0),
+                                                  sum=10.0, count=1)
+    assert totals.idle_before_eviction_s.counts == (0, 0, 0, 1, 0, 0, 0, 0, 0)
+    assert totals.reuse_gap_s == HistogramSnapshot(bounds=bounds, counts=(0, 0, 0, 2, 0, 0, 0, 0, 0),
+                                                   sum=4.5, count=2)
 
 
 def test_a_sampled_block_never_cached_leaves_no_sample():
@@ -80,6 +90,9 @@ def test_manager_stats_carry_residency_samples():
     assert len(stats.residency) == 2
     assert all(s.num_reuses == 0 and s.lifetime_s >= s.idle_before_eviction_s >= 0 for s in stats.residency)
     assert m.make_prefix_cache_stats().residency == []
+    residency = m.block_residency()
+    assert (residency.sample_rate, residency.num_samples, residency.lifetime_s.count) == (1.0, 2, 2)
+    assert make_manager(4).block_residency() is None  # sampling off
 
 
 def test_usage_counts_held_blocks_over_usable_blocks():

@@ -312,11 +312,8 @@ class Scheduler:
     def _apply_admission(self, req: Request, a: Admission) -> bool:
         """Count the hits and set the request going; False if it is parked
         for an async load instead of running."""
-        if a.first_lookup:
-            c = self.counters
-            c.prefix_cache_queries += len(req.all_token_ids)
-            c.prefix_cache_hits += a.num_local
-            c.external_cache_hits += a.num_external
+        if a.first_lookup:  # device hits are counted by the KV cache manager
+            self.counters.external_cache_hits += a.num_external
         req.num_computed_tokens = a.num_computed
         if a.load_async:
             req.status = _WAITING_FOR_REMOTE_KVS

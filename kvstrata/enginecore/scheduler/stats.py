@@ -8,8 +8,7 @@ class SchedulerCounters:
 
     __slots__ = (
         "num_preemptions", "num_finished", "num_generated_tokens",
-        "num_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits",
-        "external_cache_hits",
+        "num_prompt_tokens", "external_cache_hits",
     )
 
     def __init__(self) -> None:
@@ -17,8 +16,6 @@ class SchedulerCounters:
         self.num_finished = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of every request added
-        # Tokens looked up / found in the device prefix cache (and through the
-        # connector) whenever a request starts from nothing computed.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        # Tokens the connector found whenever a request starts from nothing
+        # computed. (Device prefix-cache hits: the KV cache manager's count.)
         self.external_cache_hits = 0
