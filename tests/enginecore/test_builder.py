@@ -29,6 +29,7 @@ from kvstrata.kv import (
     UnitaryCoordinator,
 )
 from kvstrata.types import SamplingParams
+from kvstrata.worker.null_runner import NullModelRunner
 
 FULL = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8)  # 512 bytes a page
 WINDOW = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=8, sliding_window=8)
@@ -121,3 +122,18 @@ def test_a_scheduler_side_alone_is_the_schedulers_connector(kv_managers):
                                                             enable_prefix_caching=False)), FakeRunner())
     kv_managers.append(core.kv)
     assert core.block_hasher is None and type(core.kv.coordinator) is not UnitaryCoordinator
+
+
+def test_the_context_is_capped_by_the_pool(kv_managers):
+    core = build_engine_core(engine_config(num_blocks=5), FakeRunner(max_model_len=256))  # 4 usable blocks of 4
+    kv_managers.append(core.kv)
+    assert (core.max_model_len, core.kv.max_model_len, core.scheduler.max_model_len) == (16, 16, 16)
+
+
+def test_the_config_names_the_runner(kv_managers):
+    core = build_engine_core(EngineConfig(executor="null", cache=CacheConfig(num_blocks=64)))
+    kv_managers.append(core.kv)
+    assert isinstance(core.runner, NullModelRunner) and core.runner.num_blocks == 64
+    assert core.identity.model_fingerprint == core.runner.model_fingerprint
+    _run(core, {"n": [72, 101, 108, 108, 111]})
+    assert core.stats().num_generated_tokens == 3
