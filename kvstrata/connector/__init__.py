@@ -7,14 +7,15 @@ connector's module only when a config names it.
 """
 
 from kvstrata.connector.base import (
+    BlockTables,
+    ConnectorRequest,
     ConnectorSpec,
     KVConnector,
-    KVConnectorRole,
     KVConnectorScheduler,
     KVConnectorWorker,
     NoOpConnector,
-    NoOpScheduler,
-    NoOpWorker,
+    NoOpConnectorScheduler,
+    NoOpConnectorWorker,
 )
 from kvstrata.connector.config import KVTransferConfig
 from kvstrata.connector.factory import KVConnectorFactory
@@ -27,8 +28,11 @@ from kvstrata.connector.metadata import (
     WorkerReport,
 )
 
+from kvstrata.connector.wakeup import Wakeup
+
 __all__ = [
-    "ChunkTransfer", "ConnectorSpec", "KVConnector", "KVConnectorFactory", "KVConnectorRole",
+    "BlockTables", "ChunkTransfer", "ConnectorRequest", "ConnectorSpec", "KVConnector", "KVConnectorFactory",
     "KVConnectorScheduler", "KVConnectorWorker", "KVTransferConfig", "MultiMetadata", "MultiReport",
-    "NoOpConnector", "NoOpScheduler", "NoOpWorker", "OffloadMetadata", "RequestTransfer", "WorkerReport",
+    "NoOpConnector", "NoOpConnectorScheduler", "NoOpConnectorWorker", "OffloadMetadata", "RequestTransfer",
+    "Wakeup", "WorkerReport",
 ]

@@ -4,18 +4,18 @@ A connector has two sides, vLLM's KVConnectorBase_V1 split by role:
 
     scheduler side (event loop, plans; never blocks)     worker side (step thread, moves bytes)
     ─────────────────────────────────────────────────     ─────────────────────────────────────
-    prefetch(req)                (a hint, on arrival)     register_kv_caches(kv_caches)
-    get_num_new_matched_tokens(req, n_local)              bind_connector_metadata(meta)
-        -> (n_external | None, load_async)
-    update_state_after_alloc(req, block_ids, n_ext)       start_load_kv()
-    request_preempted(req, block_ids)                     wait_for_layer_load(i)  (before layer i)
-    build_connector_meta(scheduler_output) -> meta ───►   save_kv_layer(i)        (after layer i)
-    update_connector_output(runner_output)    ◄───────    wait_for_save()
-    request_finished(req, block_ids) -> (delay, params)   get_finished(finished_ids) -> (sending, recving)
-    take_events(), stats(), has_pending_work()            get_block_ids_with_load_errors()
-    step_failed(scheduler_output)                         take_report() -> report Struct | None
+    bind_block_tables(kv)        (once, at start)         register_kv_caches(kv_caches, device)
+    prefetch(req)                (a hint, on arrival)     bind_connector_metadata(meta)
+    get_num_new_matched_tokens(req, n_local)              start_load_kv()
+        -> (n_external | None, load_async)                wait_for_layer_load(i)  (before layer i)
+    update_state_after_alloc(req, block_ids, n_ext)       save_kv_layer(i)        (after layer i)
+    request_preempted(req, block_ids)                     wait_for_save()
+    build_connector_meta(scheduler_output) -> meta ───►   get_finished(finished_ids) -> (sending, recving)
+    update_connector_output(runner_output)    ◄───────    get_block_ids_with_load_errors()
+    request_finished(req, block_ids) -> (delay, params)   take_report() -> report Struct | None
+    take_events(), stats(), has_pending_work()            clear_connector_metadata()
+    step_failed(scheduler_output)
         -> (sending, recving, invalid block ids)
-                                                          clear_connector_metadata()
 
 ``n_external`` None means "not known yet" (a lookup is in flight): the
 request stays waiting and is asked again next step. ``load_async`` parks the
@@ -25,24 +25,38 @@ worker names it in ``finished_sending``. The metadata and the worker's
 report are msgspec Structs of plain data; the scheduler side receives the
 report through ``ModelRunnerOutput.kv_connector_stats``.
 
+The scheduler side reads requests through ``ConnectorRequest`` (the engine's
+``Request`` satisfies it) and the device block tables through
+``BlockTables`` (the KV cache manager): it keeps no copy of either.
+
 A *connector* (``KVConnector``) is the configured pair: it opens any shared
 resources on the engine's event loop (the tiered store), then builds one
 scheduler side and one worker side for an engine (``ConnectorSpec``).
+``set_wakeup(callback)`` gives it the engine's wake-up: the connector calls
+it whenever something the engine should step for completes (a lookup
+answered, a load landed, a store write finished), so the engine never polls.
 """
 
 from __future__ import annotations
 
-import enum
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 
+from kvstrata.config import KVTransferConfig
+from kvstrata.kv.events import AnyKVCacheEvent
 from kvstrata.kv.hashing import CacheIdentity
+from kvstrata.kv.types import BlockHash
+from kvstrata.types import ModelRunnerOutput, SchedulerOutput
 
+if TYPE_CHECKING:
+    import torch
 
-class KVConnectorRole(enum.Enum):
-    SCHEDULER = "scheduler"
-    WORKER = "worker"
+ConnectorMetadata: TypeAlias = msgspec.Struct  # one step's plan, or the worker's report: frozen plain data
+BlockIds: TypeAlias = tuple[list[int], ...]  # a request's block ids, one list per KV cache group
+KVCaches: TypeAlias = Sequence[tuple["torch.Tensor", "torch.Tensor"]]  # (key, value) cache per layer
+KVParams: TypeAlias = dict[str, Any]  # a connector's transfer parameters for a finished request (JSON-like)
 
 
 class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,29 +75,64 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.identity.block_size
 
 
+class ConnectorRequest(Protocol):
+    """What the scheduler side reads of a request: its id, its tokens (the
+    prompt, then the outputs so far), the hash of each full block, how many
+    tokens the device has computed and, once finished, why."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+class BlockTables(Protocol):
+    """The device block tables, read-only (the KV cache manager's)."""
+
+    def get_block_ids(self, request_id: str) -> BlockIds: ...
+
+
 @runtime_checkable
 class KVConnectorScheduler(Protocol):
-    def prefetch(self, request: Any) -> None: ...
+    def bind_block_tables(self, tables: BlockTables) -> None: ...
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]: ...
+    def prefetch(self, request: ConnectorRequest) -> None: ...
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]: ...
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
     ) -> None: ...
 
-    def request_preempted(self, request: Any, block_ids: tuple[list[int], ...]) -> None: ...
+    def request_preempted(self, request: ConnectorRequest, block_ids: BlockIds) -> None: ...
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any: ...
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata | None: ...
 
-    def update_connector_output(self, runner_output: Any) -> None: ...
+    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None: ...
 
-    def request_finished(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]: ...
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, KVParams | None]: ...
 
-    def step_failed(self, scheduler_output: Any) -> tuple[list[str], list[str], list[int]]: ...
+    def step_failed(self, scheduler_output: SchedulerOutput) -> tuple[list[str], list[str], list[int]]: ...
 
-    def take_events(self) -> list: ...
+    def take_events(self) -> list[AnyKVCacheEvent]: ...
 
     def stats(self) -> dict[str, float]: ...
 
@@ -92,9 +141,9 @@ class KVConnectorScheduler(Protocol):
 
 @runtime_checkable
 class KVConnectorWorker(Protocol):
-    def register_kv_caches(self, kv_caches: list, device: Any) -> None: ...
+    def register_kv_caches(self, kv_caches: KVCaches, device: torch.device | str) -> None: ...
 
-    def bind_connector_metadata(self, metadata: Any) -> None: ...
+    def bind_connector_metadata(self, metadata: ConnectorMetadata | None) -> None: ...
 
     def start_load_kv(self) -> None: ...
 
@@ -108,17 +157,29 @@ class KVConnectorWorker(Protocol):
 
     def get_block_ids_with_load_errors(self) -> set[int]: ...
 
-    def take_report(self) -> Any: ...
+    def take_report(self) -> ConnectorMetadata | None: ...
 
     def clear_connector_metadata(self) -> None: ...
+
+
+class ConnectorOpener(Protocol):
+    """What ``KVConnector.open`` may use to open child connectors (the factory)."""
+
+    async def open(self, config: KVTransferConfig, prefix: str = "kv_transfer") -> KVConnector: ...
 
 
 @runtime_checkable
 class KVConnector(Protocol):
     """One configured connector: ``await cls.open(config, factory)`` on the
     engine loop, then ``scheduler_side(spec)`` and ``worker_side(spec)``
-    (each at most once); ``flush`` waits until every save reached every
-    tier; ``aclose`` is idempotent."""
+    (each at most once); ``set_wakeup`` at any time (the callback is
+    thread-safe; the default is none); ``flush`` waits until every save
+    reached every tier; ``aclose`` is idempotent."""
+
+    @classmethod
+    async def open(cls, config: KVTransferConfig, factory: ConnectorOpener | None = None) -> KVConnector: ...
+
+    def set_wakeup(self, callback: Callable[[], None]) -> None: ...
 
     async def flush(self) -> None: ...
 
@@ -129,38 +190,41 @@ class KVConnector(Protocol):
     async def aclose(self) -> None: ...
 
 
-class NoOpScheduler:
-    """No external store: no hits, nothing to load or save, never delays a free."""
+# -- no connector -------------------------------------------------------------------
 
-    is_noop = True
+class NoOpConnectorScheduler:
+    """The scheduler side of no connector: no hits, nothing to load or save,
+    never delays a free."""
 
-    def prefetch(self, request: Any) -> None:
+    def bind_block_tables(self, tables: BlockTables) -> None:
         return None
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def prefetch(self, request: ConnectorRequest) -> None:
+        return None
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(
-        self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
+                                 num_external_tokens: int) -> None:
         return None
 
-    def request_preempted(self, request: Any, block_ids: tuple[list[int], ...]) -> None:
+    def request_preempted(self, request: ConnectorRequest, block_ids: BlockIds) -> None:
         return None
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata | None:
         return None
 
-    def update_connector_output(self, runner_output: Any) -> None:
+    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
         return None
 
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, KVParams | None]:
         return False, None
 
-    def step_failed(self, scheduler_output: Any) -> tuple[list[str], list[str], list[int]]:
+    def step_failed(self, scheduler_output: SchedulerOutput) -> tuple[list[str], list[str], list[int]]:
         return [], [], []
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[AnyKVCacheEvent]:
         return []
 
     def stats(self) -> dict[str, float]:
@@ -170,15 +234,13 @@ class NoOpScheduler:
         return False
 
 
-class NoOpWorker:
+class NoOpConnectorWorker:
     """The worker side of no connector: every hook returns at once."""
 
-    is_noop = True
-
-    def register_kv_caches(self, kv_caches: list, device: Any) -> None:
+    def register_kv_caches(self, kv_caches: KVCaches, device: torch.device | str) -> None:
         return None
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: ConnectorMetadata | None) -> None:
         return None
 
     def start_load_kv(self) -> None:
@@ -199,7 +261,7 @@ class NoOpWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
 
-    def take_report(self) -> Any:
+    def take_report(self) -> ConnectorMetadata | None:
         return None
 
     def clear_connector_metadata(self) -> None:
@@ -207,20 +269,24 @@ class NoOpWorker:
 
 
 class NoOpConnector:
-    """The "noop" connector: both sides do nothing (tests, a baseline)."""
+    """The "noop" connector: both sides do nothing, nothing ever completes
+    (tests, a baseline)."""
 
     @classmethod
-    async def open(cls, config: Any, factory: Any = None) -> NoOpConnector:
+    async def open(cls, config: KVTransferConfig, factory: ConnectorOpener | None = None) -> NoOpConnector:
         return cls()
+
+    def set_wakeup(self, callback: Callable[[], None]) -> None:
+        return None
 
     async def flush(self) -> None:
         return None
 
-    def scheduler_side(self, spec: ConnectorSpec) -> NoOpScheduler:
-        return NoOpScheduler()
+    def scheduler_side(self, spec: ConnectorSpec) -> NoOpConnectorScheduler:
+        return NoOpConnectorScheduler()
 
-    def worker_side(self, spec: ConnectorSpec) -> NoOpWorker:
-        return NoOpWorker()
+    def worker_side(self, spec: ConnectorSpec) -> NoOpConnectorWorker:
+        return NoOpConnectorWorker()
 
     async def aclose(self) -> None:
         return None

@@ -13,7 +13,7 @@ saves and never loads; "consumer" (the decode engine) loads and never saves.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -22,13 +22,14 @@ from kvstrata.config import KVTransferConfig
 __all__ = ["ROLES", "KVTransferConfig", "decode_options"]
 
 ROLES = ("both", "producer", "consumer")
+_Options = TypeVar("_Options")
 
 
-def decode_options(options: dict[str, Any], cls: type, prefix: str) -> Any:
+def decode_options(options: dict[str, Any], cls: type[_Options], prefix: str) -> _Options:
     """A connector's options table -> its options Struct; errors name the field."""
     try:
         opts = msgspec.convert(options, cls)
     except msgspec.ValidationError as e:
         raise ValueError(f"{prefix}: {e}") from None
-    opts.validate(prefix)
+    opts.validate(prefix)  # type: ignore[attr-defined]  # every options Struct validates itself
     return opts

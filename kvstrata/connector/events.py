@@ -15,18 +15,20 @@ How copies are seen: lower tiers through ``ObservedTier`` (a transparent
 proxy handed to the StorageManager: completed puts, removals, lookups and
 reads that find an object gone, evictions noticed through the tier's eviction
 counter); L1 by the connector itself (puts and promotions it makes) and by a
-sweep whenever L1's eviction counter moved.
+sweep whenever L1's eviction counter moved (``StorageManager.l1_evictions``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from kvstrata.kv.events import BlockRemoved, BlockStored
+from kvstrata.io import ChunkKey, LowerTier, MemoryObj, ObjectMeta, TierSpec
+from kvstrata.kv.events import AnyKVCacheEvent, BlockRemoved, BlockStored
 
 GPU, CPU, DISK, REMOTE = "GPU", "CPU", "DISK", "REMOTE"
 _KIND_MEDIUM = {"cpu": CPU, "disk": DISK}
@@ -37,10 +39,9 @@ def medium_of(kind: str) -> str:
     return _KIND_MEDIUM.get(kind, REMOTE)
 
 
-def device_events(events: Sequence[Any]) -> list[Any]:
+def device_events(events: Sequence[AnyKVCacheEvent]) -> list[AnyKVCacheEvent]:
     """The KV manager's events with the device medium named GPU."""
-    return [e if getattr(e, "medium", GPU) in (GPU, None) else msgspec.structs.replace(e, medium=GPU)
-            for e in events]
+    return [e if e.medium in (GPU, None) else msgspec.structs.replace(e, medium=GPU) for e in events]
 
 
 class ChunkInfo:
@@ -57,26 +58,27 @@ class ChunkInfo:
 
 class TierEventRecorder:
     """Owns: which tiers hold each chunk key it has heard of, each key's
-    description, and the events not yet taken. Loop only."""
+    description, the events not yet taken and the eviction count last seen
+    per tier. Loop only."""
 
-    __slots__ = ("block_size", "_medium", "_holders", "_info", "_events", "_l1_evictions")
+    __slots__ = ("block_size", "_medium", "_holders", "_info", "_events", "_evictions")
 
     def __init__(self, tier_kinds: dict[str, str], block_size: int) -> None:
         self.block_size = block_size
         self._medium = {name: medium_of(kind) for name, kind in tier_kinds.items()}
-        self._holders: dict[Any, set[str]] = {}
-        self._info: dict[Any, ChunkInfo] = {}
-        self._events: list[Any] = []
-        self._l1_evictions = 0
+        self._holders: dict[ChunkKey, set[str]] = {}
+        self._info: dict[ChunkKey, ChunkInfo] = {}
+        self._events: list[AnyKVCacheEvent] = []
+        self._evictions: dict[str, int] = {}
 
-    def describe(self, key: Any, info: ChunkInfo) -> None:
+    def describe(self, key: ChunkKey, info: ChunkInfo) -> None:
         if key not in self._info:
             self._info[key] = info
 
-    def holders(self, key: Any) -> set[str]:
+    def holders(self, key: ChunkKey) -> set[str]:
         return set(self._holders.get(key, ()))
 
-    def stored(self, key: Any, tier: str) -> None:
+    def stored(self, key: ChunkKey, tier: str) -> None:
         info = self._info.get(key)
         if info is None:
             return  # a chunk this process never described (another engine's): not ours to publish
@@ -92,7 +94,7 @@ class TierEventRecorder:
                 token_ids=info.tokens.tolist(), block_size=self.block_size, medium=medium,
             ))
 
-    def removed(self, key: Any, tier: str) -> None:
+    def removed(self, key: ChunkKey, tier: str) -> None:
         held = self._holders.get(key)
         if not held or tier not in held:
             return
@@ -104,45 +106,45 @@ class TierEventRecorder:
             del self._holders[key]
             del self._info[key]
 
-    def sweep(self, tier: str, still_has) -> None:
+    def sweep(self, tier: str, still_has: Callable[[ChunkKey], bool | None]) -> None:
         """Publish removals for the keys ``tier`` no longer holds (``still_has(key)`` False)."""
         gone = [k for k, held in self._holders.items() if tier in held and still_has(k) is False]
         for k in gone:
             self.removed(k, tier)
 
-    def sweep_l1(self, l1: Any) -> None:
-        """After L1 evicted anything since the last call, publish what it dropped."""
-        evictions = l1.counters.evictions
-        if evictions != self._l1_evictions:
-            self._l1_evictions = evictions
-            self.sweep(l1.name, l1.contains)
+    def sweep_evicted(self, tier: str, evictions: int, still_has: Callable[[ChunkKey], bool | None]) -> None:
+        """If ``tier`` evicted anything since the last call (its eviction
+        counter moved), publish what it dropped."""
+        if evictions != self._evictions.get(tier, 0):
+            self._evictions[tier] = evictions
+            self.sweep(tier, still_has)
 
-    def forget(self, key: Any) -> None:
+    def forget(self, key: ChunkKey) -> None:
         """Drop a description no tier took (a save that never happened)."""
         if key not in self._holders:
             self._info.pop(key, None)
 
-    def take(self) -> list[Any]:
+    def take(self) -> list[AnyKVCacheEvent]:
         events, self._events = self._events, []
         return events
 
 
 class ObservedTier:
     """A lower tier, forwarded unchanged, that tells the recorder when a copy
-    appears or disappears. Owns nothing but the last eviction count seen."""
+    appears or disappears. Owns nothing."""
 
-    def __init__(self, tier: Any, recorder: TierEventRecorder) -> None:
+    def __init__(self, tier: LowerTier, recorder: TierEventRecorder) -> None:
         self._tier = tier
         self._rec = recorder
-        self._evictions = tier.counters.evictions
+        recorder.sweep_evicted(tier.name, tier.counters.evictions, tier.has)  # the count so far: nothing to sweep
         self.name, self.kind, self.write_back = tier.name, tier.kind, tier.write_back
         self.counters = tier.counters
 
-    def __getattr__(self, name: str) -> Any:  # start, drain, aclose, stats, pin, unpin, ...
+    def __getattr__(self, name: str) -> Any:  # start, drain, aclose, stats, pin, unpin, ...: the tier's own
         return getattr(self._tier, name)
 
     @classmethod
-    def from_spec(cls, spec: Any, prefix: str) -> Any:
+    def from_spec(cls, spec: TierSpec, prefix: str) -> LowerTier:
         raise TypeError("ObservedTier wraps a built tier; build the tier first")
 
     @property
@@ -153,10 +155,10 @@ class ObservedTier:
     def pending(self) -> int:
         return self._tier.pending
 
-    def has(self, key: Any) -> bool | None:
+    def has(self, key: ChunkKey) -> bool | None:
         return self._tier.has(key)
 
-    async def metas(self, keys: Sequence[Any]) -> list[Any]:
+    async def metas(self, keys: Sequence[ChunkKey]) -> list[ObjectMeta | None]:
         found = await self._tier.metas(keys)
         if self._tier.available:
             for k, m in zip(keys, found, strict=True):
@@ -164,36 +166,33 @@ class ObservedTier:
                     self._rec.removed(k, self.name)
         return found
 
-    def submit_put(self, key: Any, obj: Any) -> Any:
+    def submit_put(self, key: ChunkKey, obj: MemoryObj) -> asyncio.Future[bool] | None:
         fut = self._tier.submit_put(key, obj)
         if fut is not None:
             fut.add_done_callback(lambda f: _ok(f) and self._rec.stored(key, self.name))
         self._check_evictions()
         return fut
 
-    def submit_read(self, key: Any, meta: Any, dst: Any) -> Any:
+    def submit_read(self, key: ChunkKey, meta: ObjectMeta, dst: MemoryObj) -> asyncio.Future[bool] | None:
         fut = self._tier.submit_read(key, meta, dst)
         if fut is not None:
             fut.add_done_callback(lambda f: _ok(f) or self._read_failed(key))
         return fut
 
-    def submit_remove(self, key: Any) -> bool:
+    def submit_remove(self, key: ChunkKey) -> bool:
         done = self._tier.submit_remove(key)
         if done:
             self._rec.removed(key, self.name)
         return done
 
-    def _read_failed(self, key: Any) -> None:
+    def _read_failed(self, key: ChunkKey) -> None:
         has = self._tier.has(key)
         if has is False or (has is None and self._tier.available):
             self._rec.removed(key, self.name)
 
     def _check_evictions(self) -> None:
-        n = self._tier.counters.evictions
-        if n != self._evictions:
-            self._evictions = n
-            self._rec.sweep(self.name, self._tier.has)
+        self._rec.sweep_evicted(self.name, self._tier.counters.evictions, self._tier.has)
 
 
-def _ok(fut: Any) -> bool:
+def _ok(fut: asyncio.Future[bool]) -> bool:
     return not fut.cancelled() and fut.exception() is None and fut.result() is not False

@@ -16,7 +16,6 @@ connector class provides ``async open(config, factory)`` and the
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from kvstrata.connector.base import KVConnector
 from kvstrata.connector.config import KVTransferConfig
@@ -26,7 +25,7 @@ BUILTIN_CONNECTORS: tuple[tuple[str, str], ...] = (
     ("offload", "kvstrata.connector.offload.connector:OffloadConnector"),
     ("multi", "kvstrata.connector.multi:MultiConnector"),
 )
-_MEMBERS = ("open", "flush", "scheduler_side", "worker_side", "aclose")
+_MEMBERS = ("open", "flush", "scheduler_side", "worker_side", "aclose", "set_wakeup")
 
 
 class KVConnectorFactory:
@@ -37,7 +36,7 @@ class KVConnectorFactory:
 
     def __init__(self, *, builtins: bool = True) -> None:
         self._paths: dict[str, str] = {}
-        self._classes: dict[str, type] = {}
+        self._classes: dict[str, type[KVConnector]] = {}
         if builtins:
             for name, path in BUILTIN_CONNECTORS:
                 self.register(name, path)
@@ -62,7 +61,7 @@ class KVConnectorFactory:
         """True once ``name``'s class has been imported (lazy loading is observable)."""
         return name in self._classes
 
-    def resolve(self, connector: str, prefix: str = "kv_transfer") -> type:
+    def resolve(self, connector: str, prefix: str = "kv_transfer") -> type[KVConnector]:
         """The class for a registered name or a dotted path."""
         cls = self._classes.get(connector)
         if cls is not None:
@@ -86,7 +85,7 @@ class KVConnectorFactory:
         return await self.resolve(config.connector, prefix).open(config, self)
 
 
-def _import(path: str, prefix: str) -> Any:
+def _import(path: str, prefix: str) -> object:
     module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not module or not attr:
         raise ValueError(f"{prefix}.connector: {path!r} is not a 'module:Class' or 'module.Class' path")
@@ -96,10 +95,10 @@ def _import(path: str, prefix: str) -> Any:
         raise ValueError(f"{prefix}.connector: cannot load {path!r}: {e}") from None
 
 
-def _check_class(cls: Any, name: str) -> type:
+def _check_class(cls: object, name: str) -> type[KVConnector]:
     if not isinstance(cls, type):
         raise TypeError(f"connector {name!r} does not name a class (got {type(cls).__name__})")
     missing = [m for m in _MEMBERS if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(f"connector {name!r} ({cls.__qualname__}) does not implement KVConnector; missing {missing}")
-    return cls
+    return cls  # type: ignore[return-value]  # checked member by member above

@@ -14,31 +14,50 @@ them reports its save done.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvstrata.connector.base import ConnectorSpec
+from kvstrata.connector.base import (
+    BlockIds,
+    BlockTables,
+    ConnectorMetadata,
+    ConnectorOpener,
+    ConnectorRequest,
+    ConnectorSpec,
+    KVCaches,
+    KVConnector,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVParams,
+)
 from kvstrata.connector.config import KVTransferConfig
 from kvstrata.connector.metadata import MultiMetadata, MultiReport
+from kvstrata.kv.events import AnyKVCacheEvent
+from kvstrata.types import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MultiConnector:
     """Owns: its child connectors (opened in order, closed in reverse)."""
 
-    def __init__(self, children: list[Any]) -> None:
+    def __init__(self, children: list[KVConnector]) -> None:
         self.children = children
         self._closed = False
 
     @classmethod
-    async def open(cls, config: KVTransferConfig, factory: Any = None) -> MultiConnector:
-        from kvstrata.connector.factory import KVConnectorFactory
+    async def open(cls, config: KVTransferConfig, factory: ConnectorOpener | None = None) -> MultiConnector:
+        if factory is None:
+            from kvstrata.connector.factory import KVConnectorFactory
 
-        factory = factory or KVConnectorFactory()
+            factory = KVConnectorFactory()
         raw = config.options.get("connectors")
         if not isinstance(raw, list) or not raw:
             raise ValueError("kv_transfer.options.connectors must be a non-empty list of connector tables")
-        children: list[Any] = []
+        children: list[KVConnector] = []
         try:
             for i, item in enumerate(raw):
                 prefix = f"kv_transfer.options.connectors[{i}]"
@@ -61,6 +80,10 @@ class MultiConnector:
     def worker_side(self, spec: ConnectorSpec) -> MultiWorker:
         return MultiWorker([c.worker_side(spec) for c in self.children])
 
+    def set_wakeup(self, callback: Callable[[], None]) -> None:
+        for c in self.children:
+            c.set_wakeup(callback)
+
     async def flush(self) -> None:
         for c in self.children:
             await c.flush()
@@ -77,16 +100,20 @@ class MultiScheduler:
     """Owns: which child loads each request, and how many children hold
     each finished request's blocks."""
 
-    def __init__(self, children: list[Any]) -> None:
+    def __init__(self, children: list[KVConnectorScheduler]) -> None:
         self.children = children
         self._loader: dict[str, int] = {}
         self._expect: dict[str, int] = {}
 
-    def prefetch(self, request: Any) -> None:
+    def bind_block_tables(self, tables: BlockTables) -> None:
+        for child in self.children:
+            child.bind_block_tables(tables)
+
+    def prefetch(self, request: ConnectorRequest) -> None:
         for child in self.children:
             child.prefetch(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._loader.pop(request.request_id, None)
         for i, child in enumerate(self.children):
             n, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -97,32 +124,31 @@ class MultiScheduler:
                 return n, load_async
         return 0, False
 
-    def update_state_after_alloc(
-        self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
+                                 num_external_tokens: int) -> None:
         chosen = self._loader.pop(request.request_id, -1)
         for i, child in enumerate(self.children):
             child.update_state_after_alloc(request, block_ids, num_external_tokens if i == chosen else 0)
 
-    def request_preempted(self, request: Any, block_ids: tuple[list[int], ...]) -> None:
+    def request_preempted(self, request: ConnectorRequest, block_ids: BlockIds) -> None:
         for child in self.children:
             child.request_preempted(request, block_ids)
 
-    def build_connector_meta(self, scheduler_output: Any) -> MultiMetadata | None:
-        metas = [c.build_connector_meta(scheduler_output) for c in self.children]
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MultiMetadata | None:
+        metas: list[object] = [c.build_connector_meta(scheduler_output) for c in self.children]
         if all(m is None for m in metas) and not self._expect:
             return None
         return MultiMetadata(children=metas, expect_sending=dict(self._expect))
 
-    def update_connector_output(self, runner_output: Any) -> None:
-        report = getattr(runner_output, "kv_connector_stats", None)
+    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
+        report = runner_output.kv_connector_stats
         reports = report.children if isinstance(report, MultiReport) else [None] * len(self.children)
         for child, r in zip(self.children, reports, strict=True):
             child.update_connector_output(msgspec.structs.replace(runner_output, kv_connector_stats=r))
-        for rid in getattr(runner_output, "finished_sending", ()):
+        for rid in runner_output.finished_sending:
             self._expect.pop(rid, None)
 
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, KVParams | None]:
         self._loader.pop(request.request_id, None)
         delays, params = 0, None
         for child in self.children:
@@ -133,7 +159,7 @@ class MultiScheduler:
             self._expect[request.request_id] = delays
         return delays > 0, params
 
-    def step_failed(self, scheduler_output: Any) -> tuple[list[str], list[str], list[int]]:
+    def step_failed(self, scheduler_output: SchedulerOutput) -> tuple[list[str], list[str], list[int]]:
         sending: set[str] = set()
         recving: set[str] = set()
         invalid: set[int] = set()
@@ -146,7 +172,7 @@ class MultiScheduler:
             self._expect.pop(rid, None)
         return sorted(sending), sorted(recving), sorted(invalid)
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[AnyKVCacheEvent]:
         return [e for c in self.children for e in c.take_events()]
 
     def stats(self) -> dict[str, float]:
@@ -159,21 +185,21 @@ class MultiScheduler:
 class MultiWorker:
     """Owns: per finished request, how many children reported its save done."""
 
-    def __init__(self, children: list[Any]) -> None:
+    def __init__(self, children: list[KVConnectorWorker]) -> None:
         self.children = children
         self._expect: dict[str, int] = {}
         self._seen: dict[str, int] = {}
 
-    def register_kv_caches(self, kv_caches: list, device: Any) -> None:
+    def register_kv_caches(self, kv_caches: KVCaches, device: torch.device | str) -> None:
         for c in self.children:
             c.register_kv_caches(kv_caches, device)
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: ConnectorMetadata | None) -> None:
         metas = metadata.children if isinstance(metadata, MultiMetadata) else [None] * len(self.children)
         if isinstance(metadata, MultiMetadata):
             self._expect = dict(metadata.expect_sending)
         for c, m in zip(self.children, metas, strict=True):
-            c.bind_connector_metadata(m)
+            c.bind_connector_metadata(m)  # type: ignore[arg-type]  # a child's own metadata or None
 
     def start_load_kv(self) -> None:
         for c in self.children:
@@ -209,7 +235,7 @@ class MultiWorker:
         return set().union(*(c.get_block_ids_with_load_errors() for c in self.children))
 
     def take_report(self) -> MultiReport | None:
-        reports = [c.take_report() for c in self.children]
+        reports: list[object] = [c.take_report() for c in self.children]
         return None if all(r is None for r in reports) else MultiReport(children=reports)
 
     def clear_connector_metadata(self) -> None:

@@ -22,14 +22,15 @@ from kvstrata.io.keys import ALL_LAYERS, ChunkKey, ChunkKeyer, ChunkSpan, StoreI
 from kvstrata.io.memory import MemoryObj
 from kvstrata.io.policies import POLICIES, CachePolicy, make_policy
 from kvstrata.io.registry import TierRegistry
+from kvstrata.io.sources import L1_SOURCE, Pin
 from kvstrata.io.stats import Outstanding, StoreStats, TierStats
 from kvstrata.io.storage_manager import StorageManager
 
 __all__ = [
     "ALL_LAYERS", "Allocator", "CPUConfig", "CPUTier", "CachePolicy", "ChunkKey", "ChunkKeyer",
     "ChunkSpan", "DiskOptions", "DiskTier", "FSOptions", "FSTier", "FirstFitAllocator",
-    "HealthConfig", "LowerTier", "MemoryObj", "ObjectMeta", "Outstanding", "POLICIES", "Priority",
-    "PriorityExecutor", "RedisOptions", "RedisTier", "SlotAllocator", "StorageManager",
-    "StoreConfig", "StoreIdentity", "StoreStats", "TierRegistry", "TierSpec", "TierStats",
-    "make_policy",
+    "HealthConfig", "L1_SOURCE", "LowerTier", "MemoryObj", "ObjectMeta", "Outstanding", "POLICIES",
+    "Pin", "Priority", "PriorityExecutor", "RedisOptions", "RedisTier", "SlotAllocator",
+    "StorageManager", "StoreConfig", "StoreIdentity", "StoreStats", "TierRegistry", "TierSpec",
+    "TierStats", "make_policy",
 ]

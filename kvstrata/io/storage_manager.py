@@ -1,22 +1,28 @@
-"""StorageManager: the tiered KV store's one entry point.
+"""StorageManager: the tiered KV store's one entry point. Every read,
+lookup and pin goes through it.
 
     put(key, obj)    L1 at once; each write-through tier asynchronously now,
                      each write-back tier when L1 evicts the object
     lookup(keys)     how many leading chunks some tier has (one contiguous
-                     prefix across tiers); optionally pins them
+                     prefix across tiers); optionally pins them (``unpin``)
+    locate(keys)     the same, as the source of each of those chunks
     get(keys)        the leading chunks, each from the fastest tier that has
                      it; lower-tier chunks are read into L1 (promoted)
 
-Typical use by the connector::
+Without I/O, for a caller that must not wait (the connector's scheduler side)::
+
+    probe(keys)      sources of the leading chunks the tiers know of without
+                     I/O, and whether that answer is definite
+    take_ready(keys) references to the leading chunks ready in memory now
+    pin(keys, srcs)  pins in those sources; ``release_pins(pins)`` undoes them
+    holds(key)       some tier is known to have it
+
+A *source* is where a chunk is: ``L1_SOURCE`` (0) is L1, ``i + 1`` is
+``tiers[i]`` (``kvstrata.io.sources``). A save::
 
     obj = store.allocate(shape, dtype, layout)        # None: skip this chunk
-    gather_kv(kv_caches, slots, out=obj.tensor)       # fill it
+    ...fill obj.tensor...
     store.put(key, obj); obj.release()                # the store keeps its own ref
-
-    n = await store.lookup(keys, pin=True)            # scheduler side
-    objs = await store.get(keys[:n])                  # worker side; may be < n
-    ...scatter_kv(obj.tensor, ...); obj.release() for each
-    store.unpin(keys[:n])
 
 No tier fault reaches the caller: an unusable tier only costs misses and
 dropped puts. Every read from a lower tier is checksum-verified by the tier.
@@ -28,7 +34,8 @@ returns at most what L1 can hold at once: ask in batches smaller than L1.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 
 import structlog
 import torch
@@ -39,17 +46,18 @@ from kvstrata.io.config import StoreConfig
 from kvstrata.io.keys import ChunkKey, ChunkKeyer, StoreIdentity
 from kvstrata.io.memory import MemoryObj, dtype_from_name, release_all
 from kvstrata.io.registry import TierRegistry
+from kvstrata.io.sources import L1_SOURCE, Pin, Sources, aguard, guard, submit_put
 from kvstrata.io.stats import Outstanding, StoreStats
 
 log = structlog.get_logger(__name__)
-_L1 = 0  # source index of L1; lower tier i is source i + 1
 
 
 class StorageManager:
     """Owns: the L1 tier, the lower tiers (fastest first), the pins taken by
     lookups (key -> the tiers that pinned it, innermost last), the objects L1
-    evicted that are still being written back, and the lookup counters.
-    Loop-owned; no locks."""
+    evicted that are still being written back, the lookup counters and the
+    write listener. Loop-owned; no locks. (Pins taken by ``pin`` belong to
+    the caller, who hands them back to ``release_pins``.)"""
 
     def __init__(self, config: StoreConfig, *, registry: TierRegistry | None = None,
                  tiers: Sequence[LowerTier] | None = None) -> None:
@@ -64,7 +72,9 @@ class StorageManager:
         self._back = [t for t in self.tiers if t.write_back]
         self._pins: dict[ChunkKey, list[int]] = {}
         self._flushing: dict[ChunkKey, MemoryObj] = {}
+        self._sources = Sources(self.l1, self.tiers, self._flushing)
         self._lookups = self._lookup_chunks = self._lookup_hits = 0
+        self._on_write: Callable[[], None] | None = None
         self._closed = False
 
     @classmethod
@@ -92,6 +102,24 @@ class StorageManager:
 
     def keyer(self, identity: StoreIdentity) -> ChunkKeyer:
         return ChunkKeyer(identity, save_partial=self.config.save_partial_chunks)
+
+    def set_write_listener(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` (on the loop) whenever a lower-tier write ends,
+        written or not; None: no listener."""
+        self._on_write = callback
+
+    # --- sources -------------------------------------------------------
+    @property
+    def tier_names(self) -> list[str]:
+        """Tier names by source: L1's first."""
+        return self._sources.names
+
+    def source_name(self, src: int) -> str:
+        return self._sources.name(src)
+
+    def is_local(self, src: int) -> bool:
+        """L1 or a local tier (a read of short, known latency)."""
+        return self._sources.is_local(src)
 
     # --- store ---------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, layout: str = "raw") -> MemoryObj | None:
@@ -126,14 +154,28 @@ class StorageManager:
         if self._closed or obj.ref_count == 0:
             return
         for t in self._through:
-            _submit_put(t, key, obj)
+            self._watch(submit_put(t, key, obj))
+
+    def _watch(self, write: asyncio.Future | None) -> asyncio.Future | None:
+        if write is not None and self._on_write is not None:
+            write.add_done_callback(self._wrote)
+        return write
+
+    def _wrote(self, _write: asyncio.Future) -> None:
+        listener = self._on_write
+        if listener is None:
+            return
+        try:
+            listener()
+        except Exception:  # the listener's fault must not break the store's bookkeeping
+            log.exception("store_write_listener_failed")
 
     def _on_l1_evict(self, key: ChunkKey, obj: MemoryObj) -> None:
         """Write-back: hand the evicted object to the write-back tiers; it
         stays readable here until they are done."""
         if not self._back or self._closed:
             return
-        futs = [f for t in self._back if (f := _submit_put(t, key, obj)) is not None]
+        futs = [f for t in self._back if (f := self._watch(submit_put(t, key, obj))) is not None]
         if not futs:
             return
         obj.ref_up()
@@ -155,24 +197,49 @@ class StorageManager:
         """Number of leading ``keys`` that some tier holds. With ``pin``,
         each of those is pinned in the tier that has it (where the tier can
         pin) until ``unpin``."""
+        srcs = await self.locate(keys)
+        if pin:
+            for key, src in zip(keys, srcs):
+                if self._sources.pin(key, src):
+                    self._pins.setdefault(key, []).append(src)
+        return len(srcs)
+
+    async def locate(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """The source of each leading key some tier holds (as many as
+        ``lookup`` counts); counted as a lookup."""
         self._lookups += 1
         self._lookup_chunks += len(keys)
         if self._closed or not keys:
-            return 0
+            return []
         n, src, _ = await self._locate(keys)
-        if pin:
-            for i in range(n):
-                self._pin(keys[i], src[i])
         self._lookup_hits += n
-        return n
+        return src[:n]
 
-    def _pin(self, key: ChunkKey, src: int) -> None:
-        if src == _L1:
-            ok = self.l1.pin(key)
-        else:
-            ok = bool(_guard(self.tiers[src - 1], "pin", lambda: self.tiers[src - 1].pin(key)))
-        if ok:
-            self._pins.setdefault(key, []).append(src)
+    async def _locate(self, keys: Sequence[ChunkKey]) -> tuple[int, list[int], list[ObjectMeta | None]]:
+        """(leading count, source per key, lower-tier meta per key)."""
+        src = [-1] * len(keys)
+        metas: list[ObjectMeta | None] = [None] * len(keys)
+        l1, flushing = self.l1, self._flushing
+        missing = []
+        for i, k in enumerate(keys):
+            if l1.contains(k) or k in flushing:
+                src[i] = L1_SOURCE
+            else:
+                missing.append(i)
+        for ti, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            asked = [keys[i] for i in missing]
+            found = await aguard(tier, "metas", tier.metas(asked), [None] * len(asked))
+            rest = []
+            for i, m in zip(missing, found):
+                if m is None:
+                    rest.append(i)
+                else:
+                    src[i], metas[i] = ti + 1, m
+            missing = rest
+        n = missing[0] if missing else len(keys)
+        return n, src, metas
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Undo one ``lookup(pin=True)`` for each key (unknown keys ignored)."""
@@ -183,36 +250,46 @@ class StorageManager:
             src = stack.pop()
             if not stack:
                 del self._pins[key]
-            if src == _L1:
-                self.l1.unpin(key)
-            else:
-                _guard(self.tiers[src - 1], "unpin", lambda: self.tiers[src - 1].unpin(key))
+            self._sources.unpin(key, src)
 
-    async def _locate(self, keys: Sequence[ChunkKey]) -> tuple[int, list[int], list[ObjectMeta | None]]:
-        """(leading count, source per key, lower-tier meta per key)."""
-        src = [-1] * len(keys)
-        metas: list[ObjectMeta | None] = [None] * len(keys)
-        l1, flushing = self.l1, self._flushing
-        missing = []
-        for i, k in enumerate(keys):
-            if l1.contains(k) or k in flushing:
-                src[i] = _L1
-            else:
-                missing.append(i)
-        for ti, tier in enumerate(self.tiers):
-            if not missing:
-                break
-            asked = [keys[i] for i in missing]
-            found = await _aguard(tier, "metas", tier.metas(asked), [None] * len(asked))
-            rest = []
-            for i, m in zip(missing, found):
-                if m is None:
-                    rest.append(i)
-                else:
-                    src[i], metas[i] = ti + 1, m
-            missing = rest
-        n = missing[0] if missing else len(keys)
-        return n, src, metas
+    # --- without I/O ---------------------------------------------------
+    def probe(self, keys: Sequence[ChunkKey]) -> tuple[list[int], bool]:
+        """(source of each leading key known without I/O, whether that answer
+        is definite). Stops at the first key no tier has (definite) or the
+        first only I/O can settle (a tier that cannot tell without asking:
+        not definite; ``locate`` then answers). A chunk still being filled
+        into L1 is not ready there: it counts where a lower tier has it."""
+        return self._sources.probe(keys)
+
+    def holds(self, key: ChunkKey) -> bool:
+        """Known without I/O to be stored: in L1 (even in flight) or in an
+        available lower tier that says so."""
+        return self._sources.holds(key)
+
+    def in_l1(self, key: ChunkKey) -> bool:
+        """In L1's index (ready or in flight)."""
+        return self.l1.contains(key)
+
+    @property
+    def l1_evictions(self) -> int:
+        return self.l1.counters.evictions
+
+    def take_ready(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """References to the leading ``keys`` ready in memory now (stops at the
+        first that is not): a synchronous hit, nothing to wait for. Like a
+        pin, a reference keeps the bytes from eviction; ``release()`` each.
+        Neither counted as a hit nor refreshed in the eviction order."""
+        return self._sources.take_ready(keys)
+
+    def pin(self, keys: Sequence[ChunkKey], srcs: Sequence[int]) -> list[Pin]:
+        """Pin each key in the source that ``srcs`` names, where that tier can
+        pin; returns the pins taken, to hand back to ``release_pins``."""
+        return [(key, src) for key, src in zip(keys, srcs, strict=True) if self._sources.pin(key, src)]
+
+    def release_pins(self, pins: Sequence[Pin]) -> None:
+        """Undo pins taken by ``pin``."""
+        for key, src in pins:
+            self._sources.unpin(key, src)
 
     # --- get -----------------------------------------------------------
     async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
@@ -227,13 +304,13 @@ class StorageManager:
         objs: list[MemoryObj | None] = [None] * n
         waits: list[asyncio.Future | None] = [None] * n
         for i in range(n):
-            obj = self.l1.take(keys[i]) or self._take_flushing(keys[i])
+            obj = self._sources.take(keys[i])
             if obj is not None:
-                src[i], objs[i], waits[i] = _L1, obj, self.l1.in_flight(keys[i])
+                src[i], objs[i], waits[i] = L1_SOURCE, obj, self.l1.in_flight(keys[i])
         stop = n
         for i in range(n):
             if objs[i] is None:
-                filled = self._promote(keys[i], src[i], metas[i]) if src[i] > _L1 else None
+                filled = self._promote(keys[i], src[i], metas[i]) if src[i] > L1_SOURCE else None
                 if filled is None:
                     stop = i
                     break
@@ -252,19 +329,13 @@ class StorageManager:
             release_all(got)
             raise
         release_all(got[served:])
-        self._count(keys, src, served)
+        self._sources.count(keys, src, served)
         self.l1.touch(keys[:served])
         return got[:served]
 
-    def _take_flushing(self, key: ChunkKey) -> MemoryObj | None:
-        obj = self._flushing.get(key)
-        if obj is not None:
-            obj.ref_up()
-        return obj
-
     def _promote(self, key: ChunkKey, src: int, meta: ObjectMeta | None) -> tuple[MemoryObj, asyncio.Future] | None:
         """Allocate in L1, index it in flight, and read the tier into it."""
-        tier = self.tiers[src - 1]
+        tier = self._sources.tier(src)
         try:
             assert meta is not None
             obj = self.l1.allocate(meta.shape, dtype_from_name(meta.dtype), meta.layout)
@@ -274,7 +345,7 @@ class StorageManager:
         if obj is None:
             return None
         fill = self.l1.begin_fill(key, obj)
-        read = _guard(tier, "submit_read", lambda: tier.submit_read(key, meta, obj))
+        read = guard(tier, "submit_read", lambda: tier.submit_read(key, meta, obj), None)
         if read is None:
             fill.set_result(False)
             obj.release()
@@ -282,23 +353,12 @@ class StorageManager:
         read.add_done_callback(lambda r: fill.done() or fill.set_result(_succeeded(r)))
         return obj, fill
 
-    def _count(self, keys: Sequence[ChunkKey], src: list[int], served: int) -> None:
-        tiers = [self.l1.counters] + [t.counters for t in self.tiers]
-        for i in range(served):
-            tokens = _tokens(keys[i])
-            for c in tiers[: src[i]]:
-                c.miss(tokens)
-            tiers[src[i]].hit(tokens)
-        if served < len(keys):
-            for c in tiers:
-                c.miss(_tokens(keys[served]))
-
     # --- maintenance ---------------------------------------------------
     def remove(self, key: ChunkKey) -> None:
         """Forget ``key`` everywhere it is not pinned or in use."""
         self.l1.remove(key)
         for t in self.tiers:
-            _guard(t, "submit_remove", lambda t=t: t.submit_remove(key))
+            guard(t, "submit_remove", partial(t.submit_remove, key), False)
 
     async def drain(self) -> None:
         """Wait until no tier has queued or running I/O."""
@@ -335,37 +395,6 @@ class StorageManager:
         finally:
             self._closed = True
             for t in self.tiers:
-                await _aguard(t, "aclose", t.aclose(), None)
+                await aguard(t, "aclose", t.aclose(), None)
             self._pins.clear()
             self.l1.clear()
-
-
-def _tokens(key: ChunkKey) -> int:
-    """Tokens a chunk counts for: a layerwise chunk counts them on layer 0."""
-    return key.num_tokens if key.layer <= 0 else 0
-
-
-def _submit_put(tier: LowerTier, key: ChunkKey, obj: MemoryObj) -> asyncio.Future | None:
-    """Queue a write unless the tier already knows it has the key."""
-    return _guard(tier, "submit_put",
-                  lambda: None if tier.has(key) is True else tier.submit_put(key, obj))
-
-
-def _guard(tier: LowerTier, op: str, call):
-    """Call into a tier; a bug in it (anything it raised) is logged and
-    treated as a miss or a dropped put, never passed to the caller."""
-    try:
-        return call()
-    except Exception:
-        tier.counters.faults += 1
-        log.exception("tier_error", tier=tier.name, op=op)
-        return None
-
-
-async def _aguard(tier: LowerTier, op: str, aw: Awaitable, default):
-    try:
-        return await aw
-    except Exception:
-        tier.counters.faults += 1
-        log.exception("tier_error", tier=tier.name, op=op)
-        return default

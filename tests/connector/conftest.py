@@ -97,7 +97,7 @@ def assert_idle(core: EngineCore) -> list:
         assert b.store.outstanding().pinned == 0 and b.store.outstanding().referenced == 0, (
             f"store leaked {b.store.outstanding()}")
         assert len(b.lender) == 0 and not b.lender.buffers, "buffers still lent to the worker"
-        assert not b.scheduler.trackers, f"requests still tracked: {list(b.scheduler.trackers)}"
+        assert not b.scheduler.tracked(), f"requests still tracked: {b.scheduler.tracked()}"
         assert b.store.l1.allocator.num_live == len(b.store.l1.objects()), "L1 buffers referenced outside the store"
     return bundles
 

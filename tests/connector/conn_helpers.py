@@ -22,11 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "enginecore"))
 
 from hf_utils import build_tiny_llama, hf_greedy  # noqa: E402
 
-from kvstrata.connector import KVTransferConfig, NoOpScheduler, NoOpWorker  # noqa: E402
+from kvstrata.connector import KVTransferConfig, NoOpConnectorScheduler, NoOpConnectorWorker  # noqa: E402
+from kvstrata.enginecore import EngineRequest, SamplingParams  # noqa: E402
 
 REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 BLOCK = 4
 CHUNK = 16
+N = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=N)
 __all__ = ["build_tiny_llama", "hf_greedy"]
 
 
@@ -48,6 +51,48 @@ class Oracle:
 def prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, 256) for _ in range(n)]
+
+
+def add(core, rid: str, p: list[int]) -> None:
+    """Queue a greedy request of ``N`` tokens on an EngineCore."""
+    core.add_request(EngineRequest(request_id=rid, prompt_token_ids=p, sampling_params=GREEDY))
+
+
+async def step(core, outputs: dict[str, list[int]]):
+    """One engine step, then let the connector's tasks run."""
+    so = core.scheduler.schedule()
+    core._in_flight = so
+    out = core.execute(so) if core.should_execute(so) else None
+    if out is not None:
+        for o in core.update(so, out):
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return so
+
+
+async def run_until_idle(core, outputs, max_steps=200) -> None:
+    for _ in range(max_steps):
+        if not core.has_work():
+            return
+        await step(core, outputs)
+        await asyncio.sleep(0.001)
+    raise AssertionError("the engine did not go idle")
+
+
+async def seed_lower_tiers(core, p: list[int], outputs: dict[str, list[int]]) -> None:
+    """Compute ``p`` once (request "seed"), let its chunks reach every tier,
+    then forget them on the device and in L1: only the lower tiers keep them."""
+    add(core, "seed", p)
+    await run_until_idle(core, outputs)
+    await core.kv_connector.flush()
+    assert core.reset_prefix_cache()
+    core.kv_connector.store.l1.clear()
+
+
+def fs_tier(path: Path, **kw: Any) -> dict:
+    """A shared-filesystem tier: it cannot tell what it holds without I/O (a lookup)."""
+    return {"type": "fs", "name": "fs", "options": {"path": str(path), **kw}}
 
 
 def offload_config(*, cpu_chunks: int = 64, chunk_size: int = CHUNK, tiers: tuple = (), role: str = "both",
@@ -139,11 +184,14 @@ class RecordingConnector:
     async def flush(self) -> None:
         return None
 
-    def scheduler_side(self, spec: Any) -> NoOpScheduler:
-        return NoOpScheduler()
+    def set_wakeup(self, callback: Any) -> None:
+        return None
 
-    def worker_side(self, spec: Any) -> NoOpWorker:
-        return NoOpWorker()
+    def scheduler_side(self, spec: Any) -> NoOpConnectorScheduler:
+        return NoOpConnectorScheduler()
+
+    def worker_side(self, spec: Any) -> NoOpConnectorWorker:
+        return NoOpConnectorWorker()
 
     async def aclose(self) -> None:
         return None

@@ -6,39 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from conn_helpers import disk_tier, offload_config, prompt
+from conn_helpers import N, add, disk_tier, offload_config, prompt, run_until_idle, seed_lower_tiers, step
 
-from kvstrata.enginecore import EngineRequest, RequestStatus, SamplingParams
 from kvstrata.connector import OffloadMetadata
-
-N = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=N)
-
-
-def add(core, rid: str, p: list[int]) -> None:
-    core.add_request(EngineRequest(request_id=rid, prompt_token_ids=p, sampling_params=GREEDY))
-
-
-async def step(core, outputs: dict[str, list[int]]):
-    """One engine step, then let the connector's tasks run."""
-    so = core.scheduler.schedule()
-    core._in_flight = so
-    out = core.execute(so) if core.should_execute(so) else None
-    if out is not None:
-        for o in core.update(so, out):
-            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    for _ in range(3):
-        await asyncio.sleep(0)
-    return so
-
-
-async def run_until_idle(core, outputs, max_steps=200) -> None:
-    for _ in range(max_steps):
-        if not core.has_work():
-            return
-        await step(core, outputs)
-        await asyncio.sleep(0.001)
-    raise AssertionError("the engine did not go idle")
+from kvstrata.enginecore import RequestStatus, SamplingParams
 
 
 async def test_an_async_load_waits_without_holding_up_others(oracle, make_core):
@@ -111,19 +82,11 @@ async def test_a_preempted_request_is_offloaded_and_resumes_by_loading(oracle, m
     assert stats.extra["connector.cpu.hit_tokens"] > 0
 
 
-async def _seed_disk(core, p, outputs):
-    add(core, "seed", p)
-    await run_until_idle(core, outputs)
-    await core.kv_connector.flush()
-    assert core.reset_prefix_cache()
-    core.kv_connector.store.l1.clear()
-
-
 async def test_an_arriving_request_has_its_disk_chunks_promoted_before_it_is_scheduled(oracle, make_core, tmp_path):
     core = await make_core(offload_config(tiers=(disk_tier(tmp_path / "disk"),)))
     p = prompt(23, 70)
     outputs: dict[str, list[int]] = {}
-    await _seed_disk(core, p, outputs)
+    await seed_lower_tiers(core, p, outputs)
     add(core, "a", p)  # the arrival starts the promotion...
     for _ in range(100):
         await asyncio.sleep(0.005)  # ...while (in a real engine) other requests' step runs
@@ -140,7 +103,7 @@ async def test_without_prefetch_the_promotion_costs_a_step(oracle, make_core, tm
     core = await make_core(offload_config(max_prefetch=0, tiers=(disk_tier(tmp_path / "disk"),)))
     p = prompt(24, 70)
     outputs: dict[str, list[int]] = {}
-    await _seed_disk(core, p, outputs)
+    await seed_lower_tiers(core, p, outputs)
     add(core, "a", p)
     await asyncio.sleep(0.05)
     assert (await step(core, outputs)).num_scheduled_tokens == {}

@@ -53,13 +53,13 @@ async def test_events_from_every_tier_over_zmq(oracle, make_engine, tmp_path, re
     from conn_helpers import redis_tier
 
     from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
-    from kvstrata.enginecore import AsyncEngine
+    from kvstrata.ipc.engines import start_async_engine
 
     kvt = offload_config(cpu_chunks=3, enable_events=True,
                          tiers=(disk_tier(tmp_path / "disk"), redis_tier(redis_server.port)))
     config = EngineConfig(model=ModelConfig(model=oracle.path), device="cpu", kv_transfer=kvt,
                           cache=CacheConfig(block_size=4, num_blocks=64, kv_events_endpoint="tcp://127.0.0.1:*"))
-    engine = await AsyncEngine.start(config)
+    engine = await start_async_engine(config)  # with the ZMQ publisher of its KV events
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     try:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvstrata.connector.base import NoOpScheduler
+from kvstrata.connector.base import NoOpConnectorScheduler
 from kvstrata.enginecore.builder import build_block_hasher, build_kv_cache_manager, build_scheduler, cache_identity
 from kvstrata.enginecore.request import Request
 from kvstrata.enginecore.scheduler import Scheduler
@@ -137,7 +137,7 @@ class FakeRunner:
                 st.block_ids.extend(new_ids[0])
 
 
-class ScriptedConnector(NoOpScheduler):
+class ScriptedConnector(NoOpConnectorScheduler):
     """Answers from ``hits[rid] = (tokens, load_async)``; records every call."""
 
     def __init__(self, hits=None, delay_free=(), meta=None):

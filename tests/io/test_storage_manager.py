@@ -8,7 +8,7 @@ import asyncio
 import msgspec
 import pytest
 import torch
-from io_helpers import DTYPE, SHAPE, get_ids, key, pattern, put_pattern
+from io_helpers import DTYPE, SHAPE, get_ids, key, pattern, put_all, put_pattern
 
 from kvstrata.io import CPUConfig, StorageManager, StoreConfig, StoreIdentity, TierSpec
 
@@ -194,3 +194,115 @@ def test_store_config_errors_name_the_field():
         StorageManager(StoreConfig(cpu=CPUConfig(capacity_bytes=0)))
     with pytest.raises(ValueError, match="close_timeout_s"):
         StorageManager(StoreConfig(close_timeout_s=0))
+
+
+# --- the synchronous front door: probe, take_ready, pin, holds, sources ---------------
+
+async def test_probe_answers_from_l1_and_local_indexes_without_io(make_store, disk_tier_spec, tmp_path):
+    store = await make_store(tiers=[disk_tier_spec(tmp_path / "disk")])
+    await put_all(store, [0, 1])
+    store.l1.remove(key(1))  # only the disk keeps 1
+    obj = store.allocate(SHAPE, DTYPE, "test")
+    copied = asyncio.get_running_loop().create_future()
+    store.put(key(2), obj, ready=copied)  # in flight in L1: not ready there
+    obj.release()
+    assert store.probe([key(0), key(1), key(2)]) == ([0, 1], True)
+    assert store.probe([key(0), key(9), key(1)]) == ([0], True)  # stops at the first gap
+    assert store.stats().lookups == 0  # no lookup counted, no I/O
+    copied.set_result(True)
+    await asyncio.sleep(0)
+    await store.drain()
+    assert store.probe([key(2)]) == ([0], True)
+
+
+async def test_probe_is_not_definite_where_a_tier_must_be_asked(make_store, tmp_path):
+    store = await make_store(tiers=[TierSpec(type="fs", options=dict(path=str(tmp_path / "fs")))])
+    put_pattern(store, 0)
+    await store.drain()
+    store.l1.remove(key(0))
+    assert store.probe([key(0)]) == ([], False)
+    assert await store.locate([key(0)]) == [1]  # the fs tier, found by asking it
+    assert store.stats().lookups == 1
+
+
+async def test_a_tier_that_raises_is_a_miss_and_a_fault(make_store, disk_tier_spec, tmp_path):
+    store = await make_store(tiers=[disk_tier_spec(tmp_path / "disk")])
+    await put_all(store, [0])
+    store.l1.remove(key(0))
+    disk = store.tiers[0]
+
+    def broken(k):
+        raise RuntimeError("bug in the tier")
+
+    disk.has = broken
+    assert store.probe([key(0)]) == ([], True) and not store.holds(key(0))
+    assert disk.counters.faults == 2
+    del disk.has
+
+
+async def test_take_ready_references_the_leading_ready_chunks(make_store):
+    store = await make_store()
+    for i in (0, 1, 3):
+        put_pattern(store, i)
+    objs = store.take_ready([key(0), key(1), key(2), key(3)])
+    assert [torch.equal(o.tensor, pattern(i)) for i, o in enumerate(objs)] == [True, True]
+    assert store.outstanding().referenced == 2
+    for o in objs:
+        o.release()
+    assert store.stats().tier("cpu").hit_chunks == 0  # not a read: counted by the caller
+
+
+async def test_pin_pins_in_the_named_source_and_release_pins_undoes_exactly_those(make_store, disk_tier_spec,
+                                                                               tmp_path):
+    store = await make_store(tiers=[disk_tier_spec(tmp_path / "disk")])
+    await put_all(store, [0, 1])
+    store.l1.remove(key(1))
+    srcs, _ = store.probe([key(0), key(1)])
+    pins = store.pin([key(0), key(1)], srcs)
+    assert pins == [(key(0), 0), (key(1), 1)]
+    assert store.l1.pinned_count() == 1 and store.tiers[0].pinned_count() == 1
+    lookup_pins = await store.lookup([key(0)], pin=True)  # lookup's own pins stay apart
+    store.release_pins(pins)
+    assert store.outstanding().pinned == lookup_pins == 1
+    store.unpin([key(0)])
+    assert store.outstanding().pinned == 0
+
+
+async def test_holds_counts_in_flight_l1_entries_and_local_tiers(make_store, disk_tier_spec, tmp_path):
+    store = await make_store(tiers=[disk_tier_spec(tmp_path / "disk")])
+    await put_all(store, [0])
+    store.l1.remove(key(0))
+    obj = store.allocate(SHAPE, DTYPE, "test")
+    copied = asyncio.get_running_loop().create_future()
+    store.put(key(1), obj, ready=copied)
+    obj.release()
+    assert store.holds(key(0)) and store.holds(key(1)) and not store.holds(key(2))
+    assert store.in_l1(key(1)) and not store.in_l1(key(0))
+    copied.set_result(True)
+    await asyncio.sleep(0)
+    await store.drain()
+
+
+async def test_sources_name_the_tiers(make_store, disk_tier_spec, tmp_path):
+    fs = TierSpec(type="fs", name="shared", options=dict(path=str(tmp_path / "fs")))
+    store = await make_store(tiers=[disk_tier_spec(tmp_path / "disk"), fs])
+    assert store.tier_names == ["cpu", "disk", "shared"]
+    assert [store.source_name(s) for s in (0, 1, 2, 7)] == ["cpu", "disk", "shared", "unknown"]
+    assert [store.is_local(s) for s in (0, 1, 2)] == [True, True, False]
+
+
+async def test_the_write_listener_hears_every_lower_tier_write(make_store, disk_tier_spec, tmp_path):
+    store = await make_store(tiers=[disk_tier_spec(tmp_path / "disk"),
+                                    disk_tier_spec(tmp_path / "back", write="back", name="back")], cpu_objs=1)
+    heard: list[int] = []
+    store.set_write_listener(lambda: heard.append(len(heard)))
+    put_pattern(store, 0)
+    await store.drain()
+    assert len(heard) == 1  # written through to "disk"
+    put_pattern(store, 1)  # evicts 0 from L1: written back to "back" (no room for 1 until then)
+    await store.drain()
+    assert len(heard) == 2
+    store.set_write_listener(None)
+    assert put_pattern(store, 2) is not None
+    await store.drain()
+    assert len(heard) == 2

@@ -12,21 +12,23 @@ aborted mid-step leaves its entries alone: they are settled with the step.
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
+from kvstrata.connector.events import ChunkInfo
+from kvstrata.connector.metadata import WorkerReport
 from kvstrata.io import ChunkKey, MemoryObj
+from kvstrata.io.memory import release_all
 
 
 class Lent:
-    """One lent buffer: the object (the lender's reference), its key, what it
-    is for ("save" or "load"), the request and, for saves, how to publish it."""
+    """One lent buffer: the object (the lender's reference), its key, the
+    request and, for a save with events on, how to publish it."""
 
-    __slots__ = ("obj", "key", "kind", "req_id", "info")
+    __slots__ = ("obj", "key", "req_id", "info")
 
-    def __init__(self, obj: MemoryObj, key: ChunkKey, kind: str, req_id: str, info: Any = None) -> None:
+    def __init__(self, obj: MemoryObj, key: ChunkKey, req_id: str, info: ChunkInfo | None = None) -> None:
         self.obj = obj
         self.key = key
-        self.kind = kind
         self.req_id = req_id
         self.info = info
 
@@ -38,7 +40,7 @@ class Lender:
     __slots__ = ("buffers", "_entries", "_next")
 
     def __init__(self) -> None:
-        self.buffers: dict[int, Any] = {}
+        self.buffers: dict[int, torch.Tensor] = {}
         self._entries: dict[int, Lent] = {}
         self._next = 0
 
@@ -56,8 +58,17 @@ class Lender:
         self.buffers.pop(handle, None)
         return self._entries.pop(handle, None)
 
-    def take_all(self) -> list[Lent]:
+    def settle(self, report: WorkerReport) -> list[Lent]:
+        """Take back what the worker reports: returns the entries it saved
+        into (for the store); releases those it loaded from or failed."""
+        saved = [e for h in report.saved if (e := self.take(h)) is not None]
+        release_all([e.obj for h in (*report.loaded, *report.failed) if (e := self.take(h)) is not None])
+        return saved
+
+    def release_all(self) -> None:
+        """Release whatever is still lent (the worker did not report it, or
+        the step failed)."""
         entries = list(self._entries.values())
         self._entries.clear()
         self.buffers.clear()
-        return entries
+        release_all([e.obj for e in entries])

@@ -3,10 +3,10 @@ chunks and holding them until the worker copies them in.
 
 Lookup, per waiting request (``match``, the scheduler's
 ``get_num_new_matched_tokens``): keys for the chunks from the first one the
-device prefix hit does not fully cover; ``probe`` them; if only I/O can tell,
-start a lookup and answer None. With ``save_partial_chunks``, the chunk after
-the last full one found may match a shorter partial chunk (the tail a
-finished request saved). Then:
+device prefix hit does not fully cover; ``StorageManager.probe`` them; if
+only I/O can tell, start a lookup (``locate``) and answer None. With
+``save_partial_chunks``, the chunk after the last full one found may match a
+shorter partial chunk (the tail a finished request saved). Then:
 
 * every chunk ready in L1  -> take references, load within the step, layer by
   layer (``load_async`` False);
@@ -19,111 +19,158 @@ finished request saved). Then:
   the request waits in WAITING_FOR_REMOTE_KVS until the worker reports it.
 
 ``prefetch`` starts the lookup or promotion when a request arrives, so it is
-usually done by the time the scheduler reaches the request.
+usually done by the time the scheduler reaches the request. A task that ends
+(a lookup answered, a fetch landed) wakes the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, NamedTuple, TypeVar
 
-from kvstrata.io import ChunkKey
+import structlog
+
+from kvstrata.connector.base import ConnectorRequest
+from kvstrata.connector.events import TierEventRecorder
+from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+from kvstrata.connector.metrics import TransferMetrics
+from kvstrata.connector.offload.chunks import ChunkGeometry
+from kvstrata.connector.offload.lending import Lender, Lent
+from kvstrata.connector.offload.options import OffloadOptions
+from kvstrata.connector.offload.tracker import LoadPlan, LoadTracker
+from kvstrata.connector.wakeup import Wakeup
+from kvstrata.io import L1_SOURCE, ChunkKey, ChunkKeyer, MemoryObj, Pin, StorageManager
 from kvstrata.io.memory import release_all
-from kvstrata.connector.offload import lookup as L
-from kvstrata.connector.offload.tracker import LoadPlan, RequestTracker
 
-if TYPE_CHECKING:
-    from kvstrata.connector.offload.scheduler import OffloadScheduler
+log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
+
+
+class Match(NamedTuple):
+    """The answer for one waiting request: ``tokens`` to load (None: not
+    known yet), whether asynchronously, and ``stored_until``: the chunks
+    before it are in the store or on the device (the request need not save them)."""
+
+    tokens: int | None
+    load_async: bool = False
+    stored_until: int = 0
+
+
+class Handover(NamedTuple):
+    """One request's chunks handed to the worker; ``resave_from``: the first
+    chunk the store did not deliver (the request must save it and those
+    after it itself), or None."""
+
+    transfer: RequestTransfer
+    resave_from: int | None
 
 
 class LoadPlanner:
-    """Owns nothing of its own: the logic of the scheduler side's load plans
-    (the state lives in the scheduler's trackers). Loop only."""
+    """Owns: each request's load (a LoadTracker, from its first lookup until
+    it finishes), the requests prefetched and not yet asked for, the tasks
+    it started, and the bulk loads of the step in flight (their requests are
+    retried if the step fails). Loop only."""
 
-    def __init__(self, sched: OffloadScheduler) -> None:
-        self.s = sched
+    def __init__(self, store: StorageManager, geometry: ChunkGeometry, keyer: ChunkKeyer, opts: OffloadOptions,
+                 lender: Lender, metrics: TransferMetrics, events: TierEventRecorder | None, wakeup: Wakeup) -> None:
+        self.store = store
+        self.geo = geometry
+        self.keyer = keyer
+        self.opts = opts
+        self.lender = lender
+        self.metrics = metrics
+        self.events = events
+        self.wakeup = wakeup
+        self._loads: dict[str, LoadTracker] = {}
+        self._prefetched: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # lookups (-> sources found) and fetches (-> None)
+        self._step_bulk: list[tuple[str, list[int]]] = []
 
-    def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        rid = request.request_id
-        t = self.s.trackers.get(rid)
+    def tracked(self) -> list[str]:
+        return list(self._loads)
+
+    def _track(self, request: ConnectorRequest) -> LoadTracker:
+        t = self._loads.get(request.request_id)
         if t is None:
-            t = self.s.trackers[rid] = RequestTracker(request)
-        self.s.prefetched.discard(rid)
-        start = num_computed_tokens // self.s.chunk_size
-        if not self.s.loads:
-            t.next_save = start
-            return 0, False
-        if t.plan is None or t.lookup is not None or (t.fetch is not None and not t.plan.is_async):
-            if not self._make_plan(t, request, t.plan.start if t.plan is not None else start):
-                return None, False
-        if t.plan.start != start and not self._rebase(t, start):
-            if not self._make_plan(t, request, start):
-                return None, False
-        plan = t.plan
-        assert plan is not None
-        t.next_save = start + sum(1 for k in plan.keys if k.num_tokens == self.s.chunk_size)
-        ext = min(plan.token_end, request.num_tokens - 1) - num_computed_tokens
-        t.load_skip = num_computed_tokens - start * self.s.chunk_size
-        if ext <= 0:
-            t.drop_plan()
-            return 0, False
-        return ext, plan.is_async
+            t = self._loads[request.request_id] = LoadTracker(request)
+        return t
 
-    def prefetch(self, request: Any) -> None:
+    # -- lookup ------------------------------------------------------------------
+    def prefetch(self, request: ConnectorRequest) -> None:
         """A request just arrived: if its chunks need a lookup or a promotion
         from disk, start them now, so they are in CPU memory by the time the
         scheduler reaches it. At most ``max_prefetch`` requests at a time."""
-        if not self.s.loads or len(self.s.prefetched) >= self.s.opts.max_prefetch:
+        if len(self._prefetched) >= self.opts.max_prefetch:
             return
-        keys = self.s.keyer.keys(request.block_hashes)
-        srcs, definite = L.probe(self.s.store, keys)
-        if not keys or (definite and (not srcs or L.all_ready_in_l1(self.s.store, srcs))):
+        keys = self.keyer.keys(request.block_hashes)
+        srcs, definite = self.store.probe(keys)
+        if not keys or (definite and all(s == L1_SOURCE for s in srcs)):
             return  # nothing stored, or all of it ready: the scheduler's own lookup is as fast
-        t = self.s.trackers.get(request.request_id)
-        if t is None:
-            t = self.s.trackers[request.request_id] = RequestTracker(request)
+        t = self._track(request)
         if t.plan is None:
-            self.s.prefetched.add(request.request_id)
-            self._make_plan(t, request, 0)
+            self._prefetched.add(request.request_id)
+            self._make_plan(t, 0)
 
-    def _rebase(self, t: RequestTracker, start: int) -> bool:
+    def match(self, request: ConnectorRequest, num_computed_tokens: int) -> Match:
+        t = self._track(request)
+        self._prefetched.discard(t.req_id)
+        cs = self.geo.chunk_size
+        start = num_computed_tokens // cs
+        if t.plan is None or t.lookup is not None or (t.fetch is not None and not t.plan.is_async):
+            if not self._make_plan(t, t.plan.start if t.plan is not None else start):
+                return Match(None)
+        if t.plan is not None and t.plan.start != start and not self._rebase(t, start):
+            if not self._make_plan(t, start):
+                return Match(None)
+        plan = t.plan
+        assert plan is not None
+        stored_until = start + sum(1 for k in plan.keys if k.num_tokens == cs)
+        ext = min(plan.token_end, request.num_tokens - 1) - num_computed_tokens
+        t.load_skip = num_computed_tokens - start * cs
+        if ext <= 0:
+            t.drop_plan(self.store)
+            return Match(0, False, stored_until)
+        return Match(ext, plan.is_async, stored_until)
+
+    def _rebase(self, t: LoadTracker, start: int) -> bool:
         """Fit a settled plan made from an earlier chunk (a prefetch, before the
         device hit was known) to start at ``start``; False: plan afresh."""
         plan = t.plan
+        assert plan is not None
         drop = start - plan.start
-        if drop < 0 or drop >= len(plan.keys) or plan.is_async or plan.keys[drop - 1].num_tokens != self.s.chunk_size:
-            t.drop_plan()
+        if (drop < 0 or drop >= len(plan.keys) or plan.is_async
+                or plan.keys[drop - 1].num_tokens != self.geo.chunk_size):
+            t.drop_plan(self.store)
             return False
         release_all(plan.objs[:drop])
         plan.objs, plan.keys, plan.srcs = plan.objs[drop:], plan.keys[drop:], plan.srcs[drop:]
         plan.start = start
         return True
 
-    def _make_plan(self, t: RequestTracker, request: Any, start: int) -> bool:
+    def _make_plan(self, t: LoadTracker, start: int) -> bool:
         """Advance ``t``'s plan; False while a lookup or a promotion is in flight."""
         if t.plan is None:
-            self.s.metrics.count("lookups")
-            keys = self.s.keyer.keys(request.block_hashes, start_chunk=start)
-            srcs, definite = L.probe(self.s.store, keys)
-            if definite and len(srcs) < len(keys) and self.s.store.config.save_partial_chunks:
-                part = L.probe_partial(self.s.store, self.s.fingerprint, request.block_hashes, start + len(srcs),
-                                       self.s.bpc, self.s.spec.block_size, keys[len(srcs)])
+            self.metrics.count("lookups")
+            keys = self.keyer.keys(t.request.block_hashes, start_chunk=start)
+            srcs, definite = self.store.probe(keys)
+            if definite and len(srcs) < len(keys) and self.store.config.save_partial_chunks:
+                part = self._probe_partial(t.request, start + len(srcs), keys[len(srcs)])
                 if part is not None:
-                    keys = [*keys[:len(srcs)], part[0]]
-                    srcs = [*srcs, part[1]]
+                    keys, srcs = [*keys[:len(srcs)], part[0]], [*srcs, part[1]]
             t.plan = LoadPlan(start, keys, srcs, 0)
             if not definite:
-                t.lookup = self.s.spawn(L.lookup(self.s.store, keys[len(srcs):], self.s.opts.lookup_timeout_s))
+                t.lookup = self._spawn(_within(self.store.locate(keys[len(srcs):]), self.opts.lookup_timeout_s,
+                                               [], "store_lookup_timeout"))
                 return False
-        plan = t.plan
+        plan, cs = t.plan, self.geo.chunk_size
         if t.lookup is not None:
             if not t.lookup.done():
                 return False
-            found = _result(t.lookup, 0)
+            found = _result(t.lookup, [])
             t.lookup = None
-            extra = plan.keys[len(plan.srcs):len(plan.srcs) + found]
-            plan.srcs += [L.guess_source(self.s.store, k) for k in extra]
+            plan.srcs += found[:len(plan.keys) - len(plan.srcs)]
         if t.fetch is not None:  # "sync" mode: a promotion of lower-tier chunks into L1
             if not t.fetch.done():
                 return False
@@ -131,108 +178,221 @@ class LoadPlanner:
             plan.objs, t.fetched = t.fetched or [], None
             lost = plan.keys[len(plan.objs):]
             if lost:  # found by the lookup, then unreadable: recomputed
-                self.s.metrics.count("load_failed_tokens", sum(k.num_tokens for k in lost))
-            plan.keys = plan.keys[:len(plan.objs)]
-            plan.srcs = plan.srcs[:len(plan.objs)]
-            plan.token_end = plan.start * self.s.chunk_size + sum(k.num_tokens for k in plan.keys)
+                self.metrics.count("load_failed_tokens", sum(k.num_tokens for k in lost))
+            plan.cut(len(plan.objs), cs)
             return True
-        plan.keys = plan.keys[:len(plan.srcs)]
-        plan.token_end = plan.start * self.s.chunk_size + sum(k.num_tokens for k in plan.keys)
-        self.s.metrics.count("lookup_hit_chunks", len(plan.keys))
+        plan.cut(len(plan.srcs), cs)
+        self.metrics.count("lookup_hit_chunks", len(plan.keys))
         if not plan.keys:
             return True
         return self._hold(t, plan)
 
-    def _hold(self, t: RequestTracker, plan: LoadPlan) -> bool:
-        mode = self.s.opts.load_mode
-        if mode != "async" and L.all_ready_in_l1(self.s.store, plan.srcs):
-            plan.objs = L.take_l1(self.s.store, plan.keys)
-            n = len(plan.objs)
-            plan.keys, plan.srcs = plan.keys[:n], plan.srcs[:n]
-            plan.token_end = plan.start * self.s.chunk_size + sum(k.num_tokens for k in plan.keys)
+    def _probe_partial(self, request: ConnectorRequest, c: int, missing: ChunkKey) -> tuple[ChunkKey, int] | None:
+        """The longest partial chunk ``c`` that L1 or a local tier holds (a
+        finished or preempted request saved it: the tail of a conversation
+        turn), shorter than ``missing``; None if there is none."""
+        bs = self.geo.block_size
+        first = c * self.geo.bpc
+        last = min(len(request.block_hashes), first + self.geo.bpc) - 1
+        for j in range(last, first - 1, -1):
+            key = self.geo.key(request.block_hashes, c, (j - first + 1) * bs)
+            if key == missing or key.num_tokens >= missing.num_tokens:
+                continue
+            srcs, _ = self.store.probe([key])
+            if srcs:
+                return key, srcs[0]
+        return None
+
+    def _hold(self, t: LoadTracker, plan: LoadPlan) -> bool:
+        """Keep the found chunks from eviction: references to chunks ready in
+        L1, else pins, and start the promotion a synchronous load needs."""
+        mode = self.opts.load_mode
+        if mode != "async" and all(s == L1_SOURCE for s in plan.srcs):
+            plan.objs = self.store.take_ready(plan.keys)
+            plan.cut(len(plan.objs), self.geo.chunk_size)
             return True
-        pins = L.pin_chunks(self.s.store, plan.keys, plan.srcs)
-        if mode == "sync" or (mode == "auto" and L.all_local(self.s.store, plan.srcs)):
-            t.fetch = self.s.spawn(self._fetch(t, list(plan.keys), pins))
+        pins = self.store.pin(plan.keys, plan.srcs)
+        if mode == "sync" or (mode == "auto" and all(self.store.is_local(s) for s in plan.srcs)):
+            t.fetch = self._spawn(self._fetch(t, list(plan.keys), pins))
             return False
         plan.pins = pins
         plan.is_async = True
         return True
 
-    async def _fetch(self, t: RequestTracker, keys: list[ChunkKey], pins: list) -> None:
+    async def _fetch(self, t: LoadTracker, keys: list[ChunkKey], pins: list[Pin]) -> None:
+        """The leading chunks, promoted into L1 and referenced, into
+        ``t.fetched`` (fewer or none when a tier fails or the load times out);
+        the pins go once the references are held."""
         t0 = time.perf_counter()
-        objs = await L.fetch(self.s.store, keys, self.s.opts.load_timeout_s, pins)
-        if t.finished or t.fetch is not asyncio.current_task():
+        try:
+            objs = await _within(self.store.get(keys), self.opts.load_timeout_s, [], "store_fetch_timeout")
+        finally:
+            self.store.release_pins(pins)
+        if t.fetch is not asyncio.current_task():
             release_all(objs)  # the request went away (or re-planned) meanwhile
             return
         t.fetched = objs
         t.load_s += time.perf_counter() - t0  # the I/O wait counts as load time
-        if self.s.events is not None:
+        if self.events is not None:
+            l1 = self.store.source_name(L1_SOURCE)
             for key in keys[:len(objs)]:
-                self._describe_loaded(t, key)
-                if self.s.store.l1.contains(key):
-                    self.s.events.stored(key, self.s.store.l1.name)
+                self._describe(t, key)
+                if self.store.in_l1(key):
+                    self.events.stored(key, l1)
 
-    def allocated(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
-        t = self.s.trackers.get(request.request_id)
+    def _describe(self, t: LoadTracker, key: ChunkKey) -> None:
+        if self.events is not None and t.plan is not None and key in t.plan.keys:
+            c = t.plan.start + t.plan.keys.index(key)
+            self.events.describe(key, self.geo.info(t.request, c, key.num_tokens))
+
+    # -- allocation and handover ---------------------------------------------------
+    def allocated(self, request: ConnectorRequest, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+        t = self._loads.get(request.request_id)
         if t is None:
             return
         plan = t.plan
         if plan is None or num_external_tokens <= 0:
-            t.drop_plan()
+            t.drop_plan(self.store)
             return
-        cs, bs = self.s.chunk_size, self.s.spec.block_size
-        first = plan.start * cs
+        cs, geo = self.geo.chunk_size, self.geo
         t.load_limit = t.load_skip + num_external_tokens
         needed = -(-t.load_limit // cs)
-        t.load_blocks = list(block_ids[0][plan.start * self.s.bpc: -(-(first + t.load_limit) // bs)])
+        t.load_blocks = list(block_ids[0][plan.start * geo.bpc: geo.num_blocks(plan.start * cs + t.load_limit)])
         t.hit_tokens = num_external_tokens
-        t.hit_tier = self.attribute(plan, t.load_skip, t.load_limit)
+        t.hit_tier = self._attribute(plan, t.load_skip, t.load_limit)
         if plan.is_async:
-            keys = plan.keys[:needed]
             pins, plan.pins = plan.pins, []
-            t.loading = True
-            t.fetch = self.s.spawn(self._fetch(t, keys, pins))
-            self.s.metrics.count("async_loads")
+            t.handover = "bulk"
+            t.fetch = self._spawn(self._fetch(t, plan.keys[:needed], pins))
+            self.metrics.count("async_loads")
         else:
             release_all(plan.objs[needed:])
-            plan.objs = plan.objs[:needed]
-            plan.keys = plan.keys[:needed]
-            self.s.sync_loads.append(t)
-            self.s.metrics.count("sync_loads")
+            plan.objs, plan.keys = plan.objs[:needed], plan.keys[:needed]
+            t.handover = "layer"
+            self.metrics.count("sync_loads")
 
-    def attribute(self, plan: LoadPlan, skip: int, limit: int) -> dict[str, int]:
+    def _attribute(self, plan: LoadPlan, skip: int, limit: int) -> dict[str, int]:
         """Hit tokens per tier: the part of each chunk inside ``[skip, limit)``."""
         by_tier: dict[str, int] = {}
         pos = 0
         for key, src in zip(plan.keys, plan.srcs, strict=True):
             lo, hi = max(pos, skip), min(pos + key.num_tokens, limit)
             if hi > lo:
-                name = self.s.tier_names[src] if 0 <= src < len(self.s.tier_names) else "unknown"
+                name = self.store.source_name(src)
                 by_tier[name] = by_tier.get(name, 0) + hi - lo
             pos += key.num_tokens
         return by_tier
 
-    def ready_fetches(self) -> list[RequestTracker]:
-        ready = []
-        for t in self.s.trackers.values():
-            if t.loading and t.fetch is not None and t.fetch.done():
-                t.fetch = None
-                t.loading = False
-                ready.append(t)
-        return ready
+    def hand_over(self) -> tuple[list[Handover], list[Handover]]:
+        """This step's loads: (within the step, layer by layer: the sync loads
+        allocated since the last step; before the forward: the async loads
+        whose fetch landed)."""
+        loads = list(self._loads.values())
+        layer = [self._lend(t, t.plan.objs if t.plan else [], layerwise=True)
+                 for t in loads if t.handover == "layer"]
+        landed = [t for t in loads if t.handover == "bulk" and t.fetch is not None and t.fetch.done()]
+        bulk = []
+        for t in landed:
+            t.fetch = None
+            bulk.append(self._lend(t, t.fetched or [], layerwise=False))
+        return layer, bulk
 
-    def _describe_loaded(self, t: RequestTracker, key: ChunkKey) -> None:
-        if self.s.events is None:
-            return
-        plan = t.plan
-        if plan is None or key not in plan.keys:
-            return
-        c = plan.start + plan.keys.index(key)
-        self.s.events.describe(key, self.s.planner.chunk_info(t.request, c, key.num_tokens))
+    def _lend(self, t: LoadTracker, objs: list[MemoryObj], *, layerwise: bool) -> Handover:
+        """Lend ``objs`` (the plan's leading chunks, references owned from now
+        on by the lender) to the worker; blocks of chunks not delivered are
+        reported failed, so the scheduler recomputes them."""
+        plan, bs = t.plan, self.geo.block_size
+        keys = plan.keys if plan is not None else []
+        if plan is not None:
+            plan.objs = []
+        t.fetched = None
+        skip, limit, blocks = t.load_skip, t.load_limit, t.load_blocks
+        transfers, pos = [], 0
+        for key, obj in zip(keys, objs, strict=False):  # objs: the leading chunks delivered
+            lo, hi = max(0, skip - pos), min(key.num_tokens, limit - pos)
+            handle = self.lender.lend(Lent(obj, key, t.req_id))
+            if hi > lo:
+                transfers.append(ChunkTransfer(handle, blocks[pos // bs: -(-(pos + hi) // bs)], lo, hi))
+            pos += key.num_tokens
+        release_all(objs[len(keys):])
+        failed: list[int] = []
+        resave_from = None
+        if pos < limit:
+            first_bad = max(pos, skip)
+            failed = blocks[first_bad // bs:]
+            self.metrics.count("load_failed_tokens", limit - first_bad)
+            if plan is not None:
+                t.hit_tier = self._attribute(plan, skip, first_bad)
+                t.hit_tokens = max(0, first_bad - skip)
+                resave_from = plan.start + len(objs)
+        self.metrics.count("load_chunks", len(transfers))
+        if not layerwise:
+            self._step_bulk.append((t.req_id, blocks[skip // bs:]))
+        t.drop_plan(self.store)
+        return Handover(RequestTransfer(t.req_id, transfers, failed), resave_from)
+
+    # -- the step and the request's end ------------------------------------------------
+    def add_load_time(self, req_id: str, seconds: float) -> None:
+        t = self._loads.get(req_id)
+        if t is not None:
+            t.load_s += seconds
+
+    def step_done(self) -> None:
+        self._step_bulk = []
+
+    def step_failed(self) -> tuple[list[str], list[int]]:
+        """The requests whose bulk load did not happen, and their blocks (to recompute)."""
+        loads, self._step_bulk = self._step_bulk, []
+        return [rid for rid, _ in loads], [b for _, blocks in loads for b in blocks]
+
+    def preempted(self, req_id: str) -> None:
+        t = self._loads.get(req_id)
+        if t is not None:
+            t.drop_plan(self.store)
+
+    def finish(self, req_id: str) -> LoadTracker | None:
+        """Forget the request; returns its load (for the books), None if it had none."""
+        self._prefetched.discard(req_id)
+        t = self._loads.pop(req_id, None)
+        if t is not None:
+            t.drop_plan(self.store)
+        return t
+
+    def has_pending(self) -> bool:
+        return bool(self._tasks) or any(t.handover == "layer" for t in self._loads.values())
+
+    def _spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            self.wakeup()  # a lookup answered or a load landed: the engine can go on
+
+    async def aclose(self) -> None:
+        for t in self._loads.values():
+            t.drop_plan(self.store)
+        self._loads.clear()
+        self._prefetched.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _result(task: asyncio.Task, default: Any) -> Any:
-    if task.cancelled() or task.exception() is not None:
+async def _within(aw: Awaitable[_T], timeout_s: float, default: _T, event: str) -> _T:
+    """``aw``'s result, or ``default`` (logged as ``event``) after ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await aw
+    except TimeoutError:
+        log.warning(event, timeout_s=timeout_s)
         return default
-    return task.result()
+
+
+def _result(task: asyncio.Task[_T], default: _T) -> _T:
+    return default if task.cancelled() or task.exception() is not None else task.result()

@@ -1,78 +1,139 @@
-"""The transfers of one step, on the scheduler side: which chunks to save,
-with which L1 buffers; which loaded chunks to hand over; and settling the
-worker's report (buffers put into the store, or released).
+"""The offload connector's saves, on the scheduler side: which chunks each
+step saves, into which L1 buffers, and putting the saved buffers into the
+store once the worker reports them.
+
+A request is tracked from its first lookup (``track``: the chunks before
+``stored_until`` need no save) until it finishes. ``next_save`` is the first
+chunk it may still have to save: chunks before it are in the store (found by
+the lookup, or saved already) or were on the device when the request started
+(their owner saved them).
+
+    layer_saves(step)   chunks that fill up in this step's computed tokens
+                        (prefill; decode too with ``save_decode``), gathered
+                        after each layer
+    preempted/finish    the unsaved chunks of the request's computed tokens,
+                        queued as bulk saves for the next step (gathered
+                        before the forward: the blocks may be reused then)
 
 A save buffer is allocated from L1 when the step's metadata is built
 (``StorageManager.allocate``: evicts as needed, None when it cannot: the save
 is skipped and counted, it is a cache). A chunk some tier already holds is
-not saved again.
+not saved again. The blocks come from the KV cache manager's block tables
+(``bind``), never from a copy.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
 
-from kvstrata.io import ChunkKey
-from kvstrata.io.memory import release_all
-from kvstrata.connector.events import ChunkInfo
-from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer, WorkerReport
-from kvstrata.connector.offload.lending import Lent
-from kvstrata.connector.offload.tracker import RequestTracker
+from kvstrata.connector.base import BlockTables, ConnectorRequest
+from kvstrata.connector.events import TierEventRecorder
+from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+from kvstrata.connector.metrics import TransferMetrics
+from kvstrata.connector.offload.chunks import ChunkGeometry
+from kvstrata.connector.offload.lending import Lender, Lent
+from kvstrata.io import L1_SOURCE, ChunkKey, StorageManager
+from kvstrata.types import SchedulerOutput
 
-if TYPE_CHECKING:
-    from kvstrata.connector.offload.scheduler import OffloadScheduler
+_Chunks = list[tuple[int, ChunkKey, int]]  # (chunk index, key, tokens)
+
+
+class _Saving:
+    __slots__ = ("request", "next_save")
+
+    def __init__(self, request: ConnectorRequest, next_save: int) -> None:
+        self.request = request
+        self.next_save = next_save
 
 
 class _Bulk:
-    __slots__ = ("req_id", "request", "chunks", "block_ids", "finishing")
+    __slots__ = ("request", "chunks", "block_ids", "finishing")
 
-    def __init__(self, req_id: str, request: Any, chunks: list, block_ids: list[int], finishing: bool) -> None:
-        self.req_id, self.request, self.chunks = req_id, request, chunks
-        self.block_ids, self.finishing = block_ids, finishing
+    def __init__(self, request: ConnectorRequest, chunks: _Chunks, block_ids: list[int], finishing: bool) -> None:
+        self.request, self.chunks, self.block_ids, self.finishing = request, chunks, block_ids, finishing
 
 
 class SavePlanner:
-    """Owns: the bulk saves queued for the next step, the ids of finished
-    requests whose blocks wait for them, and the bulk loads of the step in
-    flight (to retry their requests if the step fails). Loop only."""
+    """Owns: each tracked request's save progress, the bulk saves queued for
+    the next step, and the finished requests whose blocks wait for this
+    step's bulk saves. Loop only."""
 
-    def __init__(self, sched: OffloadScheduler, dtype: torch.dtype) -> None:
-        self.s = sched
+    def __init__(self, store: StorageManager, geometry: ChunkGeometry, lender: Lender, metrics: TransferMetrics,
+                 events: TierEventRecorder | None, *, num_layers: int, num_kv_heads: int, head_size: int,
+                 dtype: torch.dtype, save_decode: bool) -> None:
+        self.store = store
+        self.geo = geometry
+        self.lender = lender
+        self.metrics = metrics
+        self.events = events
         self.dtype = dtype
-        spec = sched.spec
-        self.geometry = (spec.num_layers, 2, 0, spec.num_kv_heads, spec.head_size)
+        self.dims = (num_layers, num_kv_heads, head_size)  # a chunk's buffer: (layers, 2, tokens, heads, head size)
+        self.save_decode = save_decode
+        self._tables: BlockTables | None = None
+        self._saving: dict[str, _Saving] = {}
         self._bulk: list[_Bulk] = []
         self._step_finishing: list[str] = []
-        self._step_bulk_loads: list[tuple[str, list[int]]] = []
 
-    # -- saves -----------------------------------------------------------------
-    def queue_bulk(self, t: RequestTracker, upto_tokens: int, block_ids: list[int], *, finishing: bool) -> bool:
-        """Queue the request's unsaved chunks among its first ``upto_tokens``;
-        False when there are none."""
-        s = self.s
-        req, cs, bs, bpc = t.request, s.chunk_size, s.spec.block_size, s.bpc
-        bh = req.block_hashes
+    def bind(self, tables: BlockTables) -> None:
+        self._tables = tables
+
+    def tracked(self) -> list[str]:
+        return list(self._saving)
+
+    # -- per request -------------------------------------------------------------
+    def track(self, request: ConnectorRequest, stored_until: int) -> None:
+        """The request (re)starts: chunks before ``stored_until`` need no save."""
+        s = self._saving.get(request.request_id)
+        if s is None:
+            self._saving[request.request_id] = _Saving(request, stored_until)
+        else:
+            s.next_save = stored_until
+
+    def rewind(self, req_id: str, chunk: int) -> None:
+        """Chunks from ``chunk`` on were not loaded after all: the request saves them."""
+        s = self._saving.get(req_id)
+        if s is not None:
+            s.next_save = min(s.next_save, chunk)
+
+    def preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
+        s = self._saving.get(request.request_id)
+        if s is not None:
+            self._queue_bulk(s, request.num_computed_tokens, block_ids, finishing=False)
+
+    def finish(self, request: ConnectorRequest, block_ids: list[int] | None) -> bool:
+        """Forget the request; with ``block_ids``, first queue its unsaved
+        chunks. True: its blocks must wait for those saves."""
+        s = self._saving.pop(request.request_id, None)
+        if s is None or not block_ids:
+            return False
+        return self._queue_bulk(s, request.num_computed_tokens, block_ids, finishing=True)
+
+    def _queue_bulk(self, s: _Saving, upto_tokens: int, block_ids: list[int], *, finishing: bool) -> bool:
+        """Queue the unsaved chunks among the first ``upto_tokens``; False when there are none."""
+        geo, bh = self.geo, s.request.block_hashes
+        cs, bs, bpc = geo.chunk_size, geo.block_size, geo.bpc
         n_full = min(upto_tokens // cs, len(bh) // bpc)
-        chunks = [(c, ChunkKey(s.fingerprint, bh[(c + 1) * bpc - 1], cs), cs) for c in range(t.next_save, n_full)]
+        chunks = [(c, geo.key(bh, c, cs), cs) for c in range(s.next_save, n_full)]
         nb = min(upto_tokens // bs, len(bh))
-        if s.store.config.save_partial_chunks and nb > n_full * bpc and n_full >= t.next_save:
+        if self.store.config.save_partial_chunks and nb > n_full * bpc and n_full >= s.next_save:
             n = (nb - n_full * bpc) * bs  # the partial chunk: up to the last computed full block
-            chunks.append((n_full, ChunkKey(s.fingerprint, bh[nb - 1], n), n))
-        t.next_save = max(t.next_save, n_full)
+            chunks.append((n_full, geo.key(bh, n_full, n), n))
+        s.next_save = max(s.next_save, n_full)
         if not chunks:
             return False
-        self._bulk.append(_Bulk(t.req_id, req, chunks, list(block_ids), finishing))
+        self._bulk.append(_Bulk(s.request, chunks, list(block_ids), finishing))
         return True
 
+    # -- the step ------------------------------------------------------------------
     def take_bulk(self) -> tuple[list[RequestTransfer], list[str]]:
+        """The queued bulk saves, lent buffers and all, and the finished
+        requests whose blocks wait for them."""
         bulk, self._bulk = self._bulk, []
-        out = [rt for b in bulk if (rt := self._lend_saves(b.req_id, b.request, b.chunks, b.block_ids))]
-        self._step_finishing = [b.req_id for b in bulk if b.finishing]
+        out = [rt for b in bulk if (rt := self._lend(b.request, b.chunks, b.block_ids))]
+        self._step_finishing = [b.request.request_id for b in bulk if b.finishing]
         return out, list(self._step_finishing)
 
-    def layer_saves(self, so: Any) -> list[RequestTransfer]:
+    def layer_saves(self, so: SchedulerOutput) -> list[RequestTransfer]:
         """Chunks that fill up in this step's computed tokens."""
         out: list[RequestTransfer] = []
         sched_n = so.num_scheduled_tokens
@@ -84,138 +145,73 @@ class SavePlanner:
         return out
 
     def _fills(self, rid: str, nc: int, n: int, out: list[RequestTransfer]) -> None:
-        s = self.s
-        t = s.trackers.get(rid)
-        if t is None:
+        s = self._saving.get(rid)
+        if s is None:
             return
-        c_end = (nc + n) // s.chunk_size
-        if c_end <= t.next_save:
+        geo = self.geo
+        c_end = (nc + n) // geo.chunk_size
+        if c_end <= s.next_save:
             return
-        req = t.request
-        if nc >= req.num_prompt_tokens and not s.opts.save_decode:
+        req = s.request
+        if nc >= req.num_prompt_tokens and not self.save_decode:
             return  # decode: saved when the request finishes or is preempted
-        bpc, cs, bh = s.bpc, s.chunk_size, req.block_hashes
-        c_end = min(c_end, len(bh) // bpc)
-        chunks = [(c, ChunkKey(s.fingerprint, bh[(c + 1) * bpc - 1], cs), cs) for c in range(t.next_save, c_end)]
-        t.next_save = max(t.next_save, c_end)
-        rt = self._lend_saves(rid, req, chunks, t.block_ids)
+        if self._tables is None:
+            raise RuntimeError("bind_block_tables() must be called before the first step")
+        bh = req.block_hashes
+        c_end = min(c_end, len(bh) // geo.bpc)
+        chunks = [(c, geo.key(bh, c, geo.chunk_size), geo.chunk_size) for c in range(s.next_save, c_end)]
+        s.next_save = max(s.next_save, c_end)
+        rt = self._lend(req, chunks, self._tables.get_block_ids(rid)[0])
         if rt is not None:
             out.append(rt)
 
-    def _lend_saves(self, rid: str, req: Any, chunks: list, block_ids: list[int]) -> RequestTransfer | None:
-        s = self.s
-        store, metrics, events, bs, bpc = s.store, s.metrics, s.events, s.spec.block_size, s.bpc
-        L, two, _, H, D = self.geometry
+    def _lend(self, req: ConnectorRequest, chunks: _Chunks, block_ids: list[int]) -> RequestTransfer | None:
         transfers = []
         for c, key, n in chunks:
-            if self._stored(key):
-                metrics.count("skipped_saves")
+            if self.store.holds(key):
+                self.metrics.count("skipped_saves")
                 continue
-            blocks = block_ids[c * bpc: c * bpc + -(-n // bs)]
-            if len(blocks) * bs < n:
+            blocks = self.geo.blocks(block_ids, c, n)
+            if len(blocks) * self.geo.block_size < n:
                 continue  # the request no longer holds these blocks
-            obj = store.allocate((L, two, n, H, D), self.dtype, "kv")
+            layers, heads, size = self.dims
+            obj = self.store.allocate((layers, 2, n, heads, size), self.dtype, "kv")
             if obj is None:
-                metrics.count("dropped_saves")
+                self.metrics.count("dropped_saves")
                 continue
-            info = self.chunk_info(req, c, n) if events is not None else None
-            handle = s.lender.lend(Lent(obj, key, "save", rid, info))
+            info = self.geo.info(req, c, n) if self.events is not None else None
+            handle = self.lender.lend(Lent(obj, key, req.request_id, info))
             transfers.append(ChunkTransfer(handle, blocks, 0, n))
-        return RequestTransfer(rid, transfers) if transfers else None
+        return RequestTransfer(req.request_id, transfers) if transfers else None
 
-    def _stored(self, key: ChunkKey) -> bool:
-        store = self.s.store
-        if store.l1.contains(key):
-            return True
-        return any(t.available and t.has(key) is True for t in store.tiers)
+    def put(self, saved: list[Lent]) -> None:
+        """Put the buffers the worker saved into the store."""
+        events = self.events
+        l1 = self.store.source_name(L1_SOURCE)
+        for entry in saved:
+            key = entry.key
+            if events is not None and entry.info is not None:
+                events.describe(key, entry.info)
+            self.store.put(key, entry.obj)
+            entry.obj.release()
+            self.metrics.count("saved_chunks")
+            if events is not None:
+                if self.store.in_l1(key):
+                    events.stored(key, l1)
+                else:
+                    events.forget(key)
 
-    def chunk_info(self, req: Any, c: int, n: int) -> ChunkInfo:
-        s = self.s
-        bs, bpc, cs = s.spec.block_size, s.bpc, s.chunk_size
-        bh = req.block_hashes
-        first = c * bpc
-        return ChunkInfo(bh[first: first + -(-n // bs)], bh[first - 1] if first else None,
-                         req.all_token_ids[c * cs: c * cs + n])
-
-    # -- loads -----------------------------------------------------------------
-    def lend_loads(self, t: RequestTracker, objs: list, *, layerwise: bool) -> RequestTransfer:
-        """Hand ``objs`` (the plan's leading chunks, references owned from now
-        on by the lender) to the worker; blocks of chunks not delivered are
-        reported failed, so the scheduler recomputes them."""
-        s = self.s
-        plan, bs = t.plan, s.spec.block_size
-        keys = plan.keys if plan is not None else []
-        if plan is not None:
-            plan.objs = []
-        t.fetched = None
-        skip, limit, blocks = t.load_skip, t.load_limit, t.load_blocks
-        transfers, pos = [], 0
-        for key, obj in zip(keys, objs, strict=False):  # objs: the leading chunks delivered
-            lo, hi = max(0, skip - pos), min(key.num_tokens, limit - pos)
-            handle = s.lender.lend(Lent(obj, key, "load", t.req_id))
-            if hi > lo:
-                transfers.append(ChunkTransfer(handle, blocks[pos // bs: -(-(pos + hi) // bs)], lo, hi))
-            pos += key.num_tokens
-        release_all(objs[len(keys):])
-        failed: list[int] = []
-        if pos < limit:
-            first_bad = max(pos, skip)
-            failed = blocks[first_bad // bs:]
-            s.metrics.count("load_failed_tokens", limit - first_bad)
-            if plan is not None:
-                t.hit_tier = s.loader.attribute(plan, skip, first_bad)
-                t.hit_tokens = max(0, first_bad - skip)
-                t.next_save = min(t.next_save, plan.start + len(objs))
-        s.metrics.count("load_chunks", len(transfers))
-        if not layerwise:
-            self._step_bulk_loads.append((t.req_id, blocks[skip // bs:]))
-        t.drop_plan()
-        return RequestTransfer(t.req_id, transfers, failed)
-
-    # -- settling the step -----------------------------------------------------
-    def settle(self, report: WorkerReport) -> None:
-        s = self.s
-        take = s.lender.take
-        for handle in report.saved:
-            entry = take(handle)
-            if entry is not None:
-                self._put(entry)
-        for handle in (*report.loaded, *report.failed):
-            entry = take(handle)
-            if entry is not None:
-                entry.obj.release()
+    def step_done(self) -> None:
         self._step_finishing = []
-        self._step_bulk_loads = []
 
-    def _put(self, entry: Lent) -> None:
-        s = self.s
-        events, key = s.events, entry.key
-        if events is not None and entry.info is not None:
-            events.describe(key, entry.info)
-        s.store.put(key, entry.obj)
-        entry.obj.release()
-        s.metrics.count("saved_chunks")
-        if events is not None:
-            if s.store.l1.contains(key):
-                events.stored(key, s.store.l1.name)
-            else:
-                events.forget(key)
-
-    def settle_leftovers(self) -> None:
-        """Release whatever the worker did not report (a step without a report)."""
-        release_all([e.obj for e in self.s.lender.take_all()])
-
-    def fail_step(self) -> tuple[list[str], list[str], list[int]]:
-        """After a failed step: (finished requests to free, requests whose bulk
-        load did not happen, their blocks: to recompute)."""
-        self.settle_leftovers()
+    def step_failed(self) -> list[str]:
+        """The finished requests whose saves were in the failed step (their blocks may be freed)."""
         finishing, self._step_finishing = self._step_finishing, []
-        loads, self._step_bulk_loads = self._step_bulk_loads, []
-        return finishing, [rid for rid, _ in loads], [b for _, blocks in loads for b in blocks]
+        return finishing
 
     def has_pending(self) -> bool:
         return bool(self._bulk)
 
     def close(self) -> None:
         self._bulk = []
-        self.settle_leftovers()
+        self._saving.clear()

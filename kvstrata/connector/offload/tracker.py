@@ -1,29 +1,28 @@
-"""Per-request state of the offload connector's scheduler side.
+"""One request's load, on the offload connector's scheduler side::
 
-    lookup ──► planned (chunks found, held or pinned) ──alloc──► loading ──► idle
+    lookup ──► planned (chunks found, held or pinned) ──alloc──► handover ──► idle
       │  └─ None returned while a lookup or promotion is in flight
-      └─ nothing found ───────────────────────────────────────────────────► idle
+      └─ nothing found ─────────────────────────────────────────────────────► idle
 
-Chunk ``c`` of a request covers tokens ``[c * chunk_size, (c + 1) * chunk_size)``
-and is keyed by the device hash of its last block. ``next_save`` is the first
-chunk the connector may still have to save: chunks before it are either in the
-store (found by the lookup, or saved already) or were on the device when the
-request started (their owner saved them).
+``handover`` says how the chunks reach the worker once the request's blocks
+are allocated: "layer" (held in L1: within the next step, layer by layer) or
+"bulk" (fetched from a lower tier: before the forward of the step after the
+fetch lands, the request waiting in WAITING_FOR_REMOTE_KVS meanwhile).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Literal
 
-from kvstrata.io import ChunkKey, MemoryObj
+from kvstrata.connector.base import ConnectorRequest
+from kvstrata.io import ChunkKey, MemoryObj, Pin, StorageManager
 from kvstrata.io.memory import release_all
-
-L1 = 0  # source index of CPU memory; lower tier i is i + 1
 
 
 class LoadPlan:
-    """Chunks ``[start, start + len(keys))`` found in the store.
+    """Chunks ``[start, start + len(keys))`` found in the store, at sources
+    ``srcs`` (``kvstrata.io.sources``).
 
     ``objs`` (sync loads) are references to the L1 objects, taken at lookup so
     nothing evicts them before the worker reads them; ``pins`` keep the chunks
@@ -37,39 +36,39 @@ class LoadPlan:
         self.srcs = srcs
         self.token_end = token_end  # one past the last token the chunks cover
         self.objs: list[MemoryObj] = []
-        self.pins: list[tuple[Any, ChunkKey]] = []
+        self.pins: list[Pin] = []
         self.is_async = False
 
-    def release(self) -> None:
+    def cut(self, n: int, chunk_size: int) -> None:
+        """Keep the first ``n`` chunks (what the store could deliver)."""
+        self.keys, self.srcs = self.keys[:n], self.srcs[:n]
+        self.token_end = self.start * chunk_size + sum(k.num_tokens for k in self.keys)
+
+    def release(self, store: StorageManager) -> None:
         """Drop every reference and pin this plan holds (idempotent)."""
         objs, self.objs = self.objs, []
         release_all(objs)
         pins, self.pins = self.pins, []
-        for tier, key in pins:
-            tier.unpin(key)
+        store.release_pins(pins)
 
 
-class RequestTracker:
-    """Owns: one request's lookup, plan, in-flight fetch and save progress.
-    Owned by the scheduler side; loop only."""
+class LoadTracker:
+    """Owns: one request's lookup, plan, in-flight fetch and load progress.
+    Owned by the LoadPlanner; loop only."""
 
-    __slots__ = ("request", "block_ids", "next_save", "plan", "lookup", "fetch", "fetched",
-                 "load_blocks", "load_skip", "load_limit", "loading", "finished", "hit_tokens",
-                 "hit_tier", "load_s")
+    __slots__ = ("request", "plan", "lookup", "fetch", "fetched", "load_blocks", "load_skip", "load_limit",
+                 "handover", "hit_tokens", "hit_tier", "load_s")
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: ConnectorRequest) -> None:
         self.request = request
-        self.block_ids: list[int] = []
-        self.next_save = 0
         self.plan: LoadPlan | None = None
-        self.lookup: asyncio.Task | None = None  # async lookup -> number of chunks found
-        self.fetch: asyncio.Task | None = None  # store.get of the plan's chunks
+        self.lookup: asyncio.Task[list[int]] | None = None  # the sources of the chunks a lookup found
+        self.fetch: asyncio.Task[None] | None = None  # store.get of the plan's chunks, into ``fetched``
         self.fetched: list[MemoryObj] | None = None  # its result, refs held
-        self.load_blocks: list[int] = []  # blocks the plan's chunks cover (all of the chunks)
+        self.load_blocks: list[int] = []  # the blocks the loaded chunks go to (all of the chunks)
         self.load_skip = 0  # leading tokens of the first chunk the device already has
         self.load_limit = 0  # tokens to load, counted from the first chunk's start
-        self.loading = False  # allocated, waiting for its chunks (WAITING_FOR_REMOTE_KVS)
-        self.finished = False
+        self.handover: Literal["layer", "bulk"] | None = None  # allocated: how the chunks reach the worker
         self.hit_tokens = 0
         self.hit_tier: dict[str, int] = {}
         self.load_s = 0.0
@@ -78,11 +77,11 @@ class RequestTracker:
     def req_id(self) -> str:
         return self.request.request_id
 
-    def drop_plan(self) -> None:
+    def drop_plan(self, store: StorageManager) -> None:
         """Forget the plan and whatever it holds; cancel an unfinished fetch or
-        lookup (their results are released by their done callbacks)."""
+        lookup (a fetch that finds itself dropped releases what it got)."""
         if self.plan is not None:
-            self.plan.release()
+            self.plan.release(store)
             self.plan = None
         for task in (self.lookup, self.fetch):
             if task is not None and not task.done():
@@ -91,11 +90,4 @@ class RequestTracker:
         if self.fetched is not None:
             release_all(self.fetched)
             self.fetched = None
-        self.loading = False
-
-
-def chunk_keys(fingerprint: str, block_hashes: list, blocks_per_chunk: int, block_size: int,
-               start: int, stop: int) -> list[ChunkKey]:
-    """Keys of the full chunks ``[start, stop)`` (their last blocks' hashes)."""
-    cs = blocks_per_chunk * block_size
-    return [ChunkKey(fingerprint, block_hashes[(c + 1) * blocks_per_chunk - 1], cs) for c in range(start, stop)]
+        self.handover = None

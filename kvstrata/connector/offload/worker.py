@@ -21,15 +21,14 @@ save is dropped. Never touches the store or any loop-owned state.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
+from kvstrata.connector.base import ConnectorMetadata, ConnectorSpec, KVCaches
+from kvstrata.connector.metadata import ChunkTransfer, OffloadMetadata, RequestTransfer, WorkerReport
 from kvstrata.kernels import KVStreams
-from kvstrata.connector.base import ConnectorSpec
-from kvstrata.connector.metadata import ChunkTransfer, OffloadMetadata, WorkerReport
 
 log = structlog.get_logger(__name__)
 
@@ -70,13 +69,13 @@ class OffloadWorker:
         self._t_forward = 0.0
         self._forward_s = 0.0
 
-    def register_kv_caches(self, kv_caches: list, device: Any) -> None:
+    def register_kv_caches(self, kv_caches: KVCaches, device: torch.device | str) -> None:
         if len(kv_caches) != self.spec.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the connector spec {self.spec.num_layers}")
         self.kv_caches = list(kv_caches)
         self.streams = KVStreams(torch.device(device), len(kv_caches))
 
-    def bind_connector_metadata(self, metadata: Any) -> None:
+    def bind_connector_metadata(self, metadata: ConnectorMetadata | None) -> None:
         self._reset(metadata if isinstance(metadata, OffloadMetadata) else None)
 
     def clear_connector_metadata(self) -> None:
@@ -128,7 +127,7 @@ class OffloadWorker:
             log.exception("kv_save_failed", request_id=x.req_id)
             self._failed.add(x.handle)
 
-    def _bulk_load(self, rt: Any) -> None:
+    def _bulk_load(self, rt: RequestTransfer) -> None:
         t0 = time.perf_counter()
         self._invalid.update(rt.failed_block_ids)
         for ch in rt.chunks:

@@ -30,7 +30,7 @@ import msgspec
 import structlog
 
 from kvstrata.config import SchedulerConfig
-from kvstrata.connector.base import KVConnectorScheduler, NoOpScheduler as NoOpConnector
+from kvstrata.connector.base import KVConnectorScheduler, NoOpConnectorScheduler
 from kvstrata.errors import RequestError
 from kvstrata.enginecore.request import FINISH_REASONS, Request, RequestStatus
 from kvstrata.enginecore.scheduler.plan import StepPlan
@@ -70,7 +70,8 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.connector = connector if connector is not None else NoOpConnector()
+        self.connector = connector if connector is not None else NoOpConnectorScheduler()
+        self.connector.bind_block_tables(kv_cache_manager)  # the connector reads block tables, never copies them
         self.block_size: int = kv_cache_manager.block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_prefix_caching
