@@ -229,15 +229,8 @@ def test_cross_attention_refuses_prefix_caching():
         make_manager(10, specs=[full_spec(), _cross()])
 
 
-def test_cross_attention_allocates_for_encoder_tokens_once():
-    m = make_manager(10, specs=[full_spec(), _cross()], enable_caching=False)
-    r0 = make_request("r0", range(10))
-    assert m.allocate_slots(r0, 10, num_encoder_tokens=40).get_block_ids() == ([1], [2, 3, 4])
-    r0.num_computed_tokens = 10
-    r0.append_output_token_ids([3])
-    assert m.allocate_slots(r0, 1, num_encoder_tokens=40).get_block_ids() == ([], [])
-    m.free(r0)
-    assert m.num_free_blocks == 9
+# Cross-attention allocation (encoder slots once): tests/kv/test_model_specs.py,
+# through the builder from a model's layer specs.
 
 
 def test_sink_blocks_are_reserved_at_start_and_never_freed():
