@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import conn_helpers  # noqa: F401  (puts tests/enginecore on sys.path)
 import pytest
-from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_kv
+from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_scheduler
 
-from kvstrata.config import SchedulerConfig
 from kvstrata.enginecore.request import RequestStatus
-from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.types import ModelRunnerOutput
 
 
@@ -59,9 +57,9 @@ class RecordingPreempts(ScriptedConnector):
 
 
 def harness(kv_managers, connector, runner, num_blocks=32) -> SchedulerHarness:
-    kv = make_kv(num_blocks)
-    kv_managers.append(kv)
-    return SchedulerHarness(kv, Scheduler(SchedulerConfig(), kv, max_model_len=256, connector=connector), runner)
+    sched = make_scheduler(num_blocks=num_blocks, connector=connector)
+    kv_managers.append(sched.kv)
+    return SchedulerHarness(sched.kv, sched, runner)
 
 
 @pytest.fixture

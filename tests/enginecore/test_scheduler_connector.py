@@ -4,18 +4,15 @@ WAITING_FOR_REMOTE_KVS, frees delayed until the worker's save is done."""
 
 from __future__ import annotations
 
-from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_kv
+from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_scheduler
 
-from kvstrata.config import SchedulerConfig
 from kvstrata.enginecore.request import RequestStatus
-from kvstrata.enginecore.scheduler import Scheduler
 
 
 def harness(kv_managers, connector, num_blocks=32) -> SchedulerHarness:
-    kv = make_kv(num_blocks)
-    kv_managers.append(kv)
-    sched = Scheduler(SchedulerConfig(), kv, max_model_len=256, connector=connector)
-    return SchedulerHarness(kv, sched, FakeRunner())
+    sched = make_scheduler(num_blocks=num_blocks, connector=connector)
+    kv_managers.append(sched.kv)
+    return SchedulerHarness(sched.kv, sched, FakeRunner())
 
 
 def test_calls_are_made_at_the_right_points(kv_managers):

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import random
 
-from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_kv, next_token
+from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_scheduler, next_token
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler_property import MAX_OUT, MAX_PROMPT, REQUEST, draw_config, expected_outputs, prompt_of
 
-from kvstrata.config import SchedulerConfig
 from kvstrata.enginecore.request import RequestStatus
-from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.types import ModelRunnerOutput
 
 
@@ -226,11 +224,9 @@ def run_workload(kv_managers, workload):
     delay = {f"r{k}" for k, s in enumerate(specs) if s["delay_free"]}
     bs = cfg.pop("block_size")
     conn = LoadingConnector(hits, unknown, delay, bs)
-    kv = make_kv(cfg.pop("num_blocks"), bs, cfg["caching"], 256)
-    kv_managers.append(kv)
-    sched = Scheduler(SchedulerConfig(**{k: v for k, v in cfg.items() if k != "caching"}), kv,
-                      max_model_len=256, enable_prefix_caching=cfg["caching"], connector=conn)
-    h = SchedulerHarness(kv, sched, LoadingRunner(conn, random.Random(seed), fail_rate, block_size=bs))
+    sched = make_scheduler(num_blocks=cfg.pop("num_blocks"), block_size=bs, max_model_len=256, connector=conn, **cfg)
+    kv_managers.append(sched.kv)
+    h = SchedulerHarness(sched.kv, sched, LoadingRunner(conn, random.Random(seed), fail_rate, block_size=bs))
     prompts, aborted, saving = {}, set(), set()
     for step in range(600):
         for k, spec in enumerate(specs):
