@@ -64,9 +64,10 @@ class Sources:
         return (l1.contains(key) and l1.in_flight(key) is None) or key in self._flushing
 
     def probe(self, keys: Sequence[ChunkKey]) -> tuple[list[int], bool]:
+        contains, in_flight, flushing = self.l1.contains, self.l1.in_flight, self._flushing  # per key: hot
         srcs: list[int] = []
         for key in keys:
-            if self.ready_in_l1(key):
+            if (contains(key) and in_flight(key) is None) or key in flushing:  # ``ready_in_l1``
                 srcs.append(L1_SOURCE)
                 continue
             src, known = self._lower(key)
@@ -100,10 +101,17 @@ class Sources:
         return obj
 
     def take_ready(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        in_flight, take, flushing = self.l1.in_flight, self.l1.take, self._flushing  # per key: hot
         objs: list[MemoryObj] = []
         for key in keys:
-            if self.l1.in_flight(key) is not None or (obj := self.take(key)) is None:
+            if in_flight(key) is not None:
                 break
+            obj = take(key)
+            if obj is None:  # ``take``, inlined
+                obj = flushing.get(key)
+                if obj is None:
+                    break
+                obj.ref_up()
             objs.append(obj)
         return objs
 

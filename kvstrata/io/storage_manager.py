@@ -303,10 +303,11 @@ class StorageManager:
         # Reference every L1 hit first, so promotions cannot evict them.
         objs: list[MemoryObj | None] = [None] * n
         waits: list[asyncio.Future | None] = [None] * n
+        take, in_flight = self.l1.take, self.l1.in_flight
         for i in range(n):
-            obj = self._sources.take(keys[i])
+            obj = take(keys[i]) or self._sources.take(keys[i])  # L1, else held for a write-back
             if obj is not None:
-                src[i], objs[i], waits[i] = L1_SOURCE, obj, self.l1.in_flight(keys[i])
+                src[i], objs[i], waits[i] = L1_SOURCE, obj, in_flight(keys[i])
         stop = n
         for i in range(n):
             if objs[i] is None:
