@@ -4,6 +4,11 @@ Requests are decoded with one typed decoder each; a wrong type or a missing
 field is a ``RequestValidationError`` naming the field (the server answers 400
 with ``error.param`` set). Unknown fields are ignored, as OpenAI clients send
 many. Only n=1 and unbatched prompts are supported; asking for more is a 400.
+
+Only the shape of the JSON is checked here. Values (ranges, token ids,
+lengths) are checked once, by the engine client's input processor
+(``kvstrata.enginecore.processing``), whose ``RequestError`` the server maps
+to the same 400 naming the field.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ def _missing_field(msg: str) -> str | None:
 
 def sampling_params(req: _SamplingFields, *, default_max_tokens: int = 16,
                     max_tokens: int | None = None) -> SamplingParams:
-    """Map OpenAI fields to SamplingParams and validate them (400 naming the field)."""
+    """Map OpenAI fields to SamplingParams (their values are the engine client's to check)."""
     if req.n != 1:
         raise RequestValidationError(f"n: only n=1 is supported, got {req.n}", "n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -102,32 +107,22 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int = 16,
     if req.logprobs is False:
         logprobs = None
     mt = max_tokens if max_tokens is not None else req.max_tokens
-    try:
-        params = SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            seed=req.seed, max_tokens=default_max_tokens if mt is None else mt,
-            min_tokens=req.min_tokens, stop_token_ids=list(req.stop_token_ids), stop=stop,
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
-        params.validate()
-    except ValueError as e:
-        raise RequestValidationError(str(e), _first_word(str(e))) from None
-    return params
+    return SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        seed=req.seed, max_tokens=default_max_tokens if mt is None else mt,
+        min_tokens=req.min_tokens, stop_token_ids=list(req.stop_token_ids), stop=stop,
+        ignore_eos=req.ignore_eos, logprobs=logprobs)
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The prompt: text or token ids, unwrapped from a one-element batch."""
     p = req.prompt
     if isinstance(p, list) and p and not isinstance(p[0], int):
         if len(p) != 1:
             raise RequestValidationError("prompt: batched prompts are not supported (send one per request)", "prompt")
         p = p[0]
-    if isinstance(p, list) and not all(type(t) is int and t >= 0 for t in p):
-        raise RequestValidationError("prompt: a token list must hold non-negative integers", "prompt")
-    if not isinstance(p, (str, list)):
-        raise RequestValidationError("prompt: must be a string or a list of token ids", "prompt")
     if req.echo:
         raise RequestValidationError("echo: not supported", "echo")
-    if not p:
-        raise RequestValidationError("prompt: must not be empty", "prompt")
     return p
 
 
@@ -146,11 +141,6 @@ def render_chat(messages: list[ChatMessage]) -> str:
         parts.append(f"<|{m.role}|>\n{content or ''}\n")
     parts.append("<|assistant|>\n")
     return "".join(parts)
-
-
-def _first_word(msg: str) -> str | None:
-    word = msg.split(" ", 1)[0]
-    return word if word.isidentifier() else None
 
 
 # --- responses ---------------------------------------------------------------

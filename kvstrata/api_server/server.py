@@ -1,11 +1,13 @@
-"""``kvstrata serve``: an OpenAI-compatible HTTP server around any engine with
-the AsyncEngine API (in-process, or the multiprocess client).
+"""``kvstrata serve``: an OpenAI-compatible HTTP server around any
+``EngineClient`` (in process, or the multiprocess client).
 
     POST /v1/completions        POST /v1/chat/completions   (stream: SSE)
     GET  /v1/models             GET  /health                GET /metrics
 
-Validation errors are 400 with ``error.param`` naming the field; an
-overloaded engine is 503 (retry), a dead one 503 and /health fails. A client
+Validation errors are 400 with ``error.param`` naming the field: a body of
+the wrong shape here, a value out of range from the engine client's
+``RequestError``. An overloaded engine is 503 (retry), a dead one 503 and
+/health fails. A client
 that disconnects mid-request has its request aborted (handler cancellation is
 on, and the generator's close aborts it).
 """
@@ -21,8 +23,9 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from kvstrata.errors import EngineDeadError, EngineOverloadedError
-from kvstrata.types import RequestOutput
+from kvstrata.enginecore.client import EngineClient
+from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
+from kvstrata.types import RequestOutput, SamplingParams
 from kvstrata.api_server import openai_types as T
 from kvstrata.api_server.metrics import ServerMetrics, render_metrics
 
@@ -38,13 +41,14 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> we
 
 class OpenAIServer:
     """Owns: the HTTP routes and the server-side metrics. The engine is owned
-    by whoever built this server (it closes it)."""
+    by whoever built this server (it closes it). ``model_name`` and
+    ``max_model_len`` default to the engine's."""
 
-    def __init__(self, engine: Any, *, model_name: str, max_model_len: int | None = None,
+    def __init__(self, engine: EngineClient, *, model_name: str | None = None, max_model_len: int | None = None,
                  default_max_tokens: int = 16) -> None:
         self.engine = engine
-        self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.model_name = model_name or engine.model_name
+        self.max_model_len = engine.max_model_len if max_model_len is None else max_model_len
         self.default_max_tokens = default_max_tokens
         self.metrics = ServerMetrics()
         self._created = int(time.time())
@@ -91,12 +95,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         try:
-            if hasattr(self.engine, "health"):
-                info = await self.engine.health()
-                ok = info.healthy
-            else:
-                await self.engine.stats()
-                ok = True
+            ok = await self.engine.is_healthy()
         except EngineDeadError as e:
             return _error(503, str(e), "engine_dead")
         return web.json_response({"status": "ok"} if ok else {"status": "starting"}, status=200 if ok else 503)
@@ -112,8 +111,8 @@ class OpenAIServer:
 
     # --- generation ------------------------------------------------------------------
 
-    async def _serve(self, request: web.Request, req: Any, prompt: Any, params: Any, rid: str,
-                     *, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, req: T.CompletionRequest | T.ChatCompletionRequest,
+                     prompt: str | list[int], params: SamplingParams, rid: str, *, chat: bool) -> web.StreamResponse:
         start = time.perf_counter()
         with structlog.contextvars.bound_contextvars(request_id=rid):
             agen = self.engine.generate(prompt, params, request_id=rid, priority=req.priority,
@@ -121,9 +120,9 @@ class OpenAIServer:
             try:
                 try:
                     first = await anext(agen)  # errors before any byte is sent become 4xx/5xx
-                except ValueError as e:
+                except RequestError as e:
                     self.metrics.count_request("invalid")
-                    return _error(400, str(e), "invalid_request_error", getattr(e, "field", None))
+                    return _error(400, str(e), "invalid_request_error", e.field)
                 except EngineOverloadedError as e:
                     self.metrics.count_request("overloaded")
                     return _error(503, str(e), "overloaded")
@@ -165,7 +164,8 @@ class OpenAIServer:
                                         [T.CompletionChoice(0, "".join(text), last.finish_reason)], usage)
         return web.Response(body=_json.encode(body), content_type="application/json")
 
-    async def _stream(self, request: web.Request, req: Any, outs: AsyncIterator[RequestOutput], rid: str,
+    async def _stream(self, request: web.Request, req: T.CompletionRequest | T.ChatCompletionRequest,
+                      outs: AsyncIterator[RequestOutput], rid: str,
                       timer: "_Timer", *, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)

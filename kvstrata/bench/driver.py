@@ -9,12 +9,11 @@ import asyncio
 import random
 import sys
 import time
-from typing import Any
 
 from tqdm import tqdm
 
 from kvstrata.types import SamplingParams
-from kvstrata.bench.targets import RequestRecord
+from kvstrata.bench.targets import LoadTarget, RequestRecord
 from kvstrata.bench.workloads import Conversation, build_prompt
 
 
@@ -43,7 +42,7 @@ def arrival_times(convs: list[Conversation], rate: float | None, seed: int) -> l
     return out
 
 
-async def run_load(target: Any, convs: list[Conversation], *, rate: float | None = None,
+async def run_load(target: LoadTarget, convs: list[Conversation], *, rate: float | None = None,
                    concurrency: int | None = None, temperature: float = 0.0, ignore_eos: bool = True,
                    progress: bool = True, seed: int = 0, desc: str = "requests") -> LoadResult:
     """Run every conversation against ``target``; never raises for a failed
@@ -75,7 +74,7 @@ async def run_load(target: Any, convs: list[Conversation], *, rate: float | None
     return LoadResult(records, start, time.perf_counter())
 
 
-async def _conversation(target: Any, conv: Conversation, records: list[RequestRecord], bar: tqdm,
+async def _conversation(target: LoadTarget, conv: Conversation, records: list[RequestRecord], bar: tqdm,
                         temperature: float, ignore_eos: bool) -> None:
     history: list[tuple[str, str]] = []
     for i, turn in enumerate(conv.turns):

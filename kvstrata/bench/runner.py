@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +13,7 @@ import msgspec
 import structlog
 
 from kvstrata.config import EngineConfig
+from kvstrata.enginecore.client import EngineClient, served_model_name
 from kvstrata.bench import workloads as W
 from kvstrata.bench.driver import LoadResult, run_load
 from kvstrata.bench.report import build_report, write_plots
@@ -111,7 +111,7 @@ async def open_target(args: argparse.Namespace, config: EngineConfig) -> AsyncIt
 
 
 @contextlib.asynccontextmanager
-async def _local_http(engine: Any, config: EngineConfig) -> AsyncIterator[str]:
+async def _local_http(engine: EngineClient, config: EngineConfig) -> AsyncIterator[str]:
     from kvstrata.ipc.addresses import free_port
     from kvstrata.api_server.server import OpenAIServer, run_http_server
 
@@ -125,8 +125,7 @@ async def _local_http(engine: Any, config: EngineConfig) -> AsyncIterator[str]:
 
 
 def model_name(config: EngineConfig) -> str:
-    m = config.model.model
-    return os.path.basename(os.path.normpath(m)) if m else "kvstrata-default"
+    return served_model_name(config)
 
 
 async def run_bench(args: argparse.Namespace, config: EngineConfig, convs: list[W.Conversation], *,

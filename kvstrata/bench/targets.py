@@ -1,5 +1,6 @@
-"""Where the load goes: an engine object (in-process AsyncEngine or the ZMQ
-client — the same API) or an OpenAI-compatible HTTP server (SSE streaming).
+"""Where the load goes: an ``EngineClient`` (in-process AsyncEngine or the
+ZMQ client) or an OpenAI-compatible HTTP server (SSE streaming); both are
+``LoadTarget``s.
 
 A target turns one prompt into a ``RequestRecord``: timestamps of every
 output chunk that carried tokens, token counts, cached prompt tokens.
@@ -8,11 +9,12 @@ output chunk that carried tokens, token counts, cached prompt tokens.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Protocol
 
 import aiohttp
 import msgspec
 
+from kvstrata.enginecore.client import EngineClient
 from kvstrata.types import EngineStats, SamplingParams
 from kvstrata.api_server.metrics import stats_from_metrics
 
@@ -34,11 +36,24 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-class EngineTarget:
-    """Drives anything with the AsyncEngine API. Owns: nothing (the engine is
-    the caller's)."""
+class LoadTarget(Protocol):
+    """What the load driver sends requests to."""
 
-    def __init__(self, engine: Any, name: str) -> None:
+    name: str
+
+    async def request(self, prompt: str, params: SamplingParams, rec: RequestRecord) -> str:
+        """Run one request, filling ``rec``; returns the reply's text. Never raises for a failed request."""
+        ...
+
+    async def stats(self) -> EngineStats | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineTarget:
+    """Drives an ``EngineClient``. Owns: nothing (the engine is the caller's)."""
+
+    def __init__(self, engine: EngineClient, name: str) -> None:
         self.engine = engine
         self.name = name
 

@@ -14,6 +14,7 @@ import msgspec
 import structlog
 
 from kvstrata.config import EngineConfig, KVTransferConfig
+from kvstrata.enginecore.client import EngineClient
 from kvstrata.bench import workloads as W
 from kvstrata.bench.report import format_report
 from kvstrata.bench.runner import make_workload, model_name, run_bench, save_outputs
@@ -41,15 +42,14 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    engine: EngineClient
     if args.engine_address:
         engine = await connect_engine(args.engine_address)
-        config = engine.config or config
     else:
         engine = await open_engine(config, args.transport)
     code = 0
     try:
-        server = OpenAIServer(engine, model_name=args.served_model_name or model_name(config),
-                              max_model_len=config.model.max_model_len,
+        server = OpenAIServer(engine, model_name=args.served_model_name or engine.model_name,
                               default_max_tokens=args.default_max_tokens)
         runner = await run_http_server(server, args.host, args.port)
         try:
@@ -58,7 +58,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                     async with asyncio.timeout(1.0):
                         await stop.wait()
                 except TimeoutError:
-                    if getattr(engine, "is_dead", False):
+                    if engine.is_dead:
                         log.error("serve_engine_dead_exiting")
                         code = 1
                         break

@@ -1,4 +1,5 @@
-"""AsyncEngine: the asyncio shell around EngineCore.
+"""AsyncEngine: the asyncio shell around EngineCore, and the in-process
+``EngineClient``.
 
 One event loop owns the engine: the scheduler, the KV cache manager and
 every request live on it, without locks. The engine-loop task repeats
@@ -6,11 +7,23 @@ every request live on it, without locks. The engine-loop task repeats
     schedule (loop) ─► execute (step thread) ─► update (loop) ─► deliver outputs
 
 and while a step executes in the single worker thread the loop keeps
-serving: ``generate`` validates and queues new requests at once (the
-scheduler's waiting queue, bounded by ``scheduler.max_waiting_requests``, is
-the input queue), ``abort`` frees a request's blocks at once (the runner
-never touches scheduler or KV state, so this is safe mid-step; the step's
-output for it is dropped), and consumers receive the previous step's deltas.
+serving: ``submit`` queues new requests at once (the scheduler's waiting
+queue, bounded by ``scheduler.max_waiting_requests``, is the input queue),
+``abort`` frees a request's blocks at once (the runner never touches
+scheduler or KV state, so this is safe mid-step; the step's output for it is
+dropped), and consumers receive the previous step's deltas.
+
+Two entries: ``submit(EngineRequest, sink)`` is the engine side (token ids
+in, token-id outputs to a callback; the ZMQ engine server uses it), and
+``generate`` is the in-process client: it runs the input and output
+processors (tokenize, check, detokenize, stop strings) in the consumer's
+coroutine, never in the engine step.
+
+The loop never polls. It sleeps on one wake-up event, set by a new request,
+an abort, or the KV connector (``wakeup``, thread-safe) when a load, save,
+lookup or store write completes. A bare poll (a step that only asks the
+runner which KV transfers finished) runs once after a step that computed
+tokens, then only after a wake-up.
 
 A consumer that stops iterating, or is cancelled, aborts its request (the
 generator's ``finally``). A step that raises fails the requests it
@@ -29,20 +42,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from kvstrata.config import EngineConfig
+from kvstrata.connector import KVConnector
 from kvstrata.enginecore.builder import build_engine_core
+from kvstrata.enginecore.client import served_model_name
 from kvstrata.enginecore.engine_core import EngineCore, ModelRunnerLike
-from kvstrata.errors import EngineDeadError, RequestError
+from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.enginecore.request import EngineRequest
-from kvstrata.types import EngineStats, RequestOutput, SamplingParams
+from kvstrata.errors import EngineDeadError
+from kvstrata.kv.events import KVEventBatch
+from kvstrata.types import EngineStats, RequestOutput, SamplingParams, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -51,40 +67,62 @@ log = structlog.get_logger(__name__)
 OutputSink = Callable[[RequestOutput | BaseException], None]
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-# How long the loop waits for new input when requests are live but nothing
-# could be computed (KV loads or saves in flight) before it polls again.
-_IDLE_POLL_S = 0.002
+
+
+class KVEventSink(Protocol):
+    """Where the engine hands each step's KV cache events (the ZMQ publisher
+    of ``kvstrata.ipc``, built by whoever starts the engine)."""
+
+    def publish(self, batch: KVEventBatch) -> bool:
+        """Take one batch; never blocks. False when it was dropped (full)."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 class AsyncEngine:
     """Owns: the EngineCore (used from the loop; its runner also from the
     step thread), one output sink per live request, the single-thread step
-    executor, and the engine-loop task."""
+    executor, the engine-loop task and its wake-up event, the input
+    processor, and the KV connector and events sink it was handed to close."""
 
     def __init__(self, core: EngineCore, executor: ThreadPoolExecutor) -> None:
         self._core = core
         self._executor = executor
+        self._loop = asyncio.get_running_loop()
         self._sinks: dict[str, OutputSink] = {}
         self._wakeup = asyncio.Event()
+        self._step_waiters: list[asyncio.Future[None]] = []
         self._task: asyncio.Task | None = None
         self._closing = False
         self._closed = False
         self._dead: EngineDeadError | None = None
-        self._connector: Any = None  # a KV connector this engine opened (and closes)
-        self._publisher: Any = None  # KV events publisher, when cache.kv_events_endpoint is set
+        self._connector: KVConnector | None = None  # a KV connector this engine opened (and closes)
+        self._publisher: KVEventSink | None = None  # KV events, when cache.kv_events_endpoint is set
+        self._facts = ModelFacts(max_model_len=core.max_model_len, vocab_size=core.vocab_size)
+        self._inputs = InputProcessor(self._facts, core.tokenizer)
+        if core.kv_connector is not None:
+            core.kv_connector.set_wakeup(self.wakeup)
 
     @classmethod
     async def start(
-        cls, config: EngineConfig, *, runner: ModelRunnerLike | None = None, connector: Any = None
+        cls, config: EngineConfig, *, runner: ModelRunnerLike | None = None,
+        connector: KVConnector | None = None, kv_events: KVEventSink | None = None,
     ) -> AsyncEngine:
         """Build the engine off the loop (model loading blocks) and start its loop.
 
         ``runner`` replaces the runner the config names (tests, benchmarks).
         ``connector`` replaces the KV connector ``config.kv_transfer`` names;
         a connector the engine opens itself (on this loop: its store belongs
-        to it) is closed by ``aclose``.
+        to it) is closed by ``aclose``. ``kv_events`` receives each step's
+        KV cache events and is closed by ``aclose``; it is required when
+        ``cache.kv_events_endpoint`` is set (``kvstrata.ipc.engines.open_engine``
+        builds it).
         """
         config.validate()
+        if config.cache.kv_events_endpoint is not None and kv_events is None:
+            raise ValueError("cache.kv_events_endpoint: start the engine with a KV events sink "
+                             "(kvstrata.ipc.engines.open_engine builds the ZMQ publisher)")
         owned = None
         if connector is None and config.kv_transfer is not None:
             from kvstrata.connector import KVConnectorFactory
@@ -102,10 +140,7 @@ class AsyncEngine:
             raise
         engine = cls(core, executor)
         engine._connector = owned
-        if config.cache.kv_events_endpoint is not None:
-            from kvstrata.ipc.kv_publisher import ZmqEventPublisher
-
-            engine._publisher = ZmqEventPublisher(config.cache.kv_events_endpoint)
+        engine._publisher = kv_events
         engine._task = loop.create_task(engine._run(), name="kvstrata-engine-loop")
         log.info("engine_started", executor=config.executor)
         return engine
@@ -120,7 +155,33 @@ class AsyncEngine:
     def core(self) -> EngineCore:
         return self._core
 
-    # -- the public API ---------------------------------------------------
+    # -- model facts (EngineClient) -----------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self._core.config
+
+    @property
+    def model_name(self) -> str:
+        return served_model_name(self._core.config)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What a client must know to check its requests (the handshake sends it)."""
+        return self._facts
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None or self._closing
+
+    async def is_healthy(self) -> bool:
+        self._check_alive()
+        return True
+
+    # -- the in-process client ----------------------------------------------
     async def generate(
         self,
         prompt: str | list[int],
@@ -130,59 +191,56 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's deltas; the last one has ``finished=True``.
 
         Bad input raises RequestError before anything is queued; a full
         waiting queue raises EngineOverloadedError.
         """
-        stream: asyncio.Queue = asyncio.Queue()
+        self._check_alive()
+        req = await self._inputs.process(prompt, params, request_id=request_id, priority=priority,
+                                         cache_salt=cache_salt, lora_name=lora_name)
+        rid = req.request_id
+        outputs = OutputProcessor(self._core.tokenizer, req)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         sink = stream.put_nowait
-        rid = self.submit(prompt, params, sink, request_id=request_id, priority=priority,
-                          cache_salt=cache_salt, lora_name=lora_name)
-        finished = False
+        self.submit(req, sink)
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
-                yield item
-                if finished:
+                out = outputs.process(item)
+                yield out
+                if out.finished:
                     return
         finally:
-            if not finished and self._sinks.get(rid) is sink:
+            # Still live in the engine: the consumer left, or a stop string ended the stream.
+            if self._sinks.get(rid) is sink:
+                del self._sinks[rid]
                 self._abort_now(rid)
 
-    def submit(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None,
-        sink: OutputSink,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> str:
-        """Queue a request whose outputs go to ``sink``; return its id.
+    # -- the engine side ----------------------------------------------------
+    def submit(self, req: EngineRequest, sink: OutputSink) -> None:
+        """Queue a checked request (``kvstrata.enginecore.processing``) whose
+        token-id outputs go to ``sink``.
 
-        The callback form of ``generate`` for transports that batch a step's
-        outputs themselves (the ZMQ engine server): every output of one step
-        reaches its sink within the same loop iteration, with no task per
-        request. Raises like ``generate`` before anything is queued.
+        For transports that batch a step's outputs themselves (the ZMQ
+        engine server): every output of one step reaches its sink within the
+        same loop iteration, with no task per request. Raises RequestError
+        (a live duplicate id) or EngineOverloadedError before anything is queued.
         """
         self._check_alive()
-        rid = uuid.uuid4().hex if request_id is None else request_id
-        req = EngineRequest(
-            request_id=rid, prompt_token_ids=self._tokenize(prompt),
-            sampling_params=SamplingParams() if params is None else params,
-            priority=priority, cache_salt=cache_salt, lora_name=lora_name,
-        )
         self._core.add_request(req)
-        self._sinks[rid] = sink
+        self._sinks[req.request_id] = sink
         self._wakeup.set()
-        return rid
+
+    def wakeup(self) -> None:
+        """Something the engine may be waiting for happened (a KV load landed,
+        a save, lookup or store write finished): step again. Thread-safe;
+        the KV connector calls it."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to wake
+            self._loop.call_soon_threadsafe(self._wakeup.set)
 
     async def abort(self, request_id: str) -> None:
         """Abort a live request now; a no-op for unknown or finished ids."""
@@ -200,13 +258,16 @@ class AsyncEngine:
     async def flush_kv(self, timeout_s: float = 60.0) -> None:
         """Wait until every KV transfer started so far is done: loads landed,
         finished requests' saves taken (their blocks freed), and every queued
-        write reached every tier of the connector's store."""
+        write reached every tier of the connector's store. Looks again after
+        each engine step or wake-up, never polls."""
         self._check_alive()
         s = self._core.scheduler
         async with asyncio.timeout(timeout_s):
             while s.has_pending_transfers():
-                self._wakeup.set()
-                await asyncio.sleep(0.002)
+                waiter: asyncio.Future[None] = self._loop.create_future()
+                self._step_waiters.append(waiter)
+                await waiter
+                self._check_alive()
             connector = self._core.kv_connector
             if connector is not None:
                 await connector.flush()
@@ -235,7 +296,7 @@ class AsyncEngine:
                 await connector.aclose()
         finally:
             if publisher is not None:
-                await asyncio.to_thread(publisher.close)
+                await publisher.aclose()
 
     # -- internals --------------------------------------------------------
     def _check_alive(self) -> None:
@@ -244,20 +305,9 @@ class AsyncEngine:
         if self._closing:
             raise EngineDeadError("engine is closed")
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt", "must not be empty")
-            tokenizer = self._core.tokenizer
-            if tokenizer is None:
-                raise RequestError("prompt", "this engine has no tokenizer; pass token ids")
-            return tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt)
-        raise RequestError("prompt", f"must be a str or a list of token ids, got {type(prompt).__name__}")
-
     def _abort_now(self, request_id: str) -> None:
         self._deliver(self._core.abort_requests([request_id]))
+        self._wakeup.set()  # freed blocks may let a waiting request in
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         sinks = self._sinks
@@ -269,18 +319,32 @@ class AsyncEngine:
                 del sinks[out.request_id]
             sink(out)
 
+    def _looked_again(self) -> None:
+        """Wake whoever waits for the loop to look at the state again (flush_kv):
+        it does after every step and every wake-up."""
+        waiters, self._step_waiters = self._step_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
     async def _run(self) -> None:
         core = self._core
         loop = asyncio.get_running_loop()
+        wake = self._wakeup
+        polled = False  # the last step computed no token: a bare poll now waits for a wake-up
         try:
             while not self._closing:
+                woken = wake.is_set()
+                # Cleared before looking at the state: anything that happens
+                # from here on sets it again, so a sleep below cannot miss it.
+                wake.clear()
+                self._looked_again()
                 if not core.has_work():
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                    await wake.wait()
                     continue
                 so = core.schedule()
-                if not core.should_execute(so):
-                    await self._idle_wait()
+                if not core.should_execute(so) or (polled and not woken and _bare_poll(so)):
+                    await wake.wait()  # only a transfer completing can change anything now
                     continue
                 try:
                     out = await loop.run_in_executor(self._executor, core.execute, so)
@@ -294,27 +358,20 @@ class AsyncEngine:
                 self._deliver(core.update(so, out))
                 if self._publisher is not None:
                     self._publish_events()
-                if not so.total_num_scheduled_tokens:
-                    await self._idle_wait()  # polled for KV transfers only: do not spin
+                polled = not so.total_num_scheduled_tokens
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a broken model or an engine bug: fail everyone fast
             self._die(exc)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: fail fast, then let them through
+        finally:
+            self._looked_again()
 
     def _publish_events(self) -> None:
-        from kvstrata.kv.events import KVEventBatch
-
         events = self._core.take_kv_events()
-        if events:
+        if events and self._publisher is not None:
             self._publisher.publish(KVEventBatch(ts=time.time(), events=events))
-
-    async def _idle_wait(self) -> None:
-        self._wakeup.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_IDLE_POLL_S):
-                await self._wakeup.wait()
 
     def _die(self, exc: BaseException) -> None:
         dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError("engine loop failed", cause=exc)
@@ -334,8 +391,16 @@ class AsyncEngine:
             self._deliver(self._core.abort_requests(list(self._core.scheduler.requests)))
             self._dead = EngineDeadError("engine is closed")
         self._end_sinks(self._dead)
+        self._looked_again()
         self._executor.shutdown(wait=False)
         log.info("engine_closed")
+
+
+def _bare_poll(so: SchedulerOutput) -> bool:
+    """``so`` only asks the runner whether KV transfers finished: no token,
+    nothing to drop, no new transfer to start."""
+    return not (so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
+                or so.kv_connector_metadata is not None)
 
 
 def run(main: Coroutine[Any, Any, Any]) -> Any:

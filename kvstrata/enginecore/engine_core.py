@@ -30,14 +30,12 @@ from typing import Protocol
 import structlog
 
 from kvstrata.config import EngineConfig
-from kvstrata.text.detokenizer import IncrementalDetokenizer
 from kvstrata.errors import EngineOverloadedError
 from kvstrata.enginecore.request import (
     FINISH_REASONS,
     EngineRequest,
     Request,
     RequestStatus,
-    validate_engine_request,
 )
 from kvstrata.enginecore.scheduler import Scheduler
 from kvstrata.types import (
@@ -119,25 +117,19 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
-        """Validate and queue ``req``; raises RequestError or EngineOverloadedError."""
-        validate_engine_request(req, self.max_model_len, self.vocab_size)
+        """Queue ``req``, a request its client already checked
+        (``kvstrata.enginecore.processing``): ids only, no text. Raises
+        EngineOverloadedError (the waiting queue is full) or RequestError
+        (the id is live)."""
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise EngineOverloadedError(self.max_waiting)
-        params = req.sampling_params
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, params.stop,
-                params.include_stop_str_in_output, min_tokens=params.min_tokens,
-            )
         hasher = self.block_hasher
         request = Request(
-            req.request_id, req.prompt_token_ids, params,
+            req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=req.arrival_time or time.monotonic(),
             priority=req.priority, cache_salt=req.cache_salt, lora_name=req.lora_name,
             block_hasher=hasher, hash_block_size=0 if hasher is None else hasher.block_size,
-            detokenizer=detok,
         )
         self.scheduler.add_request(request)
 

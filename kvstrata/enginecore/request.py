@@ -86,7 +86,7 @@ class Request:
         "prompt_embeds_digest", "block_hashes", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions",
         "status", "stop_reason", "max_tokens", "min_tokens",
-        "stop_ids", "eos_token_ids", "detokenizer", "seq", "sort_key",
+        "stop_ids", "eos_token_ids", "seq", "sort_key",
         "_block_hasher", "_hash_block_size", "hash_boundary",
     )
 
@@ -103,7 +103,6 @@ class Request:
         lora_name: str | None = None,
         block_hasher: BlockHasher | None = None,
         hash_block_size: int = 0,
-        detokenizer: Any = None,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -128,7 +127,6 @@ class Request:
             stop_ids.update(eos_token_ids)
         # One membership test per sampled token covers EOS and stop_token_ids.
         self.stop_ids = frozenset(stop_ids)
-        self.detokenizer = detokenizer
         self.seq = 0  # admission order, set by the scheduler; breaks ties
         self.sort_key: tuple = (priority, self.arrival_time, 0)
         self.block_hashes: list = []
@@ -188,38 +186,3 @@ class Request:
             f"tokens={len(self.all_token_ids)}, computed={self.num_computed_tokens})"
         )
 
-
-def validate_engine_request(req: EngineRequest, max_model_len: int, vocab_size: int | None) -> None:
-    """Raise RequestError naming the first bad field of ``req``."""
-    from kvstrata.errors import RequestError
-
-    if not isinstance(req.request_id, str) or not req.request_id:
-        raise RequestError("request_id", f"must be a non-empty str, got {req.request_id!r}")
-    ids = req.prompt_token_ids
-    if not ids:
-        raise RequestError("prompt", "must not be empty")
-    if len(ids) > max_model_len:
-        raise RequestError(
-            "prompt", f"has {len(ids)} tokens, longer than max_model_len={max_model_len}"
-        )
-    if not all(type(t) is int for t in ids):
-        raise RequestError("prompt", "token ids must be integers")
-    lo, hi = min(ids), max(ids)
-    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
-        raise RequestError(
-            "prompt", f"token ids must be in [0, {vocab_size}), got min {lo} and max {hi}"
-        )
-    params = req.sampling_params
-    if not isinstance(params, SamplingParams):
-        raise RequestError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
-    try:
-        params.validate()
-    except (ValueError, TypeError) as exc:
-        message = str(exc)
-        raise RequestError(message.split(" ", 1)[0], message) from None
-    if not isinstance(req.priority, int) or isinstance(req.priority, bool):
-        raise RequestError("priority", f"must be an int, got {req.priority!r}")
-    for name in ("cache_salt", "lora_name"):
-        value = getattr(req, name)
-        if value is not None and (not isinstance(value, str) or not value):
-            raise RequestError(name, f"must be a non-empty str or None, got {value!r}")

@@ -43,9 +43,9 @@ async def serve_engine(config: EngineConfig, address: str, *, parent_pid: int | 
     engine = None
     failed = False
     try:
-        from kvstrata.enginecore.async_engine import AsyncEngine  # heavy (torch): after the bind
+        from kvstrata.ipc.engines import start_async_engine  # the engine is heavy (torch): after the bind
 
-        engine = await AsyncEngine.start(config)
+        engine = await start_async_engine(config)
         server.attach(engine)
         log.info("engine_ready", address=address, pid=os.getpid())
         await server.stopped.wait()

@@ -12,6 +12,21 @@ Bad frames (oversized, malformed msgpack, wrong types, unknown tags, unknown
 request ids) get a ``ProtocolError`` back to that client only, are counted
 and logged (rate-limited), and change nothing else.
 
+Requests arrive as token ids (the client tokenized them) and outputs leave
+as token ids (the client detokenizes): the server does no text work. It
+checks each request once more (``validate_request``): any local process
+may connect, and a bad id must not reach the model.
+
+Flow control: the ROUTER's send high-water mark bounds each client's queue
+inside ZMQ. A send that finds it full raises ``zmq.Again`` (ROUTER_MANDATORY)
+instead of blocking or dropping: the frame goes to that client's backlog, in
+order, and later frames queue behind it. The backlog is flushed when the
+socket's FD fires (the client read some), never by a timer. A client whose
+backlog passes ``max_backlog_bytes``, or does not move for
+``stall_timeout_s``, is dropped: its requests are aborted in the engine, its
+backlog is replaced by one frame that ends each of its streams with
+finish_reason "abort" and an error saying why, and this is logged once.
+
 A client that disconnects has its requests aborted. libzmq's ROUTER_NOTIFY
 is a draft option (absent from pyzmq's wheels), so the server maps each
 client's connection fd (the first frame's ZMQ_SRCFD) to its identity and
@@ -25,19 +40,25 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Coroutine
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
 import zmq
 import zmq.utils.monitor
 
+from kvstrata.enginecore.processing import validate_request
+from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
-from kvstrata.types import RequestOutput
 from kvstrata.ipc import protocol as P
 from kvstrata.ipc.zmq_io import ZmqReader
+from kvstrata.types import RequestOutput
+
+if TYPE_CHECKING:  # the engine (torch) is imported after the socket is bound
+    from kvstrata.enginecore.async_engine import AsyncEngine
 
 log = structlog.get_logger(__name__)
 
@@ -47,9 +68,11 @@ _ERROR_LOG_EVERY = 100
 
 class _Client:
     """Owns: one client's live request ids, recently finished ids, the
-    outputs buffered for the next flush, its protocol error count."""
+    outputs buffered for the next flush, the encoded frames ZMQ refused
+    (its backlog, in order), its protocol error count."""
 
-    __slots__ = ("identity", "fd", "requests", "recent", "pending", "num_errors")
+    __slots__ = ("identity", "fd", "requests", "recent", "pending", "num_errors", "backlog",
+                 "backlog_bytes", "num_unblocked", "stall_timer", "farewell")
 
     def __init__(self, identity: bytes, fd: int) -> None:
         self.identity = identity
@@ -58,6 +81,13 @@ class _Client:
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.pending: list[RequestOutput] = []
         self.num_errors = 0
+        self.backlog: deque[bytes] = deque()
+        self.backlog_bytes = 0
+        self.num_unblocked = 0  # backlog frames sent so far: the stall check's progress mark
+        self.stall_timer: asyncio.TimerHandle | None = None
+        # Requests aborted because the client did not read: the backlog's
+        # first frame ends their streams; their own abort outputs are dropped.
+        self.farewell: dict[str, bool] = {}  # request id -> its abort output still to come
 
     def finished(self, rid: str) -> None:
         self.requests.discard(rid)
@@ -68,22 +98,30 @@ class _Client:
 
 class EngineServer:
     """Owns: the ROUTER socket, the client table, the request-id → client
-    routing table, the flush schedule and the protocol error counters. The
-    engine itself is owned by the caller (``engine_proc.main``)."""
+    routing table, the flush schedule, the set of backlogged clients and the
+    protocol error counters. The engine itself is owned by the caller
+    (``engine_proc.main``)."""
 
     def __init__(self, address: str, config_builtins: Any, *,
-                 max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, send_hwm: int = P.SEND_HWM,
+                 recv_hwm: int = P.RECV_HWM, max_backlog_bytes: int = P.MAX_CLIENT_BACKLOG_BYTES,
+                 stall_timeout_s: float = P.CLIENT_STALL_TIMEOUT_S) -> None:
         self._loop = asyncio.get_running_loop()
         self.address = address
         self._config = config_builtins
         self.max_frame_bytes = max_frame_bytes
-        self._engine: Any = None
+        self.max_backlog_bytes = max_backlog_bytes
+        self.stall_timeout_s = stall_timeout_s
+        self._engine: AsyncEngine | None = None
         self._clients: dict[bytes, _Client] = {}
         self._by_fd: dict[int, _Client] = {}
         self._routes: dict[str, _Client] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._deferred_handshakes: list[tuple[bytes, int]] = []
         self._flush_scheduled = False
+        self._backlogged: dict[bytes, _Client] = {}
+        self.num_frames_held = 0  # frames a full client queue refused at first (sent later, in order)
+        self.num_clients_dropped = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = P.make_inbound_decoder()
         self.num_protocol_errors = 0
@@ -91,18 +129,19 @@ class EngineServer:
         self.stop_reason = ""
         self._started = time.monotonic()
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        for opt, val in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 0),
-                         (zmq.MAXMSGSIZE, 4 * max_frame_bytes)):
+        for opt, val in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, send_hwm), (zmq.RCVHWM, recv_hwm),
+                         (zmq.LINGER, 0), (zmq.MAXMSGSIZE, 4 * max_frame_bytes)):
             self._sock.setsockopt(opt, val)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._monitor_reader = ZmqReader(self._loop, self._monitor, self._on_monitor)
         self._sock.bind(address)
-        self._reader = ZmqReader(self._loop, self._sock, self._on_message, copy=False)
+        self._reader = ZmqReader(self._loop, self._sock, self._on_message, copy=False,
+                                 on_drained=self._flush_backlogs)
         self._monitor_reader.start()
         self._reader.start()
         log.info("engine_server_listening", address=address)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: AsyncEngine) -> None:
         """The engine is ready: answer the handshakes that were waiting."""
         self._engine = engine
         for identity, call_id in self._deferred_handshakes:
@@ -119,8 +158,14 @@ class EngineServer:
         self._reader.stop()
         self._monitor_reader.stop()
         self._flush()
-        for identity in list(self._clients):
-            self._send(identity, P.EngineDead(reason))
+        self._flush_backlogs()
+        dead = self._encoder.encode(P.EngineDead(reason))
+        for identity, client in self._clients.items():
+            _cancel_stall_timer(client)
+            try:  # the last word, ahead of any backlog: the client fails fast either way
+                self._sock.send_multipart((identity, dead), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -151,8 +196,8 @@ class EngineServer:
                 self._add(client, msg)
             case P.AbortRequests(request_ids=ids):
                 self._abort(client, ids)
-            case P.Utility(call_id=call_id, method=method):
-                self._utility(client, call_id, method)
+            case P.Utility(call_id=call_id, method=method, args=args):
+                self._utility(client, call_id, method, args)
             case P.Shutdown(reason=reason):
                 log.info("engine_shutdown_requested", reason=reason)
                 self.stop(f"shutdown requested by a client ({reason})")
@@ -175,7 +220,7 @@ class EngineServer:
         if unknown:
             self._protocol_error(client, f"abort of unknown request ids: {unknown[:8]}")
 
-    def _utility(self, client: _Client, call_id: int, method: str) -> None:
+    def _utility(self, client: _Client, call_id: int, method: str, args: list[Any]) -> None:
         if method == "handshake":
             if self._engine is None:
                 self._deferred_handshakes.append((client.identity, call_id))
@@ -183,11 +228,11 @@ class EngineServer:
                 self._send(client.identity, P.UtilityResult(call_id, self._info()))
         elif method == "health":
             self._send(client.identity, P.UtilityResult(call_id, self._health()))
-        elif method in ("stats", "reset_prefix_cache"):
+        elif method in ("stats", "reset_prefix_cache", "flush_kv"):
             if self._engine is None:
                 self._send(client.identity, P.UtilityResult(call_id, None, "engine not ready"))
             else:
-                self._spawn(self._call_engine(client.identity, call_id, method))
+                self._spawn(self._call_engine(client.identity, call_id, method, args))
         else:
             self._protocol_error(client, f"unknown utility method {method!r} (known: {', '.join(P.UTILITY_METHODS)})")
             self._send(client.identity, P.UtilityResult(call_id, None, f"unknown utility method {method!r}"))
@@ -210,6 +255,8 @@ class EngineServer:
         del self._clients[client.identity]
         if self._by_fd.get(client.fd) is client:
             del self._by_fd[client.fd]
+        self._backlogged.pop(client.identity, None)
+        _cancel_stall_timer(client)
         rids = list(client.requests)
         for rid in rids:
             self._routes.pop(rid, None)
@@ -227,16 +274,18 @@ class EngineServer:
 
     # --- engine work ---------------------------------------------------------------
 
-    def _submit(self, client: _Client, req: P.AddRequest) -> None:
-        rid = req.request_id
+    def _submit(self, client: _Client, msg: P.AddRequest) -> None:
+        engine = self._engine
+        assert engine is not None
+        rid = msg.request_id
+        req = EngineRequest(request_id=rid, prompt_token_ids=msg.prompt_token_ids, sampling_params=msg.params,
+                            priority=msg.priority, cache_salt=msg.cache_salt, lora_name=msg.lora_name)
         try:
-            self._engine.submit(req.prompt, req.params, partial(self._on_output, client, rid), request_id=rid,
-                                priority=req.priority, cache_salt=req.cache_salt, lora_name=req.lora_name)
+            validate_request(req, engine.facts)
+            engine.submit(req, partial(self._on_output, client, rid))
         except RequestError as e:
             text = str(e).removeprefix(f"{e.field}: ")  # the client's RequestError adds it back
             self._reject(client, P.RequestRejected(rid, "invalid", text, e.field))
-        except ValueError as e:
-            self._reject(client, P.RequestRejected(rid, "invalid", str(e), ""))
         except EngineOverloadedError as e:
             self._reject(client, P.RequestRejected(rid, "overloaded", str(e)))
         except EngineDeadError as e:
@@ -251,12 +300,16 @@ class EngineServer:
             self._request_done(client, rid)
             self.stop(f"engine died: {out}")
             return
+        if out.finished:
+            self._request_done(client, rid)
+        if rid in client.farewell:
+            if out.finished:
+                client.farewell[rid] = False
+            return  # its stream ends in the farewell frame
         client.pending.append(out)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
-        if out.finished:
-            self._request_done(client, rid)
 
     def _request_done(self, client: _Client, rid: str) -> None:
         if self._routes.get(rid) is client:
@@ -268,15 +321,22 @@ class EngineServer:
         self._send(client.identity, msg)
 
     async def _abort_all(self, rids: list[str]) -> None:
+        engine = self._engine
+        assert engine is not None
         for rid in rids:
-            await self._engine.abort(rid)
+            await engine.abort(rid)
 
-    async def _call_engine(self, identity: bytes, call_id: int, method: str) -> None:
+    async def _call_engine(self, identity: bytes, call_id: int, method: str, args: list[Any]) -> None:
+        engine = self._engine
+        assert engine is not None
         try:
             if method == "stats":
-                result: Any = msgspec.to_builtins(await self._engine.stats())
+                result: Any = msgspec.to_builtins(await engine.stats())
+            elif method == "flush_kv":
+                await engine.flush_kv(*args[:1])
+                result = None
             else:
-                result = await self._engine.reset_prefix_cache()
+                result = await engine.reset_prefix_cache()
         except EngineDeadError as e:
             self.stop(f"engine died: {e}")
             return
@@ -286,7 +346,7 @@ class EngineServer:
             return
         self._send(identity, P.UtilityResult(call_id, result))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -300,24 +360,117 @@ class EngineServer:
                 batch, client.pending = client.pending, []
                 self._send(client.identity, P.Outputs(batch))
 
-    def _send(self, identity: bytes, msg: Any) -> None:
+    def _send(self, identity: bytes, msg: P.Outbound) -> None:
         frame = self._encoder.encode(msg)
+        client = self._clients.get(identity)
+        if client is not None and client.backlog:
+            self._hold(client, frame)  # behind what is already waiting: order is kept
+        else:
+            self._send_frame(identity, frame, client)
+
+    def _send_frame(self, identity: bytes, frame: bytes, client: _Client | None) -> bool:
+        """Send now; False when the client's queue is full (the frame is held) or it is gone."""
         try:
             # zero-copy only pays off for large frames
             self._sock.send_multipart((identity, frame), zmq.NOBLOCK, copy=len(frame) < 65536)
+        except zmq.Again:  # the client's queue is at its high-water mark (ROUTER_MANDATORY)
+            if client is not None:
+                self._hold(client, frame)
+            return False
         except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY)
-            client = self._clients.get(identity)
             if client is not None:
                 self._client_gone(client, f"unreachable: {e}")
-            return
+            return False
         self._reader.kick()
+        return True
+
+    def _hold(self, client: _Client, frame: bytes) -> None:
+        if not client.backlog:
+            self._backlogged[client.identity] = client
+            log.info("client_backpressure", client_fd=client.fd, num_requests=len(client.requests))
+            self._arm_stall_timer(client)
+        client.backlog.append(frame)
+        client.backlog_bytes += len(frame)
+        self.num_frames_held += 1
+        if client.backlog_bytes > self.max_backlog_bytes:
+            self._drop_slow(client, f"its backlog passed {self.max_backlog_bytes} bytes")
+
+    def _flush_backlogs(self) -> None:
+        """The socket's FD fired: retry what the clients' full queues refused."""
+        if not self._backlogged:
+            return
+        sent = False
+        for client in list(self._backlogged.values()):
+            backlog = client.backlog
+            while backlog:
+                frame = backlog[0]
+                try:
+                    self._sock.send_multipart((client.identity, frame), zmq.NOBLOCK, copy=len(frame) < 65536)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as e:
+                    self._client_gone(client, f"unreachable: {e}")
+                    break
+                backlog.popleft()
+                client.backlog_bytes -= len(frame)
+                client.num_unblocked += 1
+                sent = True
+            if not backlog and self._backlogged.pop(client.identity, None) is not None:
+                _cancel_stall_timer(client)
+                client.farewell = {rid: live for rid, live in client.farewell.items() if live}
+                log.info("client_unblocked", client_fd=client.fd, frames_sent_late=client.num_unblocked)
+        if sent:
+            self._reader.kick()  # a send may consume the FD's edge
+
+    def _arm_stall_timer(self, client: _Client) -> None:
+        client.stall_timer = self._loop.call_later(self.stall_timeout_s, self._check_stall, client,
+                                                   client.num_unblocked)
+
+    def _check_stall(self, client: _Client, mark: int) -> None:
+        client.stall_timer = None
+        if not client.backlog or self._clients.get(client.identity) is not client:
+            return
+        if client.num_unblocked == mark:
+            self._drop_slow(client, f"it read nothing for {self.stall_timeout_s}s")
+        else:
+            self._arm_stall_timer(client)
+
+    def _drop_slow(self, client: _Client, why: str) -> None:
+        """Give up on a client that does not read: abort its requests, and
+        replace its backlog by one frame that ends each of its streams (and
+        those of an earlier farewell it has not read yet). Logged once per drop."""
+        reason = f"dropped by the engine: {why}"
+        rids = list(client.requests)
+        self.num_clients_dropped += 1
+        log.warning("client_dropped_slow", reason=why, client_fd=client.fd, aborted_requests=len(rids),
+                    backlog_bytes=client.backlog_bytes, num_clients_dropped=self.num_clients_dropped)
+        client.pending.clear()
+        for rid in rids:
+            self._request_done(client, rid)
+            client.farewell[rid] = True
+        if rids and self._engine is not None:
+            self._spawn(self._abort_all(rids))
+        frame = self._encoder.encode(P.Outputs([
+            RequestOutput(request_id=rid, finished=True, finish_reason="abort", error=reason)
+            for rid in client.farewell]))
+        client.backlog.clear()
+        client.backlog.append(frame)
+        client.backlog_bytes = len(frame)
 
     def _info(self) -> P.EngineInfo:
-        return P.EngineInfo(protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(), ready=self._engine is not None,
-                            config=self._config, max_frame_bytes=self.max_frame_bytes)
+        engine = self._engine
+        return P.EngineInfo(protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(), ready=engine is not None,
+                            config=self._config, max_frame_bytes=self.max_frame_bytes,
+                            facts=None if engine is None else engine.facts)
 
     def _health(self) -> P.HealthInfo:
         return P.HealthInfo(healthy=self._engine is not None and not self.stopped.is_set(),
                             num_clients=len(self._clients), num_requests=len(self._routes),
                             num_protocol_errors=self.num_protocol_errors,
                             uptime_s=time.monotonic() - self._started)
+
+
+def _cancel_stall_timer(client: _Client) -> None:
+    if client.stall_timer is not None:
+        client.stall_timer.cancel()
+        client.stall_timer = None

@@ -1,10 +1,21 @@
-"""The multiprocess engine client: the AsyncEngine API over ZMQ.
+"""The multiprocess engine client: the ``EngineClient`` API over ZMQ.
 
     client = await MPEngineClient.start(EngineConfig(...))      # spawns the engine
     client = await MPEngineClient.connect("ipc:///.../engine.sock")  # another client
     async for out in client.generate("Hello", SamplingParams(max_tokens=8)): ...
     await client.abort(rid); await client.stats(); await client.reset_prefix_cache()
     await client.aclose()
+
+Text work happens here, in the client process, as in vLLM: the input
+processor tokenizes and checks a request (the tokenizer is loaded from the
+model config the handshake reports), the wire carries token ids both ways,
+and each stream's output processor detokenizes and applies stop strings,
+aborting the request in the engine when one matches.
+
+Flow control: the DEALER's high-water marks bound ZMQ's queues. A send the
+socket refuses (``zmq.Again``: the engine is not reading fast enough) waits
+in an outbox, in order, flushed when the socket's FD fires; ``generate``
+waits for room when the outbox holds more than ``max_outbox_bytes``.
 
 Engine death is seen three ways, whichever comes first: an ``EngineDead``
 message (clean shutdown, fatal engine error), the pidfd of a process this
@@ -16,8 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import uuid
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -25,9 +36,12 @@ import structlog
 import zmq
 
 from kvstrata.config import EngineConfig
+from kvstrata.enginecore.client import served_model_name
+from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
-from kvstrata.types import EngineStats, RequestOutput, SamplingParams
 from kvstrata.ipc import protocol as P
+from kvstrata.text.tokenizer import load_model_tokenizer
+from kvstrata.types import EngineStats, RequestOutput, SamplingParams
 from kvstrata.ipc.addresses import EngineAddress, check_address, make_address
 from kvstrata.ipc.launcher import ProcessWatch, spawn_engine, stop_process
 from kvstrata.ipc.zmq_io import ZmqReader
@@ -59,12 +73,13 @@ class _Stream:
 
 
 class MPEngineClient:
-    """Owns: the DEALER socket and its monitor, the reader, the streams of this
-    client's in-flight requests, pending utility calls, and (when it started
-    the engine) the engine process."""
+    """Owns: the DEALER socket and its monitor, the reader, the outbox, the
+    streams of this client's in-flight requests, pending utility calls, the
+    input processor (with the tokenizer), and (when it started the engine)
+    the engine process."""
 
     def __init__(self, sock: zmq.Socket, address: str, private: EngineAddress | None,
-                 proc: subprocess.Popen | None) -> None:
+                 proc: subprocess.Popen | None, *, max_outbox_bytes: int = P.MAX_OUTBOX_BYTES) -> None:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self.address = address
@@ -79,8 +94,13 @@ class MPEngineClient:
         self._closed = False
         self.num_protocol_errors = 0
         self.info: P.EngineInfo | None = None
-        self.config: EngineConfig | None = None
-        self._reader = ZmqReader(self._loop, sock, self._on_message)
+        self._config: EngineConfig | None = None
+        self._inputs: InputProcessor | None = None  # set by the handshake
+        self._outbox: deque[bytes] = deque()
+        self._outbox_bytes = 0
+        self.max_outbox_bytes = max_outbox_bytes
+        self._room: list[asyncio.Future[None]] = []  # generate calls waiting for the outbox to drain
+        self._reader = ZmqReader(self._loop, sock, self._on_message, on_drained=self._flush_outbox)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._monitor_reader = ZmqReader(self._loop, self._monitor, self._on_monitor)
         self._watch = ProcessWatch(self._loop, proc, self._on_process_exit) if proc else None
@@ -106,9 +126,10 @@ class MPEngineClient:
         return client
 
     @classmethod
-    async def connect(cls, address: str, *, timeout_s: float = 30.0) -> "MPEngineClient":
+    async def connect(cls, address: str, *, timeout_s: float = 30.0, hwm: int = P.SEND_HWM,
+                      max_outbox_bytes: int = P.MAX_OUTBOX_BYTES) -> "MPEngineClient":
         """Connect to a running engine (several clients may share one)."""
-        client = cls(_dealer(check_address(address)), address, None, None)
+        client = cls(_dealer(check_address(address), hwm), address, None, None, max_outbox_bytes=max_outbox_bytes)
         await client._handshake(timeout_s)
         return client
 
@@ -122,12 +143,18 @@ class MPEngineClient:
         except BaseException:
             await self.aclose()
             raise
-        info = msgspec.convert(raw, P.EngineInfo)
-        if info.protocol_version != P.PROTOCOL_VERSION:
+        try:
+            info = msgspec.convert(raw, P.EngineInfo)
+            if info.protocol_version != P.PROTOCOL_VERSION or info.facts is None:
+                raise EngineDeadError(f"protocol version {info.protocol_version} != {P.PROTOCOL_VERSION}")
+            config = msgspec.convert(info.config, EngineConfig)
+            tokenizer = await asyncio.to_thread(load_model_tokenizer, config.model)  # file I/O
+        except BaseException:
             await self.aclose()
-            raise EngineDeadError(f"protocol version {info.protocol_version} != {P.PROTOCOL_VERSION}")
+            raise
         self.info = info
-        self.config = msgspec.convert(info.config, EngineConfig)
+        self._config = config
+        self._inputs = InputProcessor(info.facts, tokenizer)
         log.info("engine_connected", address=self.address, engine_pid=info.pid)
 
     async def __aenter__(self) -> "MPEngineClient":
@@ -136,30 +163,64 @@ class MPEngineClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # --- the AsyncEngine API ---------------------------------------------------
+    # --- model facts (EngineClient) ------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration, as its handshake told it."""
+        assert self._config is not None, "the handshake sets it"
+        return self._config
+
+    @property
+    def facts(self) -> ModelFacts:
+        assert self._inputs is not None, "the handshake sets it"
+        return self._inputs.facts
+
+    @property
+    def model_name(self) -> str:
+        return served_model_name(self.config)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def outbox_bytes(self) -> int:
+        """Encoded bytes the socket refused so far (the engine reads slower
+        than this client sends), waiting to go out in order."""
+        return self._outbox_bytes
+
+    async def is_healthy(self) -> bool:
+        return (await self.health()).healthy
+
+    # --- the EngineClient API --------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
                        cache_salt: str | None = None,
-                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
-        if self._dead is not None:
-            raise self._dead
-        if self._closed:
-            raise EngineDeadError("client is closed")
-        _check_prompt(prompt)
-        if params is not None:
-            try:
-                params.validate()
-            except ValueError as e:
-                raise RequestError(str(e).split(" ", 1)[0], str(e)) from None
-        rid = request_id if request_id is not None else uuid.uuid4().hex
+                       lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        self._check_alive()
+        assert self._inputs is not None and self.info is not None
+        req = await self._inputs.process(prompt, params, request_id=request_id, priority=priority,
+                                         cache_salt=cache_salt, lora_name=lora_name)
+        rid = req.request_id
+        frame = self._encoder.encode(P.AddRequest(rid, req.prompt_token_ids, req.sampling_params, req.priority,
+                                                  req.cache_salt, req.lora_name))
+        if len(frame) > self.info.max_frame_bytes:
+            raise RequestError("prompt", f"request of {len(frame)} bytes exceeds the engine's frame limit")
+        while self._outbox_bytes > self.max_outbox_bytes:  # the engine reads slower than we send: wait
+            room: asyncio.Future[None] = self._loop.create_future()
+            self._room.append(room)
+            await room
+        self._check_alive()
         if rid in self._streams:
             raise RequestError("request_id", f"{rid!r} is already in flight")
-        frame = self._encoder.encode(P.AddRequest(rid, prompt, params, priority, cache_salt, lora_name))
-        if self.info is not None and len(frame) > self.info.max_frame_bytes:
-            raise RequestError("prompt", f"request of {len(frame)} bytes exceeds the engine's frame limit")
+        outputs = OutputProcessor(self._inputs.tokenizer, req)
         stream = self._streams[rid] = _Stream()
-        finished = False
         try:
             self._send(frame)
             while True:
@@ -171,15 +232,16 @@ class MPEngineClient:
                     stream.waiter = None
                     continue
                 items, stream.items = stream.items, []
-                for out in items:
-                    if out.finished:
-                        finished = True
+                for item in items:
+                    out = outputs.process(item)
                     yield out
-                if finished:
-                    return
+                    if out.finished:
+                        return
         finally:
             self._streams.pop(rid, None)
-            if not finished and stream.error is None and self._dead is None and not self._closed:
+            # Still live in the engine: the consumer left, or a stop string ended the stream.
+            engine_live = outputs.engine_still_running or not outputs.finished
+            if engine_live and stream.error is None and self._dead is None and not self._closed:
                 self._send(self._encoder.encode(P.AbortRequests([rid])))
 
     async def abort(self, request_id: str) -> None:
@@ -195,12 +257,17 @@ class MPEngineClient:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._call("reset_prefix_cache"))
 
+    async def flush_kv(self, timeout_s: float = 60.0) -> None:
+        """Wait until the engine's KV transfers started so far are done."""
+        try:
+            await self._call("flush_kv", [timeout_s])
+        except RuntimeError as e:
+            if "TimeoutError" in str(e):
+                raise TimeoutError(f"flush_kv: KV transfers still pending after {timeout_s}s") from None
+            raise
+
     async def health(self) -> P.HealthInfo:
         return msgspec.convert(await self._call("health"), P.HealthInfo)
-
-    @property
-    def is_dead(self) -> bool:
-        return self._dead is not None
 
     async def shutdown_engine(self) -> None:
         """Ask the engine to stop (every client's requests end with EngineDeadError)."""
@@ -226,25 +293,67 @@ class MPEngineClient:
 
     # --- internals ------------------------------------------------------------
 
-    async def _call(self, method: str) -> Any:
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closed:
+            raise EngineDeadError("client is closed")
+
+    async def _call(self, method: str, args: list[Any] | None = None) -> Any:
         if self._dead is not None:
             raise self._dead
         self._next_call += 1
         call_id = self._next_call
         fut = self._calls[call_id] = self._loop.create_future()
         try:
-            self._send(self._encoder.encode(P.Utility(call_id, method)))
+            self._send(self._encoder.encode(P.Utility(call_id, method, args or [])))
             return await fut
         finally:
             self._calls.pop(call_id, None)
 
     def _send(self, frame: bytes) -> None:
-        try:
-            self._sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
-        except zmq.ZMQError as e:
-            self._mark_dead(f"send failed: {e}")
-            raise self._dead from None  # type: ignore[misc]
-        self._reader.kick()
+        if not self._outbox:
+            try:
+                self._sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            except zmq.Again:  # the engine's queue is full (high-water mark): hold it
+                pass
+            except zmq.ZMQError as e:
+                self._mark_dead(f"send failed: {e}")
+                raise self._dead from None  # type: ignore[misc]
+            else:
+                self._reader.kick()
+                return
+        self._outbox.append(frame)  # behind what already waits: order is kept
+        self._outbox_bytes += len(frame)
+
+    def _flush_outbox(self) -> None:
+        """The socket's FD fired: send what the full queue refused."""
+        outbox = self._outbox
+        if not outbox:
+            return
+        sent = False
+        while outbox:
+            frame = outbox[0]
+            try:
+                self._sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as e:
+                self._mark_dead(f"send failed: {e}")
+                return
+            outbox.popleft()
+            self._outbox_bytes -= len(frame)
+            sent = True
+        if sent:
+            self._reader.kick()
+            if self._outbox_bytes <= self.max_outbox_bytes:
+                self._wake_room()
+
+    def _wake_room(self) -> None:
+        room, self._room = self._room, []
+        for fut in room:
+            if not fut.done():
+                fut.set_result(None)
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
@@ -280,7 +389,7 @@ class MPEngineClient:
         if s is None:
             return
         if msg.kind == "overloaded":
-            limit = self.config.scheduler.max_waiting_requests if self.config else 0
+            limit = self._config.scheduler.max_waiting_requests if self._config else 0
             s.fail(EngineOverloadedError(limit))
         else:
             field = msg.field or ("request_id" if msg.kind == "duplicate" else "request")
@@ -303,6 +412,7 @@ class MPEngineClient:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(self._dead)
+        self._wake_room()  # they find the client dead
         self._reader.stop()
         self._monitor_reader.stop()
 
@@ -318,10 +428,10 @@ class MPEngineClient:
             self._private.cleanup()
 
 
-def _dealer(address: str) -> zmq.Socket:
+def _dealer(address: str, hwm: int = P.SEND_HWM) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, P.RECV_HWM)
     sock.setsockopt(zmq.LINGER, 0)
     if address.startswith("tcp://"):
         # ZMTP pings catch a peer whose host or network vanished without a
@@ -331,13 +441,3 @@ def _dealer(address: str) -> zmq.Socket:
     sock.connect(address)
     return sock
 
-
-def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("prompt", "must not be empty")
-        return
-    if not isinstance(prompt, list) or not prompt:
-        raise RequestError("prompt", "must be a non-empty string or list of token ids")
-    if not all(type(t) is int and t >= 0 for t in prompt):
-        raise RequestError("prompt", "token ids must be non-negative integers")

@@ -9,9 +9,18 @@ by one typed decoder and dispatched with ``match``:
         Outputs (one batch per engine step and client) | UtilityResult
         | RequestRejected | ProtocolError | EngineDead
 
+Requests and outputs carry token ids only: the client tokenizes, checks,
+detokenizes and applies stop strings (``kvstrata.enginecore.processing``).
+
 The handshake is ``Utility(method="handshake")``; its result is an
-``EngineInfo`` (the engine's config, pid, protocol version, readiness).
-Health checks are ``Utility(method="health")``.
+``EngineInfo`` (the engine's config, what a client needs to check requests,
+pid, protocol version, readiness). Health checks are
+``Utility(method="health")``.
+
+Both sides bound their queues (ZMQ high-water marks, counted in messages):
+a send that finds a peer's queue full raises ``zmq.Again``, and the sender
+keeps a bounded backlog for that peer, flushed when the peer drains (see
+``kvstrata.ipc.engine_server`` and ``mp_client``).
 """
 
 from __future__ import annotations
@@ -20,14 +29,29 @@ from typing import Any
 
 import msgspec
 
+from kvstrata.enginecore.processing import ModelFacts
 from kvstrata.types import RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # Frames larger than this are rejected with a ProtocolError (the engine never
 # decodes them). A generous bound: a 1M-token prompt as msgpack ints is ~5 MiB.
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 
-UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache")
+UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_kv")
+
+# High-water marks (messages) of the engine's ROUTER and each client's
+# DEALER, both ways. The engine sends one Outputs frame per step and client,
+# so SEND_HWM frames are that many steps of backlog inside ZMQ.
+SEND_HWM = 1000
+RECV_HWM = 1000
+# What the engine keeps for one client beyond ZMQ's queue (encoded bytes)
+# before it gives up on that client: aborts its requests and drops it.
+MAX_CLIENT_BACKLOG_BYTES = 64 * 1024 * 1024
+# A client whose backlog has not moved for this long is dropped the same way.
+CLIENT_STALL_TIMEOUT_S = 30.0
+# What a client holds when the engine does not read fast enough (encoded
+# bytes): beyond it, generate waits for the outbox to drain.
+MAX_OUTBOX_BYTES = 64 * 1024 * 1024
 
 
 class _Wire(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag_field="t"):
@@ -38,9 +62,12 @@ class _Wire(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc
 
 
 class AddRequest(_Wire, tag="add"):
+    """A request the client tokenized and checked; the engine checks it again
+    (``validate_request``) because any local process may connect."""
+
     request_id: str
-    prompt: str | list[int]
-    params: SamplingParams | None = None
+    prompt_token_ids: list[int]
+    params: SamplingParams = SamplingParams()
     priority: int = 0
     cache_salt: str | None = None
     lora_name: str | None = None
@@ -53,6 +80,7 @@ class AbortRequests(_Wire, tag="abort"):
 class Utility(_Wire, tag="utility"):
     call_id: int
     method: str
+    args: list[Any] = []
 
 
 class Shutdown(_Wire, tag="shutdown"):
@@ -108,13 +136,16 @@ Outbound = Outputs | UtilityResult | RequestRejected | ProtocolError | EngineDea
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """The handshake result: what the engine runs and whether it is ready."""
+    """The handshake result: what the engine runs and whether it is ready.
+    ``facts`` is what a client needs to check its requests (the engine's
+    max_model_len after capping by its KV pool, its vocabulary)."""
 
     protocol_version: int
     pid: int
     ready: bool
     config: Any  # EngineConfig as plain data (msgspec.to_builtins)
     max_frame_bytes: int
+    facts: ModelFacts | None = None
 
 
 class HealthInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -6,6 +6,11 @@ every send schedules one more drain (a send may process incoming commands and
 consume the edge without the FD firing again). A drain reads at most
 ``budget`` messages before yielding to the loop, so one flooding peer cannot
 starve the others.
+
+The FD also fires when a peer's queue that was full (high-water mark)
+drains: libzmq tells the socket with a command, which the drain's ``recv``
+processes. So ``on_drained`` (called after every drain) is where a sender
+retries what ``zmq.Again`` refused, with no timer and no polling.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ class ZmqReader:
     """Calls ``on_message(frames)`` for every multipart message on ``sock``.
     Owns: the loop's reader registration for the socket's FD."""
 
-    __slots__ = ("_loop", "_sock", "_on_message", "_budget", "_copy", "_scheduled", "_active", "_fd")
+    __slots__ = ("_loop", "_sock", "_on_message", "_on_drained", "_budget", "_copy", "_scheduled", "_active",
+                 "_fd")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
-                 on_message: Callable[[list[Any]], None], budget: int = 4096, copy: bool = True) -> None:
+                 on_message: Callable[[list[Any]], None], budget: int = 4096, copy: bool = True,
+                 on_drained: Callable[[], None] | None = None) -> None:
         self._loop = loop
         self._sock = sock
         self._on_message = on_message
+        self._on_drained = on_drained
         self._budget = budget
         self._copy = copy  # False: zmq.Frame objects (for SRCFD)
         self._scheduled = False
@@ -65,7 +73,7 @@ class ZmqReader:
             try:
                 frames = recv(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
-                return
+                break
             except zmq.ZMQError:
                 if not self._active:  # closed by the handler
                     return
@@ -73,4 +81,7 @@ class ZmqReader:
             handle(frames)
             if not self._active:
                 return
-        self.kick()
+        else:
+            self.kick()
+        if self._on_drained is not None:
+            self._on_drained()

@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
     text is left out unless ``include_stop_str_in_output``. Stop strings are
     looked for only in text that ends after the first ``min_tokens`` output
     tokens, as in vLLM.
+
+    Without stop strings nothing is ever held back: each delta is final and
+    is kept as a piece (``output_text`` joins them on demand), so a long
+    output costs no repeated copying of its text.
     """
 
     __slots__ = (
@@ -39,7 +43,8 @@ class IncrementalDetokenizer:
         "_search_floor",
         "_emitted",
         "_done",
-        "output_text",
+        "_text",
+        "_pieces",
     )
 
     def __init__(
@@ -59,7 +64,13 @@ class IncrementalDetokenizer:
         self._search_floor = 0 if min_tokens == 0 else -1  # -1: not reached yet
         self._emitted = 0
         self._done = False
-        self.output_text = ""
+        self._text = ""  # with stop strings: the whole text, searched as it grows
+        self._pieces: list[str] = []  # without: the deltas
+
+    @property
+    def output_text(self) -> str:
+        """The request's text so far (after a stop string: up to it)."""
+        return self._text if self._stop else "".join(self._pieces)
 
     def update(
         self, new_token_ids: list[int], *, finished: bool = False, stop_terminated: bool = False
@@ -74,15 +85,21 @@ class IncrementalDetokenizer:
         ids = new_token_ids
         if stop_terminated and not self._include_stop and ids:
             ids = ids[:-1]
-        prev_len = len(self.output_text)
+        if not self._stop:  # the common case: decode and hand over
+            step = self._stream.step
+            delta = step(ids[0]) if len(ids) == 1 else "".join(map(step, ids))
+            self._pieces.append(delta)
+            self._done = finished or stop_terminated
+            return delta, None
+        prev_len = len(self._text)
         self._decode(ids)
-        text = self.output_text
+        text = self._text
         if self._stop and self._search_floor >= 0:
             match = self._find_stop(text, max(prev_len, self._search_floor))
             if match is not None:
                 start, stop_str = match
                 end = start + len(stop_str) if self._include_stop else start
-                self.output_text = text[:end]
+                self._text = text[:end]
                 return self._emit(end, done=True), stop_str
         if finished or stop_terminated:
             return self._emit(len(text), done=True), None
@@ -97,8 +114,8 @@ class IncrementalDetokenizer:
             self._num_tokens += 1
             if self._num_tokens == self._min_tokens:
                 # Text up to here may not end a stop string (min_tokens).
-                self._search_floor = len(self.output_text) + sum(map(len, pieces))
-        self.output_text += "".join(pieces)
+                self._search_floor = len(self._text) + sum(map(len, pieces))
+        self._text += "".join(pieces)
 
     def _find_stop(self, text: str, new_from: int) -> tuple[int, str] | None:
         """The earliest stop string that ends after ``new_from`` (ties: list order)."""
@@ -122,7 +139,7 @@ class IncrementalDetokenizer:
         return held
 
     def _emit(self, upto: int, done: bool) -> str:
-        delta = self.output_text[self._emitted : upto]
+        delta = self._text[self._emitted : upto]
         self._emitted = upto
         self._done = done
         return delta

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer as _HFTokenizerImpl
 from tokenizers.decoders import DecodeStream
 
+from kvstrata.config import ModelConfig
+
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
 BYTE_VOCAB_SIZE = 258
@@ -137,6 +139,13 @@ class HFTokenizer:
 
     def decode_stream(self, prompt_token_ids: list[int]) -> TokenStream:
         return _HFStream(self._tok, self.vocab_size, prompt_token_ids)
+
+
+def load_model_tokenizer(model: ModelConfig) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of the model ``model`` names: ``model.tokenizer``, else the
+    checkpoint directory's, else byte-level (the built-in model has none).
+    The same one whether the engine's runner or a client loads it."""
+    return load_tokenizer(model.tokenizer or model.model)
 
 
 def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:

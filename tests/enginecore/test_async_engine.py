@@ -207,7 +207,7 @@ async def test_bad_checkpoint_fails_at_start_naming_the_field(tmp_path):
             await AsyncEngine.start(EngineConfig(model=ModelConfig(model=str(path)), device="cpu"))
 
 
-async def test_async_kv_load_is_polled_to_completion(start_engine):
+async def test_async_kv_load_completes_when_the_connector_wakes_the_engine(start_engine):
     from engine_fakes import ScriptedConnector
 
     from kvstrata.enginecore.request import RequestStatus
@@ -217,7 +217,12 @@ async def test_async_kv_load_is_polled_to_completion(start_engine):
     task = asyncio.create_task(collect(engine, list(range(10, 20)), max_tokens=2, request_id="a"))
     await wait_for(lambda: "a" in engine.core.scheduler.transfers.loading)
     assert engine.core.scheduler.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    runner.finished_recving = ["a"]  # the worker's load completes
+    await asyncio.sleep(0.05)  # the step that started the load, and one bare poll, are done by now
+    num_steps = len(runner.steps)
+    await asyncio.sleep(0.1)
+    assert len(runner.steps) == num_steps  # nothing to do until woken: the loop sleeps, never polls
+    runner.finished_recving = ["a"]  # the worker's load completes ...
+    await asyncio.to_thread(engine.wakeup)  # ... and the connector says so, from its own thread
     outs = await task
     assert [o.finished for o in outs] == [False, True]
     assert {"a": 2} in runner.steps  # only the last 2 prompt tokens were computed

@@ -1,18 +1,17 @@
-"""EngineCore: admission (bad input, duplicates, overload), abort, a failing
-step, stop strings through the detokenizer, and sizing from the runner."""
+"""EngineCore: admission (duplicates, overload), abort, a failing step, and
+sizing from the runner. Checks of a request's fields, text and stop strings
+are the client's: tests/enginecore/test_processing.py."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
-from engine_fakes import EOS, FakeRunner, engine_config, next_token
+from engine_fakes import FakeRunner, engine_config, next_token
 
-from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+from kvstrata.config import CacheConfig, EngineConfig
 from kvstrata.enginecore.builder import build_engine_core
 from kvstrata.enginecore.engine_core import EngineCore
 from kvstrata.errors import EngineOverloadedError, RequestError
 from kvstrata.enginecore.request import EngineRequest
-from kvstrata.text.tokenizer import ByteTokenizer
 from kvstrata.types import SamplingParams
 
 
@@ -38,44 +37,6 @@ def run(core: EngineCore, max_steps: int = 200) -> dict[str, list]:
         if not core.has_work():
             return outs
     raise AssertionError("engine did not drain")
-
-
-BAD_INPUTS = [
-    ("prompt", dict(prompt=[])),
-    ("prompt", dict(prompt=[3] * 257)),
-    ("prompt", dict(prompt=[3, -1])),
-    ("prompt", dict(prompt=[3, 64])),
-    ("prompt", dict(prompt=[3, 1.5])),
-    ("max_tokens", dict(max_tokens=0)),
-    ("temperature", dict(temperature=-0.5)),
-    ("top_p", dict(top_p=0.0)),
-    ("top_p", dict(top_p=1.5)),
-    ("top_k", dict(top_k=-2)),
-    ("min_tokens", dict(min_tokens=5, max_tokens=2)),
-]
-
-
-@pytest.mark.parametrize("field,bad", BAD_INPUTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_INPUTS)])
-def test_bad_input_names_the_field_and_others_keep_running(make_core, field, bad):
-    core = make_core()
-    core.add_request(req("good", max_tokens=2))
-    prompt = bad.pop("prompt", (5, 6, 7))
-    with pytest.raises(RequestError) as info:
-        core.add_request(req("bad", prompt, **bad))
-    assert info.value.field == field and field in str(info.value)
-    assert isinstance(info.value, ValueError)
-    assert "bad" not in core.scheduler.requests
-    outs = run(core)
-    assert outs["good"][-1].finish_reason == "length"
-
-
-@pytest.mark.parametrize("field,value", [("cache_salt", ""), ("lora_name", 3), ("priority", "high"),
-                                         ("request_id", "")])
-def test_bad_request_fields_name_the_field(make_core, field, value):
-    core = make_core()
-    with pytest.raises(RequestError) as info:
-        core.add_request(msgspec.structs.replace(req("r"), **{field: value}))
-    assert info.value.field == field
 
 
 def test_duplicate_live_id_is_rejected_and_reusable_after_finish(make_core):
@@ -151,26 +112,6 @@ def test_abort_during_a_failing_step_also_uncaches(make_core):
     run(core)
 
 
-def test_stop_string_spanning_tokens_ends_the_request(make_core):
-    text = b"hi END more"
-    runner = FakeRunner(tokenizer=ByteTokenizer(), script={"s": list(text)})
-    core = make_core(runner)
-    core.add_request(req("s", [104, 105], max_tokens=20, stop=["END"]))
-    outs = run(core)["s"]
-    assert "".join(o.text_delta for o in outs) == "hi "
-    assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", "END")
-    assert sum(len(o.new_token_ids) for o in outs) == len(b"hi END")
-
-
-def test_eos_text_is_not_rendered(make_core):
-    runner = FakeRunner(tokenizer=ByteTokenizer(), script={"e": [ord("o"), ord("k"), EOS]})
-    core = make_core(runner)
-    core.add_request(req("e", [104], max_tokens=20))
-    outs = run(core)["e"]
-    assert "".join(o.text_delta for o in outs) == "ok"
-    assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", None)
-
-
 def test_outputs_follow_the_model_and_count_in_stats(make_core):
     core = make_core()
     core.add_request(req("a", (5, 6, 7, 8, 9), max_tokens=4))
@@ -184,13 +125,6 @@ def test_outputs_follow_the_model_and_count_in_stats(make_core):
     assert stats.num_running == stats.num_waiting == 0
 
 
-def test_context_is_capped_by_the_pool(make_core):
-    core = make_core(num_blocks=5)  # 4 usable blocks of 4 tokens
-    assert core.max_model_len == 16
-    with pytest.raises(RequestError, match="max_model_len=16"):
-        core.add_request(req("long", [3] * 17))
-
-
 def test_pool_size_from_memory_and_identity_from_the_runner(kv_managers):
     runner = FakeRunner()
     config = EngineConfig(cache=CacheConfig(block_size=4, kv_cache_memory_mib=2))
@@ -198,18 +132,6 @@ def test_pool_size_from_memory_and_identity_from_the_runner(kv_managers):
     kv_managers.append(core.kv)
     assert core.kv.num_blocks == runner.num_blocks == 2048
     assert core.identity.model_fingerprint == "fake-runner-v1"
-
-
-def test_null_executor_streams_text(kv_managers):
-    config = EngineConfig(executor="null", model=ModelConfig(), cache=CacheConfig(num_blocks=64))
-    core = build_engine_core(config)
-    kv_managers.append(core.kv)
-    prompt = core.tokenizer.encode("Hello")
-    core.add_request(EngineRequest(request_id="n", prompt_token_ids=prompt,
-                                   sampling_params=SamplingParams(max_tokens=5)))
-    outs = run(core)["n"]
-    text = "".join(o.text_delta for o in outs)
-    assert len(text) == 5 and text.isalpha() and outs[-1].finish_reason == "length"
 
 
 def test_stats_report_the_kv_managers_prefix_counts_and_block_residency(kv_managers):

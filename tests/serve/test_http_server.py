@@ -95,8 +95,13 @@ async def test_chat_completion_and_chat_stream(http):
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": [10**7]}, "prompt"),             # rejected by the engine itself
+    ("/v1/completions", {"prompt": [10**7]}, "prompt"),             # beyond the model's vocabulary
+    ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
 ])

@@ -1,4 +1,6 @@
-"""OpenAI request bodies: what maps to SamplingParams and which field a 400 names."""
+"""OpenAI request bodies: what maps to SamplingParams and which field a 400
+names for a body of the wrong shape. Values out of range are the engine
+client's to reject (tests/serve/test_http_server.py: the same 400s, end to end)."""
 
 import pytest
 
@@ -20,11 +22,8 @@ def test_completion_maps_sampling_fields():
 @pytest.mark.parametrize("body, param", [
     (b'{"prompt":"hi","max_tokens":"x"}', "max_tokens"),
     (b'{"max_tokens":3}', "prompt"),
-    (b'{"prompt":"hi","temperature":-1}', "temperature"),
-    (b'{"prompt":"hi","top_p":0}', "top_p"),
     (b'{"prompt":"hi","stop":[1]}', "stop[0]"),
     (b'{"prompt":"hi","n":2}', "n"),
-    (b'{"prompt":"hi","max_tokens":0}', "max_tokens"),
 ])
 def test_validation_error_names_the_field(body, param):
     with pytest.raises(T.RequestValidationError) as e:
@@ -33,8 +32,7 @@ def test_validation_error_names_the_field(body, param):
     assert e.value.param == param
 
 
-@pytest.mark.parametrize("body", [b'{"prompt":["a","b"]}', b'{"prompt":[-1]}', b'{"prompt":""}',
-                                  b'{"prompt":"x","echo":true}'])
+@pytest.mark.parametrize("body", [b'{"prompt":["a","b"]}', b'{"prompt":"x","echo":true}'])
 def test_unsupported_prompts_name_the_prompt(body):
     req = T.decode_request(body, T.CompletionRequest)
     with pytest.raises(T.RequestValidationError) as e:

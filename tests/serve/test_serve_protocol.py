@@ -9,10 +9,11 @@ from kvstrata.types import Logprobs, RequestOutput, SamplingParams
 from kvstrata.ipc import protocol as P
 
 INBOUND = [
-    P.AddRequest("r1", "hello", SamplingParams(max_tokens=3, temperature=0.0), 2, "salt", None),
+    P.AddRequest("r1", [104, 101, 108, 108, 111], SamplingParams(max_tokens=3, temperature=0.0), 2, "salt", None),
     P.AddRequest("r2", [1, 2, 3]),
     P.AbortRequests(["r1", "r2"]),
     P.Utility(7, "stats"),
+    P.Utility(8, "flush_kv", [30.0]),
     P.Shutdown(),
 ]
 OUTBOUND = [
@@ -45,11 +46,12 @@ def test_messages_are_positional_arrays_tag_first():
 @pytest.mark.parametrize("frame", [
     b"\xc1",                                           # never-used msgpack byte
     msgspec.msgpack.encode(["nope", 1]),               # unknown tag
-    msgspec.msgpack.encode(["add", 5, "prompt"]),      # request_id of the wrong type
+    msgspec.msgpack.encode(["add", 5, [1, 2]]),        # request_id of the wrong type
+    msgspec.msgpack.encode(["add", "r", "text"]),      # text: the wire carries token ids only
     msgspec.msgpack.encode(["abort"]),                 # missing field
     msgspec.msgpack.encode({"t": "add"}),              # a map, not an array
     msgspec.msgpack.encode(P.Outputs([])),             # outbound tag sent inbound
-], ids=["malformed", "unknown_tag", "wrong_type", "missing_field", "map_not_array", "outbound_tag"])
+], ids=["malformed", "unknown_tag", "wrong_type", "text_prompt", "missing_field", "map_not_array", "outbound_tag"])
 def test_bad_inbound_frames_do_not_decode(frame):
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         P.make_inbound_decoder().decode(frame)

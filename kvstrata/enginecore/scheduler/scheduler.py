@@ -36,7 +36,7 @@ from kvstrata.enginecore.request import FINISH_REASONS, Request, RequestStatus
 from kvstrata.enginecore.scheduler.plan import StepPlan
 from kvstrata.enginecore.scheduler.queues import make_waiting_queue, remove_all
 from kvstrata.enginecore.scheduler.stats import SchedulerCounters
-from kvstrata.enginecore.scheduler.stop import append_and_check, detokenize
+from kvstrata.enginecore.scheduler.stop import append_and_check
 from kvstrata.enginecore.scheduler.transfers import TransferTracker
 from kvstrata.enginecore.scheduler.waiting import Admission, Refusal, admit
 from kvstrata.kv import KVCacheManager
@@ -417,16 +417,13 @@ class Scheduler:
             else:
                 new_ids, status = append_and_check(req, new_ids, max_model_len)
             num_generated += len(new_ids)
-            text = ""
-            if req.detokenizer is not None:
-                text, status = detokenize(req, new_ids, status)
             lp = logprobs[i] if logprobs is not None else None
             if status is not None:
                 stopped.append(req)
-                outputs.append(self._finish(req, status, new_ids, text, lp))
+                outputs.append(self._finish(req, status, new_ids, lp))
                 continue
             outputs.append(RequestOutput(
-                request_id=rid, new_token_ids=new_ids, text_delta=text,
+                request_id=rid, new_token_ids=new_ids,
                 logprobs=None if lp is None else [lp],
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
@@ -436,13 +433,13 @@ class Scheduler:
         self.counters.num_generated_tokens += num_generated
         return outputs
 
-    def _finish(self, req: Request, status: RequestStatus, new_ids: list[int], text: str,
+    def _finish(self, req: Request, status: RequestStatus, new_ids: list[int],
                 logprobs) -> RequestOutput:
         """Stop a running request (the caller drops it from ``running``)."""
         req.status = status
         self._free_request(req)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=new_ids, text_delta=text,
+            request_id=req.request_id, new_token_ids=new_ids,
             finished=True, finish_reason=FINISH_REASONS[status], stop_reason=req.stop_reason,
             logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,

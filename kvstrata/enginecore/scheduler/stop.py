@@ -1,10 +1,9 @@
-"""Stop conditions, checked after each sampled token (vLLM v1's check_stop,
-plus stop strings through the request's incremental detokenizer).
+"""Stop conditions, checked after each sampled token (vLLM v1's check_stop).
 
 Order, as in vLLM: length first (max_tokens, max_model_len), then, once
-``min_tokens`` outputs exist, EOS (unless ignore_eos) and stop_token_ids. A
-stop string found by the detokenizer wins over a length stop on the same
-token, because the text the caller sees ends there.
+``min_tokens`` outputs exist, EOS (unless ignore_eos) and stop_token_ids.
+Stop strings are text, so the client applies them
+(``kvstrata.enginecore.processing.OutputProcessor``) and aborts the request.
 """
 
 from __future__ import annotations
@@ -51,20 +50,3 @@ def append_and_check(
             return new_ids[: k + 1], status
     return new_ids, None
 
-
-def detokenize(
-    request: Request, new_ids: list[int], status: RequestStatus | None
-) -> tuple[str, RequestStatus | None]:
-    """Text delta for ``new_ids``; a matched stop string stops the request.
-
-    The detokenizer leaves out the text of a stop token (unless
-    ``include_stop_str_in_output``), honours ``min_tokens`` for stop strings,
-    and flushes the text it held back when the request finishes here.
-    """
-    text, matched = request.detokenizer.update(
-        new_ids, finished=status is not None, stop_terminated=status is _STOPPED
-    )
-    if matched is not None:
-        request.stop_reason = matched
-        return text, _STOPPED
-    return text, status
