@@ -1,5 +1,6 @@
 """Fixtures of the engine-core tests: KV managers a test builds are
-checked at its end (every block free), scheduler harnesses, AsyncEngines.
+checked at its end (every block free), scheduler harnesses, engine cores,
+AsyncEngines.
 The builders themselves live in ``engine_fakes``."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from collections.abc import Callable
 import pytest
 from engine_fakes import FakeRunner, SchedulerHarness, engine_config, make_scheduler
 
+from kvstrata.enginecore.builder import build_engine_core
+from kvstrata.enginecore.engine_core import EngineCore
 from kvstrata.kv import KVCacheManager
 
 
@@ -35,6 +38,16 @@ def all_blocks_free_after_test(request, kv_managers):
         assert kv.num_free_blocks == kv.num_blocks - 1, (
             f"{kv.num_blocks - 1 - kv.num_free_blocks} KV blocks still in use after the test"
         )
+
+
+@pytest.fixture
+def make_core(kv_managers) -> Callable[..., EngineCore]:
+    """EngineCores over a FakeRunner (unless given), built by the engine's builder."""
+    def build(runner: FakeRunner | None = None, **cfg) -> EngineCore:
+        core = build_engine_core(engine_config(**cfg), runner or FakeRunner())
+        kv_managers.append(core.kv)
+        return core
+    return build
 
 
 @pytest.fixture

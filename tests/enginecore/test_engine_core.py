@@ -5,7 +5,7 @@ are the client's: tests/enginecore/test_processing.py."""
 from __future__ import annotations
 
 import pytest
-from engine_fakes import FakeRunner, engine_config, next_token
+from engine_fakes import FakeRunner, next_token
 
 from kvstrata.config import CacheConfig, EngineConfig
 from kvstrata.enginecore.builder import build_engine_core
@@ -13,15 +13,6 @@ from kvstrata.enginecore.engine_core import EngineCore
 from kvstrata.errors import EngineOverloadedError, RequestError
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.types import SamplingParams
-
-
-@pytest.fixture
-def make_core(kv_managers):
-    def build(runner=None, **cfg) -> EngineCore:
-        core = build_engine_core(engine_config(**cfg), runner or FakeRunner())
-        kv_managers.append(core.kv)
-        return core
-    return build
 
 
 def req(rid: str, prompt=(5, 6, 7, 8, 9), **params) -> EngineRequest:

@@ -9,7 +9,7 @@ import threading
 
 import msgspec
 import pytest
-from engine_fakes import EOS, FakeRunner, engine_config
+from engine_fakes import EOS, FakeRunner
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
 from kvstrata.enginecore.builder import build_engine_core
@@ -25,15 +25,6 @@ from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import RequestError
 from kvstrata.text.tokenizer import ByteTokenizer
 from kvstrata.types import RequestOutput, SamplingParams
-
-
-@pytest.fixture
-def make_core(kv_managers):
-    def build(runner=None, **cfg) -> EngineCore:
-        core = build_engine_core(engine_config(**cfg), runner or FakeRunner())
-        kv_managers.append(core.kv)
-        return core
-    return build
 
 
 def inputs_of(core: EngineCore) -> InputProcessor:

@@ -17,6 +17,14 @@ from serve_helpers import TEST_MAX_FRAME_BYTES
 enc = msgspec.msgpack.encode
 
 
+def _raw_client(url: str) -> zmq.asyncio.Socket:
+    """A DEALER that speaks the wire protocol by hand (no MPEngineClient)."""
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(url)
+    return raw
+
+
 def _bad_frames() -> list[list[bytes]]:
     kinds = [
         lambda i: [b"\xc1" + bytes([i % 256])],                     # malformed msgpack
@@ -34,10 +42,7 @@ def _bad_frames() -> list[list[bytes]]:
 
 
 async def test_1000_malformed_frames_then_still_serving(engine_url):
-    ctx = zmq.asyncio.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(engine_url)
+    raw = _raw_client(engine_url)
     good = await MPEngineClient.connect(engine_url)
     try:
         before = (await good.health()).num_protocol_errors
@@ -66,10 +71,7 @@ async def test_1000_malformed_frames_then_still_serving(engine_url):
 
 
 async def test_unknown_utility_method_is_an_error_to_the_caller(engine_url):
-    ctx = zmq.asyncio.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(engine_url)
+    raw = _raw_client(engine_url)
     try:
         await raw.send(enc(P.Utility(41, "format_disk")))
         dec = P.make_outbound_decoder()
@@ -83,3 +85,21 @@ async def test_unknown_utility_method_is_an_error_to_the_caller(engine_url):
 
 async def _count_tokens(client, params) -> int:
     return sum([len(o.new_token_ids) async for o in client.generate("ok", params)])
+
+
+async def test_a_request_that_skipped_the_client_checks_is_rejected_by_the_engine(engine_url):
+    """Any local process may connect: the engine checks what arrives again."""
+    raw = _raw_client(engine_url)
+    try:
+        await raw.send(enc(P.Utility(1, "handshake")))
+        await raw.send(enc(P.AddRequest("beyond", [10**7])))
+        await raw.send(enc(P.AddRequest("zero", [104], SamplingParams(max_tokens=0))))
+        dec = P.make_outbound_decoder()
+        async with asyncio.timeout(10):
+            got = [dec.decode(await raw.recv()) for _ in range(3)]
+        assert isinstance(got[0], P.UtilityResult) and got[0].result["facts"]["vocab_size"] > 0
+        assert got[1] == P.RequestRejected("beyond", "invalid", got[1].message, "prompt")
+        assert "token ids must be in" in got[1].message
+        assert (got[2].request_id, got[2].kind, got[2].field) == ("zero", "invalid", "max_tokens")
+    finally:
+        raw.close(linger=0)
