@@ -1,6 +1,10 @@
-"""kvstrata.connector: the KV connector API (scheduler and worker roles),
-the factory of connectors by name or dotted path, the multi-connector, and
-(in ``offload``, imported on demand) the connector over the tiered store.
+"""kvstrata.connector (layer 2, between ``enginecore`` and ``kv``/``io``/
+``kernels``): the KV connector API as typed Protocols for its scheduler and
+worker sides, with one no-op implementation (``base.py``); the engine's
+wake-up as a connector holds it (``wakeup.py``); the factory of connectors
+by name or dotted path; the multi-connector; and (in ``offload``, imported
+on demand) the connector over the tiered store, which reaches the store
+only through its ``StorageManager``.
 
 Importing this package is light: no torch, no store; the factory imports a
 connector's module only when a config names it.

@@ -1,8 +1,8 @@
 """kvstrata.io: the tiered KV store (L1 CPU memory, L2 local disk, L3 Redis
 or a shared filesystem) behind priority executors.
 
-Entry point: ``StorageManager`` (see its module docstring for the store /
-lookup / get flow). Keys come from ``ChunkKeyer`` over the device block-hash
+The one entry point: ``StorageManager``; every read, lookup and pin goes
+through it (see its module docstring for the put / lookup / get flow). Keys come from ``ChunkKeyer`` over the device block-hash
 chain; bytes live in ``MemoryObj``s carved from L1 by an allocator.
 """
 
