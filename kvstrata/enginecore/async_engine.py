@@ -358,6 +358,9 @@ class AsyncEngine:
                 self._deliver(core.update(so, out))
                 if self._publisher is not None:
                     self._publish_events()
+                # Let the consumers take this step's outputs (their text work)
+                # before the next step: not while a step holds the GIL.
+                await asyncio.sleep(0)
                 polled = not so.total_num_scheduled_tokens
         except asyncio.CancelledError:
             raise
