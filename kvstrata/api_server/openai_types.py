@@ -214,7 +214,7 @@ class ErrorBody(msgspec.Struct, frozen=True):
     message: str
     type: str
     param: str | None = None
-    code: int | None = None
+    code: int | str | None = None  # the HTTP status, or OpenAI's error code ("model_not_found")
 
 
 class ErrorResponse(msgspec.Struct, frozen=True):

@@ -2,9 +2,11 @@
 ``EngineClient`` (in process, or the multiprocess client).
 
     POST /v1/completions        POST /v1/chat/completions   (stream: SSE)
-    GET  /v1/models             GET  /health                GET /metrics
+    GET  /v1/models             GET  /v1/models/{id}
+    GET  /health                GET  /metrics
 
-Validation errors are 400 with ``error.param`` naming the field: a body of
+A request naming a model this server does not serve is 404
+``model_not_found`` (OpenAI's shape). Validation errors are 400 with ``error.param`` naming the field: a body of
 the wrong shape here, a value out of range from the engine client's
 ``RequestError``. An overloaded engine is 503 (retry), a dead one 503 and
 /health fails. A client
@@ -34,9 +36,17 @@ _json = msgspec.json.Encoder()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    body = T.ErrorResponse(T.ErrorBody(message=message, type=kind, param=param, code=status))
+def _error(status: int, message: str, kind: str, param: str | None = None,
+           code: int | str | None = None) -> web.Response:
+    body = T.ErrorResponse(T.ErrorBody(message=message, type=kind, param=param,
+                                       code=status if code is None else code))
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
+
+
+def _model_not_found(name: str) -> web.Response:
+    """OpenAI's (and vLLM's) answer for a model this server does not serve."""
+    return _error(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
+                  code="model_not_found")
 
 
 class OpenAIServer:
@@ -59,6 +69,7 @@ class OpenAIServer:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id}", self.model),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
         ])
@@ -74,6 +85,9 @@ class OpenAIServer:
         except T.RequestValidationError as e:
             self.metrics.count_request("invalid")
             return _error(400, str(e), "invalid_request_error", e.param)
+        if not self._serves(req.model):
+            self.metrics.count_request("invalid")
+            return _model_not_found(req.model)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         return await self._serve(request, req, prompt, params, rid, chat=False)
 
@@ -86,12 +100,27 @@ class OpenAIServer:
         except T.RequestValidationError as e:
             self.metrics.count_request("invalid")
             return _error(400, str(e), "invalid_request_error", e.param)
+        if not self._serves(req.model):
+            self.metrics.count_request("invalid")
+            return _model_not_found(req.model)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return await self._serve(request, req, prompt, params, rid, chat=True)
 
+    def _serves(self, name: str | None) -> bool:
+        """A request may leave ``model`` out; if it names one, it must be ours."""
+        return name is None or name == self.model_name
+
+    def _card(self) -> T.ModelCard:
+        return T.ModelCard(id=self.model_name, created=self._created, max_model_len=self.max_model_len)
+
     async def models(self, request: web.Request) -> web.Response:
-        card = T.ModelCard(id=self.model_name, created=self._created, max_model_len=self.max_model_len)
-        return web.Response(body=_json.encode(T.ModelList([card])), content_type="application/json")
+        return web.Response(body=_json.encode(T.ModelList([self._card()])), content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model_id"]
+        if name != self.model_name:
+            return _model_not_found(name)
+        return web.Response(body=_json.encode(self._card()), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         try:
