@@ -209,7 +209,10 @@ class OpenAIServer:
                 timer.output(out)
                 n_out += len(out.new_token_ids)
                 last = out
-                if not out.text_delta and not out.finished:
+                # Every output that carries tokens gets a chunk, even with no
+                # text yet (a partial UTF-8 sequence): the first chunk leaves
+                # as soon as the first token exists, as OpenAI and vLLM do.
+                if not out.new_token_ids and not out.text_delta and not out.finished:
                     continue
                 fr = out.finish_reason if out.finished else None
                 if chat:
