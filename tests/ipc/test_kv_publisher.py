@@ -92,6 +92,12 @@ async def test_subscriber_that_missed_messages_recovers_them_by_replay(publisher
     published = [_batch(i) for i in range(5)]
     for b in published:  # nobody is listening yet: these are missed
         assert publisher.publish(b)
+    # the thread sends asynchronously: wait until it took (and sent) all five, or
+    # the subscriber could connect before they leave and receive seq 0 live
+    deadline = time.monotonic() + 5
+    while publisher.queued and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
     sub = _subscribe(ctx, publisher.endpoint)
     try:
         topic, first_seq, batch = _first_live(publisher, sub, decoder, published)
