@@ -47,6 +47,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    # Caps one request's prefill chunk per step when others compete for the
+    # budget (0: no cap); a request alone in the engine gets the whole budget.
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     max_waiting_requests: int = 4096

@@ -40,6 +40,30 @@ def test_long_prefill_threshold_caps_each_chunk(make_harness):
     ]
 
 
+def test_long_prefill_threshold_shares_the_budget_among_concurrent_prefills(make_harness):
+    # vLLM's scenario: budget 1024, threshold 400, three 800-token prompts.
+    h = make_harness(num_blocks=700, max_model_len=2048, max_num_batched_tokens=1024,
+                     long_prefill_token_threshold=400)
+    for rid in "ABC":
+        h.add(rid, 800, max_tokens=1)
+    assert h.step().num_scheduled_tokens == {"A": 400, "B": 400, "C": 224}
+    # A and B finish their prefills; C's chunk is capped, then cut by the budget.
+    assert h.step().num_scheduled_tokens == {"A": 400, "B": 400, "C": 224}
+    h.run_to_completion()
+
+
+def test_long_prefill_threshold_does_not_cap_a_lone_request(make_harness):
+    # Nobody else wants the budget: the request gets all of it (as in vLLM,
+    # first-token latency is not traded for a fairness nobody needs).
+    h = make_harness(num_blocks=700, max_model_len=2048, max_num_batched_tokens=1024,
+                     long_prefill_token_threshold=400)
+    h.add("A", 800, max_tokens=2)
+    assert h.step().num_scheduled_tokens == {"A": 800}
+    h.add("B", 800, max_tokens=1)  # now two compete: both capped again
+    assert h.step().num_scheduled_tokens == {"A": 1, "B": 400}
+    h.run_to_completion()
+
+
 def test_running_first_then_waiting_in_arrival_order(make_harness):
     h = make_harness(max_num_batched_tokens=6)
     h.add("A", 4, max_tokens=3)
@@ -193,7 +217,9 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_no_uncomputed_block_cache
     h = make_harness(policy="priority", num_blocks=8, long_prefill_token_threshold=8)  # 7 usable
     prompt = list(range(100, 124))
     h.add("B", prompt, max_tokens=2, priority=1, arrival=0.0)
-    assert h.step().num_scheduled_tokens == {"B": 8}
+    # X keeps B from being a lone request (which the threshold would not cap)
+    h.add("X", [900, 901], max_tokens=1, priority=2, arrival=0.5)
+    assert h.step().num_scheduled_tokens == {"B": 8, "X": 2}
     h.add("A", list(range(10, 14)), max_tokens=3, priority=0, arrival=1.0)
     assert h.step().num_scheduled_tokens == {"B": 8, "A": 4}
     so = h.step()

@@ -66,7 +66,8 @@ def check_step(h, so, cfg, held_before):
     kv, sched = h.kv, h.sched
     assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
     assert so.total_num_scheduled_tokens <= cfg["max_num_batched_tokens"]
-    if cfg["long_prefill_token_threshold"]:
+    if cfg["long_prefill_token_threshold"] and len(so.num_scheduled_tokens) > 1:
+        # the cap shares the budget among several requests (a lone one is uncapped)
         assert max(so.num_scheduled_tokens.values(), default=0) <= cfg["long_prefill_token_threshold"]
     assert len(sched.running) <= cfg["max_num_seqs"]
     held = {r.request_id: kv.get_block_ids(r.request_id)[0] for r in sched.running}

@@ -5,7 +5,8 @@ runner's output into per-request outputs. vLLM v1's algorithm:
     schedule():
       1. RUNNING, in order: n = tokens not yet computed (1 for a decode, a
          chunk for a continuing prefill), capped by long_prefill_token_threshold
-         and the budget. The KV manager is called only when the tokens
+         (unless the request is alone: nobody to share the budget with) and
+         the budget. The KV manager is called only when the tokens
          overflow the request's last block; if the pool is full, preempt
          (recompute) the running request with the largest sort key until it
          fits, or give up.
@@ -178,7 +179,9 @@ class Scheduler:
         num_scheduled = plan.num_scheduled
         running = self.running
         bs = self.block_size
-        threshold = self.long_prefill_threshold
+        # The threshold shares the budget among competing prefills; a lone
+        # request has nobody to share with and gets the whole budget.
+        threshold = self.long_prefill_threshold if len(running) + len(self.waiting) > 1 else 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -217,7 +220,7 @@ class Scheduler:
 
         new_reqs: list[Request] = []
         if not plan.preempted and self.waiting:
-            budget = self._schedule_waiting(budget, new_reqs, num_scheduled)
+            budget = self._schedule_waiting(budget, new_reqs, num_scheduled, threshold)
         return self._make_output(new_reqs, plan, self.max_num_batched_tokens - budget)
 
     def _allocate_running(self, req: Request, n: int, i: int, plan: StepPlan):
@@ -280,7 +283,8 @@ class Scheduler:
         return out
 
     # -- admission ----------------------------------------------------------
-    def _schedule_waiting(self, budget: int, new_reqs: list[Request], num_scheduled: dict[str, int]) -> int:
+    def _schedule_waiting(self, budget: int, new_reqs: list[Request], num_scheduled: dict[str, int],
+                          threshold: int) -> int:
         """Admit waiting requests in policy order into ``new_reqs``; returns
         the budget left. A request parked for an async load, or one the
         connector cannot answer for yet, is skipped and keeps its place at the
@@ -292,7 +296,7 @@ class Scheduler:
             if req.status == _WAITING_FOR_REMOTE_KVS and not self._load_landed(req):
                 skipped.append(waiting.pop())
                 continue
-            a = admit(req, self.kv, self.connector, budget=budget, long_prefill_threshold=self.long_prefill_threshold,
+            a = admit(req, self.kv, self.connector, budget=budget, long_prefill_threshold=threshold,
                       chunked_prefill=self.config.enable_chunked_prefill, enable_caching=self.enable_caching)
             if a is Refusal.NOT_KNOWN:
                 skipped.append(waiting.pop())
