@@ -26,6 +26,18 @@ import msgspec
 RequestId = NewType("RequestId", str)
 
 _INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOTAL_CHARS = 16384
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _check_int(name: str, value: object, lo: int, *, note: str = "") -> None:
+    """``value`` is an int (not a bool) in [lo, 2**63): what the wire carries."""
+    if type(value) is not int or not lo <= value <= _INT64_MAX:
+        low = "-2**63" if lo == -_INT64_MAX - 1 else str(lo)
+        raise ValueError(f"{name} must be an integer in [{low}, 2**63){note}, got {value!r}")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -50,31 +62,46 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     include_stop_str_in_output: bool = False
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        """Raise ValueError naming the first field that is out of range.
+
+        Every integer must fit the wire (signed 64 bits), and the stop list is
+        bounded (``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_STRING_CHARS``
+        characters, ``MAX_STOP_TOTAL_CHARS`` in all; ``MAX_STOP_TOKEN_IDS``
+        ids) so that one request cannot make stop matching expensive for all.
+        """
+        _check_int("max_tokens", self.max_tokens, 1)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k!r}")
+        _check_int("top_k", self.top_k, -1, note=" (-1 and 0 disable it)")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.seed is not None and not (-_INT64_MAX - 1 <= self.seed <= _INT64_MAX):
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.seed is not None:
+            _check_int("seed", self.seed, -_INT64_MAX - 1)
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if any((type(t) is not int) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be integers in [0, 2**63)")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
+        total = sum(map(len, self.stop))
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(f"stop strings must total at most {MAX_STOP_TOTAL_CHARS} characters, got {total}")
 
     @property
     def greedy(self) -> bool:

@@ -88,6 +88,8 @@ def decode_request(body: bytes, typ: type) -> Any:
         raise RequestValidationError(msg, param) from None
     except msgspec.DecodeError as e:
         raise RequestValidationError(f"request body is not valid JSON: {e}", None) from None
+    except UnicodeDecodeError as e:
+        raise RequestValidationError(f"request body is not valid UTF-8 (byte {e.start}): {e.reason}", None) from None
 
 
 def _missing_field(msg: str) -> str | None:

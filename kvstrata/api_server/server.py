@@ -49,6 +49,23 @@ def _model_not_found(name: str) -> web.Response:
                   code="model_not_found")
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error leaves in OpenAI's JSON shape: aiohttp's own (404 route,
+    405, 413 body too large) keep their status; anything unexpected is a
+    logged 500 (a bug: malformed input must have been a 4xx before)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return _error(e.status, e.reason or str(e), kind)
+    except Exception as e:  # noqa: BLE001 - the last line of defence: never text/plain
+        log.exception("request_handler_failed", path=request.path)
+        return _error(500, f"internal error: {type(e).__name__}", "server_error")
+
+
 class OpenAIServer:
     """Owns: the HTTP routes and the server-side metrics. The engine is owned
     by whoever built this server (it closes it). ``model_name`` and
@@ -64,7 +81,7 @@ class OpenAIServer:
         self._created = int(time.time())
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[_json_errors])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),

@@ -44,10 +44,15 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     vocab_size: int | None = None
 
 
+MAX_ID_CHARS = 1024  # request_id, cache_salt, lora_name
+
+
 def validate_request(req: EngineRequest, facts: ModelFacts) -> None:
     """Raise RequestError naming the first bad field of ``req``."""
     if not isinstance(req.request_id, str) or not req.request_id:
         raise RequestError("request_id", f"must be a non-empty str, got {req.request_id!r}")
+    if len(req.request_id) > MAX_ID_CHARS:
+        raise RequestError("request_id", f"must be at most {MAX_ID_CHARS} characters, got {len(req.request_id)}")
     ids = req.prompt_token_ids
     if not ids:
         raise RequestError("prompt", "must not be empty")
@@ -71,12 +76,14 @@ def validate_request(req: EngineRequest, facts: ModelFacts) -> None:
     except (ValueError, TypeError) as exc:
         message = str(exc)
         raise RequestError(message.split(" ", 1)[0], message) from None
-    if not isinstance(req.priority, int) or isinstance(req.priority, bool):
-        raise RequestError("priority", f"must be an int, got {req.priority!r}")
+    if type(req.priority) is not int or not -(2**63) <= req.priority < 2**63:
+        raise RequestError("priority", f"must be an integer that fits in 64 bits, got {req.priority!r}")
     for name in ("cache_salt", "lora_name"):
         value = getattr(req, name)
         if value is not None and (not isinstance(value, str) or not value):
             raise RequestError(name, f"must be a non-empty str or None, got {value!r}")
+        if value is not None and len(value) > MAX_ID_CHARS:
+            raise RequestError(name, f"must be at most {MAX_ID_CHARS} characters, got {len(value)}")
 
 
 class InputProcessor:

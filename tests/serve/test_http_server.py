@@ -176,3 +176,20 @@ async def test_engine_death_ends_streams_in_band_and_fails_health():
     finally:
         await runner.cleanup()
         await client.aclose()
+
+
+@pytest.mark.parametrize("field, body", [
+    ("max_tokens", {"prompt": [1, 2], "max_tokens": 2**64}),
+    ("priority", {"prompt": [1, 2], "max_tokens": 2, "priority": 2**64}),
+    ("stop_token_ids", {"prompt": [1, 2], "max_tokens": 2, "stop_token_ids": [2**64]}),
+    ("top_k", {"prompt": [1, 2], "max_tokens": 2, "top_k": 2**64}),
+])
+async def test_integers_past_64_bits_are_400_before_the_wire(http, field, body):
+    """Through the multiprocess client the msgpack encoder used to raise
+    OverflowError (a 500); the client's checks answer 400 first."""
+    session, client = http
+    async with session.post("/v1/completions", json=body) as r:
+        assert r.status == 400 and r.content_type == "application/json"
+        assert (await r.json())["error"]["param"] == field
+    async with session.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}) as r:
+        assert r.status == 200
