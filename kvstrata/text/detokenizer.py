@@ -11,11 +11,76 @@ never receives characters that a later match removes:
     deltas returned                   "ab" "c"  ""   ""   -> stop "END"
     (the "E", then "EN", are held back; "D!" completes the match, the text
      ends before it, and "!" is dropped)
+
+Matching is incremental: each stop string has a KMP automaton whose state is
+the longest prefix of it that the text ends with, so a step reads only its
+new characters (once per stop string), never the text before them, and the
+held-back length is the largest state. A step costs O(stops x new chars)
+whatever the lengths of the text and of the stop strings (which
+``SamplingParams.validate`` bounds).
 """
 
 from __future__ import annotations
 
 from kvstrata.text.tokenizer import Tokenizer
+
+
+class StopMatcher:
+    """Owns: one KMP automaton per stop string (its failure table and state).
+
+    ``feed(text, start, floor)`` advances every automaton over
+    ``text[start:]`` and returns the earliest-starting match (ties: list
+    order) that ends after index ``floor`` (-1: none may match yet), or None;
+    ``held()`` is the longest proper stop prefix the text now ends with.
+    ``scanned`` counts characters read (for tests of the per-step cost).
+    """
+
+    __slots__ = ("stops", "_fail", "_state", "scanned")
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._fail = [_failure(s) for s in stops]
+        self._state = [0] * len(stops)
+        self.scanned = 0
+
+    def feed(self, text: str, start: int, floor: int | None) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        n = len(text)
+        for i, stop in enumerate(self.stops):
+            fail, k, m = self._fail[i], self._state[i], len(stop)
+            found = -1
+            for pos in range(start, n):
+                c = text[pos]
+                while k and stop[k] != c:
+                    k = fail[k - 1]
+                if stop[k] == c:
+                    k += 1
+                    if k == m:
+                        if floor is not None and pos >= floor and found < 0:
+                            found = pos + 1 - m
+                        k = fail[k - 1]
+            self._state[i] = k
+            self.scanned += n - start
+            if found >= 0 and (best is None or found < best[0]):
+                best = (found, stop)
+        return best
+
+    def held(self) -> int:
+        return max(self._state, default=0)
+
+
+def _failure(p: str) -> list[int]:
+    """KMP: fail[i] = length of the longest proper prefix of p[:i+1] that is
+    also its suffix."""
+    fail = [0] * len(p)
+    k = 0
+    for i in range(1, len(p)):
+        while k and p[i] != p[k]:
+            k = fail[k - 1]
+        if p[i] == p[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 class IncrementalDetokenizer:
@@ -45,6 +110,7 @@ class IncrementalDetokenizer:
         "_done",
         "_text",
         "_pieces",
+        "_matcher",
     )
 
     def __init__(
@@ -66,6 +132,7 @@ class IncrementalDetokenizer:
         self._done = False
         self._text = ""  # with stop strings: the whole text, searched as it grows
         self._pieces: list[str] = []  # without: the deltas
+        self._matcher = StopMatcher(self._stop) if self._stop else None
 
     @property
     def output_text(self) -> str:
@@ -94,16 +161,19 @@ class IncrementalDetokenizer:
         prev_len = len(self._text)
         self._decode(ids)
         text = self._text
-        if self._stop and self._search_floor >= 0:
-            match = self._find_stop(text, max(prev_len, self._search_floor))
-            if match is not None:
-                start, stop_str = match
-                end = start + len(stop_str) if self._include_stop else start
-                self._text = text[:end]
-                return self._emit(end, done=True), stop_str
+        matcher = self._matcher
+        assert matcher is not None
+        # a match must end past the min_tokens floor (index of its last char >= floor)
+        floor = self._search_floor if self._search_floor >= 0 else None
+        match = matcher.feed(text, prev_len, floor)
+        if match is not None:
+            start, stop_str = match
+            end = start + len(stop_str) if self._include_stop else start
+            self._text = text[:end]
+            return self._emit(end, done=True), stop_str
         if finished or stop_terminated:
             return self._emit(len(text), done=True), None
-        held = 0 if self._include_stop or not self._stop else self._stop_prefix_len(text)
+        held = 0 if self._include_stop else min(matcher.held(), len(text) - self._emitted)
         return self._emit(len(text) - held, done=False), None
 
     def _decode(self, ids: list[int]) -> None:
@@ -113,30 +183,10 @@ class IncrementalDetokenizer:
             pieces.append(step(token_id))
             self._num_tokens += 1
             if self._num_tokens == self._min_tokens:
-                # Text up to here may not end a stop string (min_tokens).
-                self._search_floor = len(self._text) + sum(map(len, pieces))
+                # A stop string may end in this token's text or later, not
+                # before (vLLM checks stops once min_tokens are out).
+                self._search_floor = len(self._text) + sum(map(len, pieces[:-1]))
         self._text += "".join(pieces)
-
-    def _find_stop(self, text: str, new_from: int) -> tuple[int, str] | None:
-        """The earliest stop string that ends after ``new_from`` (ties: list order)."""
-        best: tuple[int, str] | None = None
-        for stop_str in self._stop:
-            idx = text.find(stop_str, max(0, new_from - len(stop_str) + 1))
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, stop_str)
-        return best
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of the unreturned text that is a proper
-        prefix of some stop string (the part that must be held back)."""
-        room = len(text) - self._emitted
-        held = 0
-        for stop_str in self._stop:
-            for k in range(min(len(stop_str) - 1, room), held, -1):
-                if text.endswith(stop_str[:k]):
-                    held = k
-                    break
-        return held
 
     def _emit(self, upto: int, done: bool) -> str:
         delta = self._text[self._emitted : upto]
