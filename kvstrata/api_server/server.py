@@ -16,6 +16,7 @@ on, and the generator's close aborts it).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -237,6 +238,14 @@ class OpenAIServer:
                 else:
                     chunk = T.CompletionResponse(rid, now, model, [T.CompletionChoice(0, out.text_delta, fr)])
                 await resp.write(_sse(chunk))
+        except ConnectionError:  # the client went away mid-write: one quiet line
+            self._disconnected(n_out)
+            return resp  # _serve closes the generator: that aborts the request
+        except asyncio.CancelledError:  # aiohttp cancels the handler of a closed connection
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                self._disconnected(n_out)
+            raise
         except EngineDeadError as e:  # headers are sent: report in-band, then end the stream
             self.metrics.count_request("engine_dead")
             await resp.write(_sse(T.ErrorResponse(T.ErrorBody(message=str(e), type="engine_dead", code=503))))
@@ -253,6 +262,10 @@ class OpenAIServer:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _disconnected(self, n_out: int) -> None:
+        self.metrics.count_request("disconnected")
+        log.debug("client_disconnected", tokens_sent=n_out)
 
     def _usage(self, last: RequestOutput, n_out: int) -> T.Usage:
         p = last.num_prompt_tokens
@@ -298,11 +311,21 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-async def run_http_server(server: OpenAIServer, host: str, port: int) -> web.AppRunner:
-    """Start listening; the caller awaits its own stop signal then ``runner.cleanup()``."""
+DEFAULT_BACKLOG = 2048
+
+
+async def run_http_server(server: OpenAIServer, host: str, port: int, *,
+                          backlog: int = DEFAULT_BACKLOG) -> web.AppRunner:
+    """Start listening; the caller awaits its own stop signal then ``runner.cleanup()``.
+
+    ``backlog``: the listen queue for connections not yet accepted (a burst of
+    a thousand clients connecting at once must not wait on SYN retries; the
+    kernel caps it at net.core.somaxconn)."""
+    if backlog < 1:
+        raise ValueError(f"backlog must be >= 1, got {backlog}")
     runner = web.AppRunner(server.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=backlog)
     await site.start()
-    log.info("http_server_listening", host=host, port=port, model=server.model_name)
+    log.info("http_server_listening", host=host, port=port, model=server.model_name, backlog=backlog)
     return runner

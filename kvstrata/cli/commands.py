@@ -51,7 +51,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         server = OpenAIServer(engine, model_name=args.served_model_name or engine.model_name,
                               default_max_tokens=args.default_max_tokens)
-        runner = await run_http_server(server, args.host, args.port)
+        runner = await run_http_server(server, args.host, args.port, backlog=args.backlog)
         try:
             while not stop.is_set():
                 try:

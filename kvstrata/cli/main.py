@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-address", default=None, help="connect to a running engine (ipc:// or tcp://)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--default-max-tokens", type=int, default=16)
+    serve.add_argument("--backlog", type=int, default=2048,
+                       help="HTTP listen backlog: connections queued before accept (default 2048; "
+                            "the kernel caps it at net.core.somaxconn)")
     add_config_args(serve)
 
     bench = sub.add_parser("bench", help="load test: in-process, ZMQ or HTTP")
