@@ -121,12 +121,19 @@ class KVCacheCoordinator:
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> GroupBlocks:
-        return tuple(
-            m.allocate_new_computed_blocks(
-                request_id, new_computed_blocks[gid], num_local_computed_tokens, num_external_computed_tokens
-            )
-            for gid, m in enumerate(self.managers)
-        )
+        """Every group takes its prefix hits first (touched: out of the free
+        queue), then the groups take new blocks for external tokens, so no
+        new block can be a hit another group is about to hold (block ids stay
+        unique across groups). Returns the new blocks per group."""
+        managers = self.managers
+        new_request = not self.has_request(request_id)
+        for gid, m in enumerate(managers):
+            m.take_computed_blocks(request_id, new_computed_blocks[gid], num_local_computed_tokens,
+                                   num_external_computed_tokens)
+        if not new_request or num_external_computed_tokens <= 0:
+            return self.empty
+        total = num_local_computed_tokens + num_external_computed_tokens
+        return tuple(m.allocate_external_blocks(request_id, total) for m in managers)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int, num_encoder_tokens: int

@@ -120,3 +120,30 @@ def test_hybrid_allocation_counts_both_groups_against_room():
     assert m.allocate_slots(r0, 16) is None  # 4 + 4 > 7, nothing changed
     assert m.num_free_blocks == 7 and not m.has_request("r0")
     assert m.allocate_slots(r0, 12).get_block_ids() == ([1, 2, 3], [4, 5, 6])
+
+
+def test_external_token_blocks_never_take_another_groups_hit():
+    """Full + sliding window, a cached 20-token prefix, then a request with 4
+    more tokens to load from a connector: the full group's new block for them
+    is popped from the free queue, whose front holds the sliding group's
+    still-free hits. Every group must take its hits before any group pops a
+    new block, or that block lands in both groups' tables (and the loaded KV
+    overwrites the other group's cache)."""
+    m = make_manager(11, specs=[full_spec(4), _sw(4, 8)])  # 10 usable
+    r0 = make_request("r0", range(20), block_size=4)
+    m.allocate_slots(r0, 20)
+    m.free(r0)
+    r1 = make_request("r1", list(range(20)) + list(range(1000, 1005)), block_size=4)
+    hit, n_hit = m.get_computed_blocks(r1)
+    assert n_hit == 20
+    sw_hits = [b.block_id for b in hit.blocks[1] if not b.is_null]
+    assert m.allocate_slots(r1, 1, n_hit, hit, num_external_computed_tokens=4, delay_cache_blocks=True) is not None
+    full, sw = m.get_block_ids("r1")
+    ids = [i for i in full + sw if i != 0]
+    assert len(ids) == len(set(ids)), (full, sw)
+    kept = set(sw_hits) & set(sw)  # the hit still inside the window (the other is skipped, reusable)
+    assert kept and not kept & set(full)
+    # each block is referenced exactly once (by the one table holding it)
+    assert all(m.block_pool.blocks[i].ref_cnt == 1 for i in ids)
+    m.free(r1)
+    assert m.num_free_blocks == 10

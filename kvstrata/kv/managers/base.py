@@ -85,20 +85,21 @@ class SingleTypeKVCacheManager:
                 num_evictable += 1
         return num_new + num_evictable
 
-    def allocate_new_computed_blocks(
+    def take_computed_blocks(
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
-    ) -> list[KVCacheBlock]:
+    ) -> None:
         """Start a new request's list with its prefix hits (touched, so they
-        cannot be evicted), null blocks for the skipped ones, and new blocks
-        for tokens an external connector will load. Returns those new blocks."""
+        cannot be evicted) and null blocks for the skipped ones. Every group
+        does this before any group takes new blocks (``allocate_external_blocks``):
+        a new block popped from the free queue must never be another group's hit."""
         if request_id in self.req_to_blocks:
             if new_computed_blocks:
                 raise ValueError(f"request {request_id!r} already holds blocks; new_computed_blocks must be empty")
-            return []
+            return
         total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size
         kept = new_computed_blocks[num_skipped_blocks:] if num_skipped_blocks else new_computed_blocks
@@ -108,9 +109,12 @@ class SingleTypeKVCacheManager:
         req_blocks.extend(kept)
         self.req_to_blocks[request_id] = req_blocks
         self.num_cached_block[request_id] = len(req_blocks)
-        if num_external_computed_tokens <= 0:
-            return []
-        num_new = cdiv(total, self.block_size) - len(req_blocks)
+
+    def allocate_external_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """New blocks for the tokens an external connector will load, up to
+        ``num_computed_tokens`` (local hits + external); returns them."""
+        req_blocks = self.req_to_blocks[request_id]
+        num_new = cdiv(num_computed_tokens, self.block_size) - len(req_blocks)
         if num_new <= 0:
             return []
         new_blocks = self.pool.get_new_blocks(num_new)
