@@ -235,6 +235,8 @@ class Scheduler:
             blocks = self.kv.allocate_slots(req, n)
             if blocks is not None:
                 return blocks, i, returned
+            if self._reclaim_from_waiting(req):
+                continue  # idle blocks of a waiting request first
             victim = max(running, key=_sort_key)
             vi = running.index(victim)
             del running[vi]
@@ -266,6 +268,39 @@ class Scheduler:
         self.waiting.prepend(req)
         log.info("request_preempted", request_id=req.request_id, reason="no_free_blocks",
                  num_tokens=len(req.all_token_ids))
+
+    def _reclaim_from_waiting(self, requester: Request) -> bool:
+        """Take back the blocks of one waiting request that holds some (its
+        async load landed, or it was parked with loaded KV) so ``requester``
+        can grow: without this, waiting requests holding most of the pool
+        while needing more would wait for each other forever. The victim is
+        the one with the largest sort key; its loaded blocks stay in the
+        prefix cache (they hit again unless evicted first) and it starts over
+        from a new lookup, keeping its place in the queue. Loads still in
+        flight are never touched (the worker is writing their blocks): they
+        land, then become reclaimable. False when there is nothing to take."""
+        kv, transfers = self.kv, self.transfers
+        victim: Request | None = None
+        for w in self.waiting:
+            if w is requester or not kv.has_request(w.request_id) or transfers.in_flight(w.request_id):
+                continue
+            if victim is None or w.sort_key > victim.sort_key:
+                victim = w
+        if victim is None:
+            return False
+        if victim.status == _WAITING_FOR_REMOTE_KVS:
+            self._load_landed(victim)  # landed: rolled back if it failed, cached
+        else:
+            self._cache_computed_blocks(victim)
+        self.connector.request_preempted(victim, kv.get_block_ids(victim.request_id))
+        kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        log.info("request_preempted", request_id=victim.request_id, reason="waiting_blocks_reclaimed",
+                 requester=requester.request_id)
+        return True
 
     def _make_output(self, new_reqs: list[Request], plan: StepPlan, total: int) -> SchedulerOutput:
         finished = list(self.finished_req_ids)
@@ -302,6 +337,8 @@ class Scheduler:
                 skipped.append(waiting.pop())
                 continue
             if a is Refusal.NO_FIT:
+                if self._reclaim_from_waiting(req):
+                    continue  # room was given back: try the head again
                 break
             waiting.pop()
             if not self._apply_admission(req, a):

@@ -103,6 +103,11 @@ class TransferTracker:
         (even with nothing to compute) to report them."""
         return bool(self.loading) or bool(self._delayed)
 
+    def in_flight(self, request_id: str) -> bool:
+        """An async load is still filling the request's blocks (they can be
+        neither freed nor reused until the worker reports it)."""
+        return request_id in self.loading and request_id not in self._landed
+
     def take_landed(self, request_id: str) -> Landed | None:
         """The request's async load, once the worker reported it done (the
         request is then no longer loading); None while it is in flight."""
