@@ -53,6 +53,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str = "fcfs"
     max_waiting_requests: int = 4096
     enable_chunked_prefill: bool = True
+    # /health reports "stalled" (503) when work is queued and no step has
+    # computed a token for this long.
+    stall_timeout_s: float = 60.0
 
 
 class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -106,6 +109,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _positive("scheduler.max_num_batched_tokens", s.max_num_batched_tokens)
         _positive("scheduler.max_num_seqs", s.max_num_seqs)
         _positive("scheduler.max_waiting_requests", s.max_waiting_requests)
+        if not s.stall_timeout_s > 0:
+            raise ValueError(f"scheduler.stall_timeout_s must be > 0, got {s.stall_timeout_s}")
         if s.long_prefill_token_threshold < 0:
             raise ValueError("scheduler.long_prefill_token_threshold must be >= 0")
         if s.policy not in ("fcfs", "priority"):

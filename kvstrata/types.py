@@ -238,6 +238,19 @@ class BlockResidencyStats(msgspec.Struct, frozen=True, kw_only=True):
     reuse_gap_s: HistogramSnapshot
 
 
+class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether the engine serves. ``status``: "ok", "starting", or "stalled"
+    (work is queued and no step has made progress for longer than
+    ``scheduler.stall_timeout_s``: a hung model step, loads that never land,
+    a scheduling bug). ``seconds_since_progress`` is 0 while idle."""
+
+    healthy: bool
+    status: str
+    reason: str | None = None
+    seconds_since_progress: float = 0.0
+    num_unfinished: int = 0
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of the engine's counters since start, for `/metrics` and
     the load tests.

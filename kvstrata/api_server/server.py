@@ -141,11 +141,17 @@ class OpenAIServer:
         return web.Response(body=_json.encode(self._card()), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 {"status": "ok"}; 503 while starting, when stalled (work queued,
+        no progress for scheduler.stall_timeout_s) or dead."""
         try:
-            ok = await self.engine.is_healthy()
+            h = await self.engine.check_health()
         except EngineDeadError as e:
             return _error(503, str(e), "engine_dead")
-        return web.json_response({"status": "ok"} if ok else {"status": "starting"}, status=200 if ok else 503)
+        if h.healthy:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": h.status, "reason": h.reason,
+                                  "seconds_since_progress": round(h.seconds_since_progress, 3),
+                                  "num_unfinished": h.num_unfinished}, status=503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         try:

@@ -58,7 +58,7 @@ from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputPro
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError
 from kvstrata.kv.events import KVEventBatch
-from kvstrata.types import EngineStats, RequestOutput, SamplingParams, SchedulerOutput
+from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +97,9 @@ class AsyncEngine:
         self._closing = False
         self._closed = False
         self._dead: EngineDeadError | None = None
+        # When the loop last made progress (computed a token, or had no work).
+        self._progress_at = time.monotonic()
+        self._stall_timeout_s = core.config.scheduler.stall_timeout_s
         self._connector: KVConnector | None = None  # a KV connector this engine opened (and closes)
         self._publisher: KVEventSink | None = None  # KV events, when cache.kv_events_endpoint is set
         self._facts = ModelFacts(max_model_len=core.max_model_len, vocab_size=core.vocab_size)
@@ -178,8 +181,23 @@ class AsyncEngine:
         return self._dead is not None or self._closing
 
     async def is_healthy(self) -> bool:
+        return (await self.check_health()).healthy
+
+    async def check_health(self) -> EngineHealth:
+        return self.health_now()
+
+    def health_now(self) -> EngineHealth:
+        """``check_health`` for callers on the engine's loop (the ZMQ server)."""
         self._check_alive()
-        return True
+        n = self._core.scheduler.num_unfinished
+        if n == 0:
+            return EngineHealth(healthy=True, status="ok")
+        since = time.monotonic() - self._progress_at
+        if since > self._stall_timeout_s:
+            return EngineHealth(healthy=False, status="stalled", num_unfinished=n, seconds_since_progress=since,
+                                reason=f"{n} requests queued and no progress for {since:.1f} s "
+                                       f"(scheduler.stall_timeout_s={self._stall_timeout_s})")
+        return EngineHealth(healthy=True, status="ok", num_unfinished=n, seconds_since_progress=since)
 
     # -- the in-process client ----------------------------------------------
     async def generate(
@@ -341,6 +359,7 @@ class AsyncEngine:
                 self._looked_again()
                 if not core.has_work():
                     await wake.wait()
+                    self._progress_at = time.monotonic()  # idle until now: not a stall
                     continue
                 so = core.schedule()
                 if not core.should_execute(so) or (polled and not woken and _bare_poll(so)):
@@ -362,6 +381,8 @@ class AsyncEngine:
                 # before the next step: not while a step holds the GIL.
                 await asyncio.sleep(0)
                 polled = not so.total_num_scheduled_tokens
+                if not polled:
+                    self._progress_at = time.monotonic()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a broken model or an engine bug: fail everyone fast

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator
 from typing import Protocol, Self
 
 from kvstrata.config import EngineConfig
-from kvstrata.types import EngineStats, RequestOutput, SamplingParams
+from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 
 
 class EngineClient(Protocol):
@@ -83,8 +83,12 @@ class EngineClient(Protocol):
         ...
 
     async def is_healthy(self) -> bool:
-        """True when the engine serves, False while it is still starting;
-        raises EngineDeadError once it is dead."""
+        """True when the engine serves; False while it is still starting or
+        when it is stalled; raises EngineDeadError once it is dead."""
+        ...
+
+    async def check_health(self) -> EngineHealth:
+        """What ``is_healthy`` decides from; raises EngineDeadError once dead."""
         ...
 
     async def aclose(self) -> None:

@@ -464,10 +464,13 @@ class EngineServer:
                             facts=None if engine is None else engine.facts)
 
     def _health(self) -> P.HealthInfo:
-        return P.HealthInfo(healthy=self._engine is not None and not self.stopped.is_set(),
+        engine = None
+        if self._engine is not None and not self._engine.is_dead:
+            engine = self._engine.health_now()
+        return P.HealthInfo(healthy=engine is not None and engine.healthy and not self.stopped.is_set(),
                             num_clients=len(self._clients), num_requests=len(self._routes),
                             num_protocol_errors=self.num_protocol_errors,
-                            uptime_s=time.monotonic() - self._started)
+                            uptime_s=time.monotonic() - self._started, engine=engine)
 
 
 def _cancel_stall_timer(client: _Client) -> None:

@@ -41,7 +41,7 @@ from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputPro
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
 from kvstrata.text.tokenizer import load_model_tokenizer
-from kvstrata.types import EngineStats, RequestOutput, SamplingParams
+from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 from kvstrata.ipc.addresses import EngineAddress, check_address, make_address
 from kvstrata.ipc.launcher import ProcessWatch, spawn_engine, stop_process
 from kvstrata.ipc.zmq_io import ZmqReader
@@ -196,6 +196,12 @@ class MPEngineClient:
 
     async def is_healthy(self) -> bool:
         return (await self.health()).healthy
+
+    async def check_health(self) -> EngineHealth:
+        info = await self.health()
+        if info.engine is None:
+            return EngineHealth(healthy=False, status="starting", reason="the engine is still starting")
+        return info.engine
 
     # --- the EngineClient API --------------------------------------------------
 

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from kvstrata.enginecore.processing import ModelFacts
-from kvstrata.types import RequestOutput, SamplingParams
+from kvstrata.types import EngineHealth, RequestOutput, SamplingParams
 
 PROTOCOL_VERSION = 2
 # Frames larger than this are rejected with a ProtocolError (the engine never
@@ -154,6 +154,7 @@ class HealthInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_requests: int
     num_protocol_errors: int
     uptime_s: float
+    engine: EngineHealth | None = None  # None while the engine is starting
 
 
 def make_inbound_decoder() -> msgspec.msgpack.Decoder:
