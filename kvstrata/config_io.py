@@ -210,3 +210,25 @@ def _lookup(tree: Mapping[str, Any], path: str) -> Any:
 
 def _sections(fields: Mapping[str, Any]) -> str:
     return ", ".join(sorted({k.split(".")[0] for k in fields}))
+
+
+REDACTED = "<redacted>"
+_SECRET_KEYS = frozenset({"password", "passwd", "secret", "token", "api_key", "access_key", "secret_key",
+                          "auth_token", "credentials", "private_key"})
+
+
+def is_secret_key(key: str) -> bool:
+    """A config key whose value is a secret (passwords, tokens, keys)."""
+    k = key.lower()
+    return k in _SECRET_KEYS or k.endswith(("_password", "_secret", "_token", "_api_key", "_secret_key"))
+
+
+def redact_secrets(data: Any) -> Any:
+    """``data`` (plain config data: dicts, lists, scalars) with every secret
+    value replaced by ``REDACTED``, at any depth (tier options are free-form)."""
+    if isinstance(data, Mapping):
+        return {k: (REDACTED if isinstance(k, str) and is_secret_key(k) and v is not None else redact_secrets(v))
+                for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [redact_secrets(v) for v in data]
+    return data

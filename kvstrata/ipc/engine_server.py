@@ -50,6 +50,7 @@ import structlog
 import zmq
 import zmq.utils.monitor
 
+from kvstrata.config_io import redact_secrets
 from kvstrata.enginecore.processing import validate_request
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
@@ -108,7 +109,8 @@ class EngineServer:
                  stall_timeout_s: float = P.CLIENT_STALL_TIMEOUT_S) -> None:
         self._loop = asyncio.get_running_loop()
         self.address = address
-        self._config = config_builtins
+        # What the handshake tells any client: never a secret (Redis passwords, ...).
+        self._config = redact_secrets(config_builtins)
         self.max_frame_bytes = max_frame_bytes
         self.max_backlog_bytes = max_backlog_bytes
         self.stall_timeout_s = stall_timeout_s

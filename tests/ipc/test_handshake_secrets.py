@@ -1,0 +1,50 @@
+"""The handshake never carries a secret: an engine subprocess configured with
+a Redis tier password (in free-form tier options) tells clients its config
+with the password redacted; nothing a client receives contains it."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvstrata.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from kvstrata.config_io import REDACTED, redact_secrets
+from kvstrata.ipc.addresses import make_address
+from kvstrata.ipc.launcher import spawn_engine
+from kvstrata.ipc.mp_client import MPEngineClient
+
+SECRET = "hunter2-do-not-leak"
+
+
+def _config() -> EngineConfig:
+    redis = {"type": "redis", "name": "redis",
+             "options": {"host": "127.0.0.1", "port": 1, "password": SECRET, "connect_timeout_s": 0.2}}
+    store = {"cpu": {"capacity_bytes": 1 << 20, "pin_memory": False}, "tiers": [redis]}
+    # the default (seeded random, tiny) model: the null executor runs no connector
+    return EngineConfig(device="cpu", log_level="WARNING", model=ModelConfig(max_model_len=256),
+                        cache=CacheConfig(num_blocks=64),
+                        kv_transfer=KVTransferConfig(connector="offload", options={"store": store}))
+
+
+def test_redaction_reaches_every_depth_and_spares_ordinary_fields():
+    data = msgspec.to_builtins(_config())
+    red = redact_secrets(data)
+    assert SECRET not in repr(red)
+    assert red["kv_transfer"]["options"]["store"]["tiers"][0]["options"]["password"] == REDACTED
+    assert red["scheduler"] == data["scheduler"] and red["model"] == data["model"]
+    assert redact_secrets({"api_token": "x", "max_tokens": 3, "tokenizer": "t"}) == \
+        {"api_token": REDACTED, "max_tokens": 3, "tokenizer": "t"}
+
+
+async def test_the_handshake_and_health_carry_no_secret():
+    addr = make_address("ipc")
+    proc = spawn_engine(_config(), addr.url)
+    try:
+        async with await MPEngineClient.connect(addr.url, timeout_s=60) as client:
+            received = msgspec.msgpack.encode(client.info) + msgspec.msgpack.encode(await client.health())
+            assert SECRET.encode() not in received
+            assert REDACTED.encode() in received  # the field is there, its value is not
+            assert SECRET not in repr(client.config)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        addr.cleanup()
