@@ -32,11 +32,11 @@ from kvstrata.ipc.launcher import ProcessWatch
 log = structlog.get_logger(__name__)
 
 
-async def serve_engine(config: EngineConfig, address: str, *, parent_pid: int | None = None,
-                       max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES) -> int:
+async def serve_engine(config: EngineConfig, address: str, credentials: P.Credentials, *,
+                       parent_pid: int | None = None, max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES) -> int:
     """Bind, start the engine, serve until told to stop. Returns the exit code."""
     loop = asyncio.get_running_loop()
-    server = EngineServer(address, msgspec.to_builtins(config), max_frame_bytes=max_frame_bytes)
+    server = EngineServer(address, msgspec.to_builtins(config), credentials, max_frame_bytes=max_frame_bytes)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.stop, f"signal {sig.name}")
     watch = ProcessWatch(loop, parent_pid, lambda _: server.stop("parent process exited")) if parent_pid else None
@@ -70,14 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvstrata.ipc.engine_proc")
     p.add_argument("--address", required=True)
     p.add_argument("--config-stdin", action="store_true", required=True,
-                   help="read the EngineConfig as JSON from stdin (never from argv: it may hold secrets)")
+                   help="read the EngineConfig and the engine's credentials as JSON from stdin "
+                        "(never from argv: they hold secrets)")
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--max-frame-bytes", type=int, default=P.DEFAULT_MAX_FRAME_BYTES)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--log-json", dest="log_json", action="store_const", const=True, default=None)
     g.add_argument("--log-console", dest="log_json", action="store_const", const=False)
     args = p.parse_args(argv)
-    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    launch = msgspec.json.decode(sys.stdin.buffer.read(), type=P.Launch)
+    config = msgspec.convert(launch.config, EngineConfig)
     configure_logging(config.log_level, json=args.log_json)
     config.validate()
     try:
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    return runner(serve_engine(config, check_address(args.address), parent_pid=args.parent_pid,
+    return runner(serve_engine(config, check_address(args.address), launch.credentials, parent_pid=args.parent_pid,
                                max_frame_bytes=args.max_frame_bytes))
 
 

@@ -38,6 +38,8 @@ handled before a later connection that reuses its fd number.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
 import os
 import time
 from collections import OrderedDict, deque
@@ -49,6 +51,7 @@ import msgspec
 import structlog
 import zmq
 import zmq.utils.monitor
+import zmq.utils.z85
 
 from kvstrata.config_io import redact_secrets
 from kvstrata.enginecore.processing import validate_request
@@ -103,7 +106,7 @@ class EngineServer:
     protocol error counters. The engine itself is owned by the caller
     (``engine_proc.main``)."""
 
-    def __init__(self, address: str, config_builtins: Any, *,
+    def __init__(self, address: str, config_builtins: Any, credentials: P.Credentials, *,
                  max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, send_hwm: int = P.SEND_HWM,
                  recv_hwm: int = P.RECV_HWM, max_backlog_bytes: int = P.MAX_CLIENT_BACKLOG_BYTES,
                  stall_timeout_s: float = P.CLIENT_STALL_TIMEOUT_S) -> None:
@@ -130,10 +133,14 @@ class EngineServer:
         self.stopped = asyncio.Event()
         self.stop_reason = ""
         self._started = time.monotonic()
+        self._owner_token = credentials.owner_token
+        self._auth = None
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         for opt, val in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, send_hwm), (zmq.RCVHWM, recv_hwm),
                          (zmq.LINGER, 0), (zmq.MAXMSGSIZE, 4 * max_frame_bytes)):
             self._sock.setsockopt(opt, val)
+        if address.startswith("tcp://"):
+            self._auth = _curve_server(self._sock, credentials)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._monitor_reader = ZmqReader(self._loop, self._monitor, self._on_monitor)
         self._sock.bind(address)
@@ -175,6 +182,8 @@ class EngineServer:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=1000)
+        if self._auth is not None:
+            self._auth.stop()
         log.info("engine_server_closed", reason=reason, num_protocol_errors=self.num_protocol_errors)
 
     # --- inbound ----------------------------------------------------------------
@@ -200,7 +209,9 @@ class EngineServer:
                 self._abort(client, ids)
             case P.Utility(call_id=call_id, method=method, args=args):
                 self._utility(client, call_id, method, args)
-            case P.Shutdown(reason=reason):
+            case P.Shutdown(reason=reason, token=token):
+                if not self._owner_token or not hmac.compare_digest(token, self._owner_token):
+                    return self._protocol_error(client, "shutdown refused: only the engine's owner may stop it")
                 log.info("engine_shutdown_requested", reason=reason)
                 self.stop(f"shutdown requested by a client ({reason})")
 
@@ -473,6 +484,36 @@ class EngineServer:
                             num_clients=len(self._clients), num_requests=len(self._routes),
                             num_protocol_errors=self.num_protocol_errors,
                             uptime_s=time.monotonic() - self._started, engine=engine)
+
+
+def _curve_server(sock: zmq.Socket, credentials: P.Credentials) -> Any:
+    """Make ``sock`` a CURVE server that admits only the owner's client key
+    (a ZAP handler thread decides); a peer without it gets nothing at all,
+    not even a handshake answer."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    if not credentials.curve or credentials.client_public is None:
+        raise ValueError("an engine on tcp:// needs CURVE keys in its credentials")
+    allowed = credentials.client_public.encode()
+
+    class _OwnerKeys:
+        def callback(self, domain: str, key: bytes) -> bool:
+            ok = hmac.compare_digest(zmq.utils.z85.encode(key) if len(key) == 32 else key, allowed)
+            if not ok:
+                log.warning("engine_client_refused", reason="unknown CURVE key")
+            return ok
+
+    auth = ThreadAuthenticator(zmq.Context.instance(), log=_zap_log)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_OwnerKeys())
+    sock.curve_server = True
+    sock.curve_secretkey = credentials.server_secret.encode()  # type: ignore[union-attr]
+    sock.curve_publickey = credentials.server_public.encode()  # type: ignore[union-attr]
+    return auth
+
+
+_zap_log = logging.getLogger("kvstrata.ipc.zap")
+_zap_log.setLevel(logging.WARNING)
 
 
 def _cancel_stall_timer(client: _Client) -> None:

@@ -33,6 +33,9 @@ async def open_engine(config: EngineConfig, transport: str = "ipc", *, address: 
 
 
 async def connect_engine(address: str) -> EngineClient:
+    """Join a running engine over ipc:// (its 0700 directory is the access
+    control). Over tcp:// an engine answers only clients holding its owner's
+    CURVE keys: use ``MPEngineClient.connect(address, credentials=...)``."""
     from kvstrata.ipc.mp_client import MPEngineClient
 
     return await MPEngineClient.connect(address)

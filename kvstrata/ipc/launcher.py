@@ -20,6 +20,7 @@ import msgspec
 import structlog
 
 from kvstrata.config import EngineConfig
+from kvstrata.ipc import protocol as P
 
 log = structlog.get_logger(__name__)
 
@@ -58,11 +59,14 @@ class ProcessWatch:
             self._pidfd = None
 
 
-def spawn_engine(config: EngineConfig, address: str, *, watch_parent: bool = True,
+def spawn_engine(config: EngineConfig, address: str, credentials: P.Credentials, *, watch_parent: bool = True,
                  log_json: bool | None = None, max_frame_bytes: int | None = None) -> subprocess.Popen:
     """Start the engine process bound to ``address``; it exits when this
     process dies (``--parent-pid``), so an engine is never orphaned. The
-    config is written to its stdin (a pipe only it reads)."""
+    config and the engine's credentials are written to its stdin (a pipe
+    only it reads): no secret is ever in its argv."""
+    if address.startswith("tcp://") and not credentials.curve:
+        raise ValueError("an engine on tcp:// needs CURVE credentials (Credentials.new(curve=True))")
     cmd = [sys.executable, "-m", "kvstrata.ipc.engine_proc", "--address", address, "--config-stdin"]
     if watch_parent:
         cmd += ["--parent-pid", str(os.getpid())]
@@ -73,7 +77,7 @@ def spawn_engine(config: EngineConfig, address: str, *, watch_parent: bool = Tru
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None
     try:  # a config is a few KiB: well within a pipe's buffer, so this does not block
-        proc.stdin.write(msgspec.json.encode(config))
+        proc.stdin.write(msgspec.json.encode(P.Launch(config=config, credentials=credentials.for_engine())))
         proc.stdin.close()
     except BrokenPipeError:
         pass  # the child already died; its exit is reported by the watch

@@ -79,9 +79,12 @@ class MPEngineClient:
     the engine process."""
 
     def __init__(self, sock: zmq.Socket, address: str, private: EngineAddress | None,
-                 proc: subprocess.Popen | None, *, max_outbox_bytes: int = P.MAX_OUTBOX_BYTES) -> None:
+                 proc: subprocess.Popen | None, *, credentials: P.Credentials | None = None,
+                 max_outbox_bytes: int = P.MAX_OUTBOX_BYTES) -> None:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
+        # The owner's (it started the engine) hold the shutdown token.
+        self.credentials = credentials
         self.address = address
         self._private = private
         self._proc = proc
@@ -120,16 +123,25 @@ class MPEngineClient:
         if address is None:
             private = make_address(transport)
             address = private.url
-        proc = spawn_engine(config, check_address(address), max_frame_bytes=max_frame_bytes)
-        client = cls(_dealer(address), address, private, proc)
+        address = check_address(address)
+        credentials = P.Credentials.new(curve=address.startswith("tcp://"))
+        proc = spawn_engine(config, address, credentials, max_frame_bytes=max_frame_bytes)
+        client = cls(_dealer(address, credentials=credentials), address, private, proc, credentials=credentials)
         await client._handshake(startup_timeout_s)
         return client
 
     @classmethod
     async def connect(cls, address: str, *, timeout_s: float = 30.0, hwm: int = P.SEND_HWM,
-                      max_outbox_bytes: int = P.MAX_OUTBOX_BYTES) -> "MPEngineClient":
-        """Connect to a running engine (several clients may share one)."""
-        client = cls(_dealer(check_address(address), hwm), address, None, None, max_outbox_bytes=max_outbox_bytes)
+                      max_outbox_bytes: int = P.MAX_OUTBOX_BYTES,
+                      credentials: P.Credentials | None = None) -> "MPEngineClient":
+        """Connect to a running engine (several clients may share one). Over
+        tcp:// ``credentials`` (the owner's ``credentials.for_client()``) are
+        required: the engine answers nobody else."""
+        address = check_address(address)
+        if address.startswith("tcp://") and (credentials is None or not credentials.curve):
+            raise ValueError(f"connecting to {address} needs the engine's CURVE credentials")
+        client = cls(_dealer(address, hwm, credentials=credentials), address, None, None,
+                     credentials=credentials, max_outbox_bytes=max_outbox_bytes)
         await client._handshake(timeout_s)
         return client
 
@@ -272,13 +284,17 @@ class MPEngineClient:
                 raise TimeoutError(f"flush_kv: KV transfers still pending after {timeout_s}s") from None
             raise
 
+    @property
+    def _owner_token(self) -> str:
+        return self.credentials.owner_token if self.credentials is not None else ""
+
     async def health(self) -> P.HealthInfo:
         return msgspec.convert(await self._call("health"), P.HealthInfo)
 
     async def shutdown_engine(self) -> None:
         """Ask the engine to stop (every client's requests end with EngineDeadError)."""
         if self._dead is None and not self._closed:
-            self._send(self._encoder.encode(P.Shutdown()))
+            self._send(self._encoder.encode(P.Shutdown(token=self._owner_token)))
 
     async def aclose(self) -> None:
         """Abort this client's requests, stop the engine if this client started
@@ -291,7 +307,7 @@ class MPEngineClient:
                 self._send(self._encoder.encode(P.AbortRequests(list(self._streams))))
             if self._proc is not None and self._watch is not None:
                 if self._dead is None:
-                    self._send(self._encoder.encode(P.Shutdown("owner_closed")))
+                    self._send(self._encoder.encode(P.Shutdown("owner_closed", token=self._owner_token)))
                 await stop_process(self._proc, self._watch.exited, grace_s=10.0)
         finally:
             self._mark_dead("client closed")
@@ -434,12 +450,16 @@ class MPEngineClient:
             self._private.cleanup()
 
 
-def _dealer(address: str, hwm: int = P.SEND_HWM) -> zmq.Socket:
+def _dealer(address: str, hwm: int = P.SEND_HWM, *, credentials: P.Credentials | None = None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, P.RECV_HWM)
     sock.setsockopt(zmq.LINGER, 0)
     if address.startswith("tcp://"):
+        assert credentials is not None and credentials.curve and credentials.client_secret is not None
+        sock.curve_serverkey = credentials.server_public.encode()  # type: ignore[union-attr]
+        sock.curve_publickey = credentials.client_public.encode()  # type: ignore[union-attr]
+        sock.curve_secretkey = credentials.client_secret.encode()
         # ZMTP pings catch a peer whose host or network vanished without a
         # FIN/RST (a killed process closes its sockets: the monitor sees that).
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)

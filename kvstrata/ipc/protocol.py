@@ -85,9 +85,12 @@ class Utility(_Wire, tag="utility"):
 
 class Shutdown(_Wire, tag="shutdown"):
     """Ask the engine to stop now (no draining): every client gets EngineDead
-    and its pending requests fail with EngineDeadError."""
+    and its pending requests fail with EngineDeadError. Obeyed only with the
+    owner's ``token`` (the one that started the engine holds it); anyone
+    else's is a protocol error and the engine keeps serving."""
 
     reason: str = "client_requested"
+    token: str = ""
 
 
 Inbound = AddRequest | AbortRequests | Utility | Shutdown
@@ -163,3 +166,49 @@ def make_inbound_decoder() -> msgspec.msgpack.Decoder:
 
 def make_outbound_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(Outbound)
+
+
+class Credentials(msgspec.Struct, frozen=True, kw_only=True):
+    """Secrets of one engine, made by the owner that starts it and handed to
+    the engine through its stdin pipe (never argv, never a log, never the
+    wire). ``owner_token``: what a Shutdown must carry. Over tcp:// the
+    engine is a ZMQ CURVE server (``server_*``) admitting only the client
+    key ``client_public``; clients use ``client_*`` (z85 text keys)."""
+
+    owner_token: str
+    server_public: str | None = None
+    server_secret: str | None = None
+    client_public: str | None = None
+    client_secret: str | None = None
+
+    @classmethod
+    def new(cls, *, curve: bool) -> "Credentials":
+        import secrets
+
+        import zmq
+
+        if not curve:
+            return cls(owner_token=secrets.token_hex(16))
+        spub, ssec = zmq.curve_keypair()
+        cpub, csec = zmq.curve_keypair()
+        return cls(owner_token=secrets.token_hex(16), server_public=spub.decode(), server_secret=ssec.decode(),
+                   client_public=cpub.decode(), client_secret=csec.decode())
+
+    @property
+    def curve(self) -> bool:
+        return self.server_public is not None
+
+    def for_engine(self) -> "Credentials":
+        """What the engine needs: not the client's secret key."""
+        return msgspec.structs.replace(self, client_secret=None)
+
+    def for_client(self) -> "Credentials":
+        """What another client of the same owner needs to connect (not to shut down)."""
+        return msgspec.structs.replace(self, owner_token="", server_secret=None)
+
+
+class Launch(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine process reads from its stdin: config and credentials."""
+
+    config: Any
+    credentials: Credentials

@@ -11,6 +11,7 @@ from kvstrata.config_io import REDACTED, redact_secrets
 from kvstrata.ipc.addresses import make_address
 from kvstrata.ipc.launcher import spawn_engine
 from kvstrata.ipc.mp_client import MPEngineClient
+from kvstrata.ipc.protocol import Credentials
 
 SECRET = "hunter2-do-not-leak"
 
@@ -37,7 +38,7 @@ def test_redaction_reaches_every_depth_and_spares_ordinary_fields():
 
 async def test_the_handshake_and_health_carry_no_secret():
     addr = make_address("ipc")
-    proc = spawn_engine(_config(), addr.url)
+    proc = spawn_engine(_config(), addr.url, Credentials.new(curve=False))
     try:
         async with await MPEngineClient.connect(addr.url, timeout_s=60) as client:
             received = msgspec.msgpack.encode(client.info) + msgspec.msgpack.encode(await client.health())

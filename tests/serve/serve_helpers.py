@@ -11,6 +11,7 @@ import pytest
 from kvstrata.config import EngineConfig, SchedulerConfig
 from kvstrata.ipc.addresses import make_address
 from kvstrata.ipc.launcher import spawn_engine
+from kvstrata.ipc.protocol import Credentials
 
 TEST_MAX_FRAME_BYTES = 64 * 1024
 
@@ -24,7 +25,7 @@ def null_config(**scheduler: int) -> EngineConfig:
 def engine_url():
     """One engine subprocess for a test module; each test connects its own clients."""
     addr = make_address("ipc")
-    proc = spawn_engine(null_config(), addr.url, max_frame_bytes=TEST_MAX_FRAME_BYTES)
+    proc = spawn_engine(null_config(), addr.url, Credentials.new(curve=False), max_frame_bytes=TEST_MAX_FRAME_BYTES)
     try:
         yield addr.url
     finally:

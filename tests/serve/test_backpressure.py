@@ -33,7 +33,8 @@ async def serve():
     async def start(**server_kw) -> tuple[EngineServer, str]:
         addr = make_address("ipc")
         config = null_config()
-        server = EngineServer(addr.url, msgspec.to_builtins(config), send_hwm=2, recv_hwm=2, **server_kw)
+        server = EngineServer(addr.url, msgspec.to_builtins(config), P.Credentials.new(curve=False),
+                              send_hwm=2, recv_hwm=2, **server_kw)
         engine = await AsyncEngine.start(config)
         server.attach(engine)
         made.append((addr, server, engine))

@@ -55,7 +55,7 @@ async def test_kill_9_fails_every_clients_pending_requests_within_a_second():
 
 async def test_shutdown_ends_every_client_with_engine_dead():
     owner = await MPEngineClient.start(null_config(), transport="tcp")
-    other = await MPEngineClient.connect(owner.address)
+    other = await MPEngineClient.connect(owner.address, credentials=owner.credentials.for_client())
     try:
         assert owner.address.startswith("tcp://127.0.0.1:")
         tasks = await _start_streams(other, 4, "x")

@@ -1,0 +1,112 @@
+"""Who may talk to an engine: over tcp:// only clients holding the owner's
+CURVE keys get anything at all (a plain peer or a wrong key gets no answer,
+not even to a handshake); only the owner may shut the engine down (over ipc
+too); the credentials reach the engine through its stdin, never argv."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from kvstrata.ipc import protocol as P
+from kvstrata.ipc.mp_client import MPEngineClient
+from kvstrata.types import SamplingParams
+
+from tests.serve.serve_helpers import null_config
+
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+async def _generate(client) -> list[int]:
+    return [t async for o in client.generate([1, 2, 3], PARAMS) for t in o.new_token_ids]
+
+
+def _raw_handshake(address: str, *, curve: tuple[bytes, bytes, bytes] | None, wait_ms: int = 1500) -> bytes | None:
+    """A hand-made DEALER (optionally CURVE with the given server key and
+    client keypair) asks for the handshake; returns the reply or None."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if curve is not None:
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+        sock.connect(address)
+        sock.send(msgspec.msgpack.encode(P.Utility(1, "handshake", [])))
+        if sock.poll(wait_ms):
+            return sock.recv()
+        return None
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+async def tcp_owner():
+    owner = await MPEngineClient.start(null_config(), transport="tcp")
+    try:
+        yield owner
+    finally:
+        await owner.aclose()
+
+
+async def test_unauthenticated_tcp_peers_get_nothing(tcp_owner):
+    owner = tcp_owner
+    creds = owner.credentials
+    assert creds is not None and creds.curve
+    # the right key gets its answer (the test can tell an answer from silence)
+    right = (creds.server_public.encode(), creds.client_public.encode(), creds.client_secret.encode())
+    assert await asyncio.to_thread(_raw_handshake, owner.address, curve=right) is not None
+    # a plain ZMQ peer (NULL security) and a CURVE peer with its own key: silence
+    assert await asyncio.to_thread(_raw_handshake, owner.address, curve=None) is None
+    pub, sec = zmq.curve_keypair()
+    wrong = (creds.server_public.encode(), pub, sec)
+    assert await asyncio.to_thread(_raw_handshake, owner.address, curve=wrong) is None
+    assert await _generate(owner) == await _generate(owner)  # the owner is served throughout
+    health = await owner.health()
+    assert health.num_requests == 0
+
+
+async def test_a_client_without_keys_cannot_even_connect_over_tcp(tcp_owner):
+    with pytest.raises(ValueError, match="CURVE credentials"):
+        await MPEngineClient.connect(tcp_owner.address)
+
+
+async def test_only_the_owner_may_shut_the_engine_down(tcp_owner):
+    owner = tcp_owner
+    other = await MPEngineClient.connect(owner.address, credentials=owner.credentials.for_client())
+    try:
+        assert other.credentials.owner_token == ""
+        await other.shutdown_engine()
+        await asyncio.sleep(0.3)
+        assert not owner.is_dead and not other.is_dead
+        assert len(await _generate(other)) == 3 and len(await _generate(owner)) == 3
+        assert (await owner.health()).num_protocol_errors >= 1  # the refused shutdown
+        await owner.shutdown_engine()
+        async with asyncio.timeout(10):
+            while not other.is_dead:
+                await asyncio.sleep(0.05)
+    finally:
+        await other.aclose()
+
+
+async def test_over_ipc_a_second_client_cannot_shut_the_engine_down():
+    owner = await MPEngineClient.start(null_config(), transport="ipc")
+    try:
+        other = await MPEngineClient.connect(owner.address)
+        try:
+            await other.shutdown_engine()
+            await asyncio.sleep(0.3)
+            assert not owner.is_dead and len(await _generate(other)) == 3
+        finally:
+            await other.aclose()
+    finally:
+        await owner.aclose()
+
+
+async def test_credentials_never_appear_in_the_engine_command_line(tcp_owner):
+    creds = tcp_owner.credentials
+    cmdline = Path(f"/proc/{tcp_owner._proc.pid}/cmdline").read_bytes()
+    for secret in (creds.owner_token, creds.server_secret, creds.client_secret, creds.client_public):
+        assert secret.encode() not in cmdline
