@@ -27,7 +27,10 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
 _NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
-_TIER_KEY = re.compile(r"^store\.([A-Za-z0-9_]+)\.(hit_tokens|query_tokens|miss_tokens)$")
+# The connector's books, the one place per-tier hits are counted: every
+# tier's hit_tokens over the tokens its lookups asked about (query_tokens).
+_TIER_HITS = re.compile(r"^connector\.([A-Za-z0-9_]+)\.hit_tokens$")
+_QUERY_KEY = "connector.query_tokens"
 
 
 class Histogram:
@@ -92,20 +95,20 @@ class ServerMetrics:
 
 
 def tier_hit_rates(stats: EngineStats) -> dict[str, dict[str, float]]:
-    """``{tier: {"hits": h, "queries": q, "hit_rate": h/q}}`` for every tier the
-    stats describe; "device" always (the paged prefix cache)."""
+    """``{tier: {"hits": h, "queries": q, "hit_rate": h/q}}`` for "device" (the
+    paged prefix cache: its hits over its queries) and every store tier the
+    KV connector books: the prompt tokens that tier served (however: the CPU
+    fast path, a promotion, an async load) over the tokens the connector's
+    lookups asked about past the device hit. The same numbers as the
+    connector's ``connector.<tier>.hit_tokens`` gauges, by construction."""
     tiers: dict[str, dict[str, float]] = {
         "device": {"hits": float(stats.prefix_cache_hits), "queries": float(stats.prefix_cache_queries)}
     }
-    raw: dict[str, dict[str, float]] = {}
+    queries = float(stats.extra.get(_QUERY_KEY, 0.0))
     for key, value in stats.extra.items():
-        m = _TIER_KEY.match(key)
+        m = _TIER_HITS.match(key)
         if m:
-            raw.setdefault(m.group(1), {})[m.group(2)] = float(value)
-    for tier, r in raw.items():
-        hits = r.get("hit_tokens", 0.0)
-        queries = r["query_tokens"] if "query_tokens" in r else hits + r.get("miss_tokens", 0.0)
-        tiers[tier] = {"hits": hits, "queries": queries}
+            tiers[m.group(1)] = {"hits": float(value), "queries": queries}
     for t in tiers.values():
         t["hit_rate"] = t["hits"] / t["queries"] if t["queries"] > 0 else 0.0
     return tiers
@@ -125,12 +128,13 @@ def render_metrics(stats: EngineStats, server: ServerMetrics | None, model_name:
     counter("kvstrata_prompt_tokens_total", "Prompt tokens processed.", stats.num_prompt_tokens)
     counter("kvstrata_generation_tokens_total", "Tokens generated.", stats.num_generated_tokens)
     tiers = tier_hit_rates(stats)
-    _per_tier(lines, "kvstrata_prefix_cache_queries_total", "counter", "Prompt tokens looked up, per tier.", label, tiers, "queries")
-    _per_tier(lines, "kvstrata_prefix_cache_hits_total", "counter", "Prompt tokens found, per tier.", label, tiers, "hits")
+    _per_tier(lines, "kvstrata_prefix_cache_queries_total", "counter",
+              "Prompt tokens looked up, per tier (store tiers: past the device hit).", label, tiers, "queries")
+    _per_tier(lines, "kvstrata_prefix_cache_hits_total", "counter",
+              "Prompt tokens served, per tier (store tiers: the connector's hit_tokens).", label, tiers, "hits")
     _per_tier(lines, "kvstrata_prefix_cache_hit_rate", "gauge", "Hits over queries since start, per tier.", label, tiers, "hit_rate")
     for key in sorted(stats.extra):
-        if not _TIER_KEY.match(key):
-            gauge(metric_name(key), f"Engine counter {key}.", stats.extra[key])
+        gauge(metric_name(key), f"Engine counter {key}.", stats.extra[key])
     if stats.block_residency is not None:
         _render_residency(lines, stats.block_residency, label)
     if server is not None:
@@ -216,7 +220,9 @@ def stats_from_metrics(text: str) -> EngineStats:
     """Read ``render_metrics``' page back into an EngineStats. ``extra``
     keys come back as their gauge names without the ``kvstrata_`` prefix
     (``metric_name`` is not invertible: dots became underscores), except
-    the tier counters, which come back as ``store.<tier>.*``."""
+    the per-tier counters, which come back as the connector's books
+    (``connector.<tier>.hit_tokens``, ``connector.query_tokens``), so
+    ``tier_hit_rates`` reads the page as it reads the engine."""
     fields: dict[str, Any] = {}
     extra: dict[str, float] = {}
     residency: dict[str, Any] = {}
@@ -231,8 +237,10 @@ def stats_from_metrics(text: str) -> EngineStats:
             tier = labels.get("tier")
             if tier == "device":
                 fields[field] = int(value)
+            elif suffix == "hit_tokens":
+                extra[f"connector.{tier}.hit_tokens"] = value
             else:
-                extra[f"store.{tier}.{suffix}"] = value
+                extra[_QUERY_KEY] = value  # the same for every store tier
         elif name in _RESIDENCY_SCALARS:
             residency[_RESIDENCY_SCALARS[name]] = value
         elif name.startswith("kvstrata_kv_block_") and (m := _HIST_PART.match(name)):

@@ -38,8 +38,11 @@ class TransferMetrics:
     __slots__ = ("tiers", "hit_tokens", "load_s", "saved_s", "s_per_token", "requests",
                  "counters")
 
-    COUNTERS = ("lookups", "lookup_hit_chunks", "requests_with_hits", "load_chunks", "load_failed_tokens",
-                "saved_chunks", "dropped_saves", "skipped_saves", "async_loads", "sync_loads")
+    # query_tokens: prompt tokens past the device hit that a finished
+    # request's last lookup asked the store about: the denominator of every
+    # tier's hit rate, whose numerator is that tier's hit_tokens.
+    COUNTERS = ("lookups", "query_tokens", "lookup_hit_chunks", "requests_with_hits", "load_chunks",
+                "load_failed_tokens", "saved_chunks", "dropped_saves", "skipped_saves", "async_loads", "sync_loads")
 
     def __init__(self, tier_names: list[str], keep: int = 1024) -> None:
         self.tiers = list(tier_names)

@@ -26,23 +26,24 @@ def test_histogram_buckets_are_cumulative():
     assert "x_count 4" in lines and "x_sum 2.65" in lines
 
 
-def test_tier_hit_rates_from_prefix_counters_and_extra():
+def test_tier_hit_rates_from_prefix_counters_and_the_connector_books():
+    # store.* counters (the fetch path alone) are raw gauges, not hit rates
     stats = EngineStats(prefix_cache_queries=200, prefix_cache_hits=50,
-                        extra={"store.cpu.hit_tokens": 30.0, "store.cpu.query_tokens": 150.0,
-                               "store.disk.hit_tokens": 0.0, "kv.evictions": 4.0,
-                               "store.redis.hit_tokens": 10.0, "store.redis.miss_tokens": 30.0})
+                        extra={"connector.cpu.hit_tokens": 30.0, "connector.query_tokens": 150.0,
+                               "connector.disk.hit_tokens": 0.0, "kv.evictions": 4.0,
+                               "connector.redis.hit_tokens": 15.0, "store.cpu.hit_tokens": 2.0})
     tiers = tier_hit_rates(stats)
     assert tiers["device"] == {"hits": 50.0, "queries": 200.0, "hit_rate": 0.25}
     assert tiers["cpu"] == {"hits": 30.0, "queries": 150.0, "hit_rate": 0.2}
     assert tiers["disk"]["hit_rate"] == 0.0
-    assert tiers["redis"] == {"hits": 10.0, "queries": 40.0, "hit_rate": 0.25}
+    assert tiers["redis"] == {"hits": 15.0, "queries": 150.0, "hit_rate": 0.1}
     assert set(tiers) == {"device", "cpu", "disk", "redis"}
 
 
 def test_render_and_parse_round_trip():
     stats = EngineStats(num_running=3, num_waiting=1, kv_usage=0.5, prefix_cache_queries=10,
-                        prefix_cache_hits=4, num_preemptions=2, extra={"store.cpu.hit_tokens": 1.0,
-                                                                        "store.cpu.query_tokens": 6.0,
+                        prefix_cache_hits=4, num_preemptions=2, extra={"connector.cpu.hit_tokens": 1.0,
+                                                                        "connector.query_tokens": 6.0,
                                                                         "kv.evictions": 7.0})
     server = ServerMetrics()
     server.ttft.observe(0.02)
@@ -90,14 +91,16 @@ def test_every_engine_stat_reads_back_from_the_page():
     stats = EngineStats(num_running=3, num_waiting=1, kv_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=4,
                         num_preemptions=2, num_finished=5, num_generated_tokens=40, num_prompt_tokens=90,
                         block_residency=_residency(),
-                        extra={"store.cpu.hit_tokens": 1.0, "store.cpu.query_tokens": 6.0,
+                        extra={"connector.cpu.hit_tokens": 1.0, "connector.query_tokens": 6.0,
                                "kv.prefix_cache.preempted_hits": 7.0, "engine.failed_steps": 1.0})
     server = ServerMetrics()
     server.ttft.observe(0.02)
     back = stats_from_metrics(render_metrics(stats, server, "m"))
     assert back == msgspec.structs.replace(stats, extra={
-        "store.cpu.hit_tokens": 1.0, "store.cpu.query_tokens": 6.0,
+        "connector.cpu.hit_tokens": 1.0, "connector.query_tokens": 6.0,
+        "connector_cpu_hit_tokens": 1.0, "connector_query_tokens": 6.0,  # the connector's own gauges too
         "kv_prefix_cache_preempted_hits": 7.0, "engine_failed_steps": 1.0})
+    assert tier_hit_rates(back) == tier_hit_rates(stats)
 
 
 def test_bench_report_carries_every_engine_stat_as_run_deltas():

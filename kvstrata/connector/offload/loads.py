@@ -129,6 +129,7 @@ class LoadPlanner:
         stored_until = start + sum(1 for k in plan.keys if k.num_tokens == cs)
         ext = min(plan.token_end, request.num_tokens - 1) - num_computed_tokens
         t.load_skip = num_computed_tokens - start * cs
+        t.query_tokens = max(0, request.num_tokens - 1 - num_computed_tokens)
         if ext <= 0:
             t.drop_plan(self.store)
             return Match(0, False, stored_until)

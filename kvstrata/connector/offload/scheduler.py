@@ -141,6 +141,10 @@ class OffloadScheduler:
         return self.saves.finish(request, block_ids[0] if save else None), None
 
     def _book(self, t: LoadTracker) -> None:
+        """A finished request's last lookup and load, into the per-tier books:
+        its queried tokens and its hits, in one place, so every tier's hit
+        rate (hit_tokens / query_tokens) is counted from the same requests."""
+        self.metrics.count("query_tokens", t.query_tokens)
         if not t.hit_tokens:
             return
         rec = self.metrics.request_done(t.req_id, t.hit_tier, t.load_s, 0)

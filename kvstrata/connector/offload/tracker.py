@@ -57,7 +57,7 @@ class LoadTracker:
     Owned by the LoadPlanner; loop only."""
 
     __slots__ = ("request", "plan", "lookup", "fetch", "fetched", "load_blocks", "load_skip", "load_limit",
-                 "handover", "hit_tokens", "hit_tier", "load_s")
+                 "handover", "hit_tokens", "hit_tier", "load_s", "query_tokens")
 
     def __init__(self, request: ConnectorRequest) -> None:
         self.request = request
@@ -72,6 +72,7 @@ class LoadTracker:
         self.hit_tokens = 0
         self.hit_tier: dict[str, int] = {}
         self.load_s = 0.0
+        self.query_tokens = 0  # tokens its last lookup asked the store about (booked at finish, with the hit)
 
     @property
     def req_id(self) -> str:
