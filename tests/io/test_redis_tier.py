@@ -197,3 +197,23 @@ async def test_bad_redis_options_name_the_field(make_store, redis_server):
         await make_store(tiers=[TierSpec(type="redis", options=dict(port="x"))])
     with pytest.raises(ValueError, match="max_in_flight"):
         await make_store(tiers=[redis_spec(redis_server, max_in_flight=32, max_connections=4)])
+
+
+async def test_lookups_come_back_to_a_recovered_tier(make_store, redis_server):
+    """Half-open breaker on the lookup path: store A's lookups open the
+    breaker on a dead server; once it is back (and the retry interval has
+    passed) A's next lookup tries it again and finds what store B (another
+    engine) wrote meanwhile; the tier is marked available again."""
+    a = await make_store(tiers=[redis_spec(redis_server)])
+    redis_server.kill()
+    assert await a.lookup([key(7)]) == 0  # the fault opens the breaker
+    assert not a.stats().tier("redis").available
+    assert await a.lookup([key(7)]) == 0  # open: skipped, no wait on a dead server
+    await redis_server.astart()
+    b = await make_store(tiers=[redis_spec(redis_server)])
+    await put_all(b, [7])
+    await b.drain()
+    await asyncio.sleep(0.12)  # past the retry interval: half-open
+    assert await a.lookup([key(7)]) == 1
+    assert a.stats().tier("redis").available
+    assert await get_ids(a, [7]) == [7]
