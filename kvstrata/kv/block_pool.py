@@ -194,11 +194,14 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         group_id: int = 0,
+        reachable: Sequence[bool] | None = None,
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under
         ``block_hashes`` (same indexing, this group's block size). Null blocks
-        are skipped. Blocks already cached keep their hash: the caller tracks
-        how many of a request's blocks are cached."""
+        are skipped, and so are those ``reachable`` (one flag per block of
+        the range) marks as never usable by a hit: no hash, no BlockStored.
+        Blocks already cached keep their hash: the caller tracks how many of
+        a request's blocks are cached."""
         if num_cached_blocks >= num_full_blocks:
             return
         if len(block_hashes) < num_full_blocks:
@@ -210,6 +213,9 @@ class BlockPool:
         primary = hmap.primary
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        if reachable is not None:
+            null = self.null_block
+            new_blocks = [b if keep else null for b, keep in zip(new_blocks, reachable, strict=True)]
         for block, block_hash in zip(new_blocks, new_hashes):
             if block.is_null:
                 continue

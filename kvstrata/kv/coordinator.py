@@ -211,6 +211,8 @@ class HybridCoordinator(KVCacheCoordinator):
                     "ChunkedLocalAttentionSpec.block_size must equal every other group's block size "
                     f"in a hybrid config ({g.spec.block_size} vs alignment {self.alignment})"
                 )
+        for m in self.managers:
+            m.hit_alignment = self.alignment  # what their cached blocks may serve
         # Downward-closed groups first: they set the first bound cheaply.
         self._order = sorted(range(len(self.managers)), key=lambda g: not self.managers[g].downward_closed)
 

@@ -147,3 +147,33 @@ def test_external_token_blocks_never_take_another_groups_hit():
     assert all(m.block_pool.blocks[i].ref_cnt == 1 for i in ids)
     m.free(r1)
     assert m.num_free_blocks == 10
+
+
+def test_sliding_window_group_caches_only_blocks_an_aligned_hit_can_use():
+    """Full attention with 16-token blocks beside a 5-token window on 4-token
+    blocks: hits end on multiples of 16 and need only the window's last
+    block before them, so of every four window blocks one can ever serve a
+    hit. The other three are neither hashed nor announced (BlockStored);
+    the hit is the same as when everything was cached."""
+    m = make_manager(80, specs=[full_spec(16), _sw(4, 5)], enable_events=True)
+    r0 = make_request("r0", range(65), block_size=4)
+    m.allocate_slots(r0, 65)
+    _, sw_ids = m.get_block_ids("r0")
+    sw_map = m.block_pool.hash_maps[1]
+    cached = sorted(b.block_id for _, b in sw_map.items())
+    assert cached == sorted(sw_ids[i] for i in (3, 7, 11, 15))
+    stored = [h for e in m.take_events() if getattr(e, "group_idx", 0) == 1 and hasattr(e, "token_ids")
+              for h in e.block_hashes]
+    assert stored == [r0.block_hashes[i] for i in (3, 7, 11, 15)]
+    m.free(r0)
+    r1 = make_request("r1", range(65), block_size=4)
+    hit, n_hit = m.get_computed_blocks(r1)
+    assert n_hit == 64
+    assert hit.get_block_ids()[1] == [0] * 15 + [sw_ids[15]]
+
+
+def test_sliding_window_caches_every_block_when_each_can_end_a_hit():
+    m = make_manager(40, specs=[full_spec(4), _sw(4, 5)])
+    r0 = make_request("r0", range(17), block_size=4)
+    m.allocate_slots(r0, 17)
+    assert len(list(m.block_pool.hash_maps[1].items())) == 4

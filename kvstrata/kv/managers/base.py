@@ -37,6 +37,9 @@ class SingleTypeKVCacheManager:
         self.null_block = pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Hits end on multiples of this (the hybrid coordinator sets the lcm
+        # of every group's block size); what a cached block may serve.
+        self.hit_alignment = self.block_size
 
     # -- prefix-cache search (classmethod: the hybrid coordinator calls it
     #    with shortened lengths without touching any request state) ---------
@@ -141,9 +144,15 @@ class SingleTypeKVCacheManager:
         if num_cached >= num_full:
             return
         self.pool.cache_full_blocks(
-            request, self.req_to_blocks[request_id], block_hashes, num_cached, num_full, self.block_size, self.group_id
+            request, self.req_to_blocks[request_id], block_hashes, num_cached, num_full, self.block_size, self.group_id,
+            self.reachable_blocks(num_cached, num_full),
         )
         self.num_cached_block[request_id] = num_full
+
+    def reachable_blocks(self, start: int, end: int) -> list[bool] | None:
+        """Which of blocks ``[start, end)`` some hit (ending on a multiple of
+        ``hit_alignment`` tokens) could use; None: all of them (full attention)."""
+        return None
 
     def skipped_indices(self, request_id: str, total_computed_tokens: int) -> list[int]:
         """Positions (last first) of the request's blocks that the attention

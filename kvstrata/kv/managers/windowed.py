@@ -73,6 +73,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
+    def reachable_blocks(self, start: int, end: int) -> list[bool] | None:
+        """A hit of L tokens (L a multiple of ``hit_alignment``) reads the
+        ``cdiv(sliding_window - 1, block_size)`` blocks before L, so block i
+        can serve a hit only if it is among those before the first aligned L
+        at or after its end. With one-block alignment that is every block;
+        beside bigger blocks (a hybrid model) most window blocks never can,
+        and are not cached (as vLLM's reachable-block mask)."""
+        bs, align = self.block_size, self.hit_alignment
+        needed = cdiv(self.sliding_window - 1, bs)
+        if align == bs and needed >= 1:
+            return None
+        return [(i + 1) * bs > (cdiv((i + 1) * bs, align) * align) - needed * bs for i in range(start, end)]
+
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """A token attends only within its chunk of ``attention_chunk_size``.
