@@ -84,8 +84,7 @@ def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
         raise CheckpointError(f"{where}: head_dim must be a positive even integer, got {head_dim!r}")
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = eos_token_ids(raw, where)
     return LlamaArchConfig(
         vocab_size=_int(raw, "vocab_size", where),
         hidden_size=hidden,
@@ -147,3 +146,23 @@ def _int(raw: dict[str, Any], key: str, where: str, default: int | None = None) 
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise CheckpointError(f"{where}: field {key!r} must be a positive integer, got {value!r}")
     return value
+
+
+def eos_token_ids(raw: dict[str, Any], where: str) -> tuple[int, ...]:
+    """``eos_token_id`` of a config.json or generation_config.json: an int, a
+    list of ints, or absent. Anything else names the file."""
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise CheckpointError(f"{where}: eos_token_id must be a non-negative int or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
+def with_generation_eos(arch: LlamaArchConfig, generation_config: dict[str, Any], where: str) -> LlamaArchConfig:
+    """``arch`` stopping also at every EOS id ``generation_config.json`` lists
+    (instruct checkpoints often name their end-of-turn token only there)."""
+    extra = eos_token_ids(generation_config, where)
+    merged = tuple(dict.fromkeys((*arch.eos_token_ids, *extra)))
+    return arch if merged == arch.eos_token_ids else msgspec.structs.replace(arch, eos_token_ids=merged)

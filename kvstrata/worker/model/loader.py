@@ -22,7 +22,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig, parse_arch_config
+from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig, parse_arch_config, with_generation_eos
 from kvstrata.worker.model.fingerprint import checkpoint_fingerprint
 from kvstrata.worker.model.llama import LlamaForCausalLM
 
@@ -58,6 +58,9 @@ def load_checkpoint(path: str, dtype: str = "float32", device: str = "cpu") -> L
     config_path = directory / "config.json"
     raw = _read_config(config_path)
     arch = parse_arch_config(raw, str(config_path))
+    gen_path = directory / "generation_config.json"
+    if gen_path.exists():
+        arch = with_generation_eos(arch, _read_config(gen_path), str(gen_path))
     files = weight_files(directory)
     dtype_name = resolve_dtype(dtype, arch.checkpoint_dtype)
     model = LlamaForCausalLM(arch, _DTYPES[dtype_name], device)
@@ -110,7 +113,7 @@ def weight_files(directory: Path) -> list[Path]:
 
 def _read_config(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise CheckpointError(f"model: {str(path.parent)!r} is missing config.json")
+        raise CheckpointError(f"model: {str(path.parent)!r} is missing {path.name}")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
