@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvstrata.types import SamplingParams
+from kvstrata.types import Logprobs, SamplingParams
 
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
 
@@ -234,3 +234,49 @@ class ModelCard(msgspec.Struct, frozen=True):
 class ModelList(msgspec.Struct, frozen=True):
     data: list[ModelCard]
     object: str = "list"
+
+
+# --- log-probabilities in OpenAI's shapes ----------------------------------------
+
+_MIN_LOGPROB = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token as text (special tokens included); ``token_id:N`` without a tokenizer."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _lp(value: float) -> float:
+    return value if value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def completion_logprobs(lps: list[Logprobs], tokenizer: Any, text_offset: int = 0) -> dict[str, Any]:
+    """``/v1/completions`` ``logprobs``: parallel lists of the sampled tokens,
+    their log-probabilities, the top-n alternatives (token -> logprob) and
+    each token's character offset in the text (from ``text_offset``)."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for lp in lps:
+        s = token_text(tokenizer, lp.token_ids[0])
+        tokens.append(s)
+        token_logprobs.append(_lp(lp.logprobs[0]))
+        top.append({token_text(tokenizer, t): _lp(v) for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])})
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(lps: list[Logprobs], tokenizer: Any) -> dict[str, Any]:
+    """``/v1/chat/completions`` ``logprobs``: ``{"content": [{token, logprob,
+    bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+    content = []
+    for lp in lps:
+        s = token_text(tokenizer, lp.token_ids[0])
+        top = [{"token": (t := token_text(tokenizer, i)), "logprob": _lp(v), "bytes": list(t.encode())}
+               for i, v in zip(lp.token_ids[1:], lp.logprobs[1:])]
+        content.append({"token": s, "logprob": _lp(lp.logprobs[0]), "bytes": list(s.encode()), "top_logprobs": top})
+    return {"content": content}

@@ -183,10 +183,12 @@ class OpenAIServer:
                     self.metrics.count_request("engine_dead")
                     return _error(503, str(e), "engine_dead")
                 timer = _Timer(self.metrics, start)
+                want_lp = params.logprobs is not None
                 if req.stream:
-                    return await self._stream(request, req, _chain(first, agen), rid, timer, chat=chat)
+                    return await self._stream(request, req, _chain(first, agen), rid, timer, chat=chat,
+                                              logprobs=want_lp)
                 try:
-                    return await self._complete(_chain(first, agen), rid, timer, chat=chat)
+                    return await self._complete(_chain(first, agen), rid, timer, chat=chat, logprobs=want_lp)
                 except EngineDeadError as e:
                     self.metrics.count_request("engine_dead")
                     return _error(503, str(e), "engine_dead")
@@ -194,14 +196,17 @@ class OpenAIServer:
                 await agen.aclose()
 
     async def _complete(self, outs: AsyncIterator[RequestOutput], rid: str, timer: "_Timer",
-                        *, chat: bool) -> web.Response:
+                        *, chat: bool, logprobs: bool = False) -> web.Response:
         text: list[str] = []
+        lps: list = []
         last: RequestOutput | None = None
         n_out = 0
         async for out in outs:
             timer.output(out)
             text.append(out.text_delta)
             n_out += len(out.new_token_ids)
+            if out.logprobs:
+                lps.extend(out.logprobs)
             last = out
         assert last is not None and last.finished  # the generator ends with the finished output
         if last.finish_reason == "error":
@@ -209,21 +214,26 @@ class OpenAIServer:
         usage = self._usage(last, n_out)
         timer.finish(last, n_out)
         now = int(time.time())
+        tok = self.engine.tokenizer
         if chat:
-            choice = T.ChatChoice(0, T.ChatResponseMessage("assistant", "".join(text)), last.finish_reason)
+            lp = T.chat_logprobs(lps, tok) if logprobs else None
+            choice = T.ChatChoice(0, T.ChatResponseMessage("assistant", "".join(text)), last.finish_reason, lp)
             body: Any = T.ChatResponse(rid, now, self.model_name, [choice], usage)
         else:
+            lp = T.completion_logprobs(lps, tok) if logprobs else None
             body = T.CompletionResponse(rid, now, self.model_name,
-                                        [T.CompletionChoice(0, "".join(text), last.finish_reason)], usage)
+                                        [T.CompletionChoice(0, "".join(text), last.finish_reason, lp)], usage)
         return web.Response(body=_json.encode(body), content_type="application/json")
 
     async def _stream(self, request: web.Request, req: T.CompletionRequest | T.ChatCompletionRequest,
                       outs: AsyncIterator[RequestOutput], rid: str,
-                      timer: "_Timer", *, chat: bool) -> web.StreamResponse:
+                      timer: "_Timer", *, chat: bool, logprobs: bool = False) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
         now = int(time.time())
         model = self.model_name
+        tok = self.engine.tokenizer
+        text_offset = 0
         n_out = 0
         if chat:
             await resp.write(_sse(T.ChatChunk(rid, now, model, [T.ChatStreamChoice(0, T.ChatResponseMessage("assistant", ""))])))
@@ -239,10 +249,15 @@ class OpenAIServer:
                 if not out.new_token_ids and not out.text_delta and not out.finished:
                     continue
                 fr = out.finish_reason if out.finished else None
+                lps = out.logprobs or [] if logprobs else None
                 if chat:
-                    chunk: Any = T.ChatChunk(rid, now, model, [T.ChatStreamChoice(0, T.ChatResponseMessage(content=out.text_delta), fr)])
+                    lp = None if lps is None else T.chat_logprobs(lps, tok)
+                    chunk: Any = T.ChatChunk(rid, now, model, [T.ChatStreamChoice(
+                        0, T.ChatResponseMessage(content=out.text_delta), fr, lp)])
                 else:
-                    chunk = T.CompletionResponse(rid, now, model, [T.CompletionChoice(0, out.text_delta, fr)])
+                    lp = None if lps is None else T.completion_logprobs(lps, tok, text_offset)
+                    text_offset += len(out.text_delta)
+                    chunk = T.CompletionResponse(rid, now, model, [T.CompletionChoice(0, out.text_delta, fr, lp)])
                 await resp.write(_sse(chunk))
         except ConnectionError:  # the client went away mid-write: one quiet line
             self._disconnected(n_out)

@@ -58,6 +58,7 @@ from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputPro
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError
 from kvstrata.kv.events import KVEventBatch
+from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -170,6 +171,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self._core.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._core.tokenizer
 
     @property
     def facts(self) -> ModelFacts:

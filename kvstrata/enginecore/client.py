@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from typing import Protocol, Self
 
 from kvstrata.config import EngineConfig
+from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 
 
@@ -45,6 +46,11 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int:
         """The longest context (prompt + output) the engine takes, after
         capping by its KV pool."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None: prompts and outputs are token ids only)."""
         ...
 
     @property

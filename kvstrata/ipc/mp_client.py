@@ -40,7 +40,7 @@ from kvstrata.enginecore.client import served_model_name
 from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
-from kvstrata.text.tokenizer import load_model_tokenizer
+from kvstrata.text.tokenizer import Tokenizer, load_model_tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 from kvstrata.ipc.addresses import EngineAddress, check_address, make_address
 from kvstrata.ipc.launcher import ProcessWatch, spawn_engine, stop_process
@@ -195,6 +195,11 @@ class MPEngineClient:
     @property
     def max_model_len(self) -> int:
         return self.facts.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        assert self._inputs is not None, "the handshake sets it"
+        return self._inputs.tokenizer
 
     @property
     def is_dead(self) -> bool:
