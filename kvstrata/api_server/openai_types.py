@@ -128,23 +128,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     return p
 
 
-def render_chat(messages: list[ChatMessage]) -> str:
-    """A plain-text chat template (role tags, one message per block), used
-    whatever the model; the last line opens the assistant's turn."""
-    if not messages:
-        raise RequestValidationError("messages: must not be empty", "messages")
-    parts: list[str] = []
-    for i, m in enumerate(messages):
-        if m.role not in ("system", "user", "assistant", "tool", "developer"):
-            raise RequestValidationError(f"messages[{i}].role: unknown role {m.role!r}", f"messages[{i}].role")
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content if part.type == "text")
-        parts.append(f"<|{m.role}|>\n{content or ''}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
-
-
 # --- responses ---------------------------------------------------------------
 
 

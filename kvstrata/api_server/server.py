@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvstrata.enginecore.client import EngineClient
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
+from kvstrata.text.chat import chat_prompt
 from kvstrata.types import RequestOutput, SamplingParams
 from kvstrata.api_server import openai_types as T
 from kvstrata.api_server.metrics import ServerMetrics, render_metrics
@@ -48,6 +49,17 @@ def _model_not_found(name: str) -> web.Response:
     """OpenAI's (and vLLM's) answer for a model this server does not serve."""
     return _error(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
                   code="model_not_found")
+
+
+def _chat_prompt(tokenizer: Any, messages: list[T.ChatMessage]) -> str | list[int]:
+    """The model's chat template (token ids), or the plain format; bad
+    messages (or a template refusing them) are a 400 naming the field."""
+    try:
+        return chat_prompt(tokenizer, messages)
+    except ValueError as e:
+        msg = str(e)
+        param = msg.split(":", 1)[0] if msg.startswith("messages") else "messages"
+        raise T.RequestValidationError(msg, param) from None
 
 
 @web.middleware
@@ -114,7 +126,7 @@ class OpenAIServer:
             req = T.decode_request(await request.read(), T.ChatCompletionRequest)
             mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = T.sampling_params(req, default_max_tokens=self.default_max_tokens, max_tokens=mt)
-            prompt = T.render_chat(req.messages)
+            prompt = _chat_prompt(self.engine.tokenizer, req.messages)
         except T.RequestValidationError as e:
             self.metrics.count_request("invalid")
             return _error(400, str(e), "invalid_request_error", e.param)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol
@@ -52,7 +52,7 @@ import structlog
 from kvstrata.config import EngineConfig
 from kvstrata.connector import KVConnector
 from kvstrata.enginecore.builder import build_engine_core
-from kvstrata.enginecore.client import served_model_name
+from kvstrata.enginecore.client import generate_chat, served_model_name
 from kvstrata.enginecore.engine_core import EngineCore, ModelRunnerLike
 from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.enginecore.request import EngineRequest
@@ -171,6 +171,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self._core.max_model_len
+
+    def chat(self, messages: Sequence[Any], params: SamplingParams | None = None,
+             **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+        return generate_chat(self, messages, params, **kwargs)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -15,10 +15,12 @@ request once, detokenizes and applies stop strings
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator
-from typing import Protocol, Self
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Protocol, Self
 
 from kvstrata.config import EngineConfig
+from kvstrata.errors import RequestError
+from kvstrata.text.chat import chat_prompt
 from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 
@@ -73,6 +75,18 @@ class EngineClient(Protocol):
         the request. Bad input raises RequestError at the first ``anext``."""
         ...
 
+    def chat(
+        self,
+        messages: Sequence[Any],
+        params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """``generate`` on a conversation (``{"role", "content"}`` dicts or
+        objects), rendered with the model's chat template (or the plain
+        format for a checkpoint without one). Implementations call
+        ``generate_chat``."""
+        ...
+
     async def abort(self, request_id: str) -> None:
         """Abort a live request; a no-op for unknown or finished ids."""
         ...
@@ -111,3 +125,18 @@ def served_model_name(config: EngineConfig) -> str:
     ``kvstrata-default`` for the built-in random model."""
     m = config.model.model
     return os.path.basename(os.path.normpath(m)) if m else "kvstrata-default"
+
+
+async def generate_chat(client: EngineClient, messages: Sequence[Any], params: SamplingParams | None = None,
+                        **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+    """What every ``EngineClient.chat`` does: render, then ``generate``."""
+    try:
+        prompt = chat_prompt(client.tokenizer, messages)
+    except ValueError as e:  # a bad message or a template that refuses the conversation
+        raise RequestError("messages", str(e)) from None
+    agen = client.generate(prompt, params, **kwargs)
+    try:
+        async for out in agen:
+            yield out
+    finally:
+        await agen.aclose()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import msgspec
@@ -36,7 +36,7 @@ import structlog
 import zmq
 
 from kvstrata.config import EngineConfig
-from kvstrata.enginecore.client import served_model_name
+from kvstrata.enginecore.client import generate_chat, served_model_name
 from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
@@ -195,6 +195,10 @@ class MPEngineClient:
     @property
     def max_model_len(self) -> int:
         return self.facts.max_model_len
+
+    def chat(self, messages: Sequence[Any], params: SamplingParams | None = None,
+             **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+        return generate_chat(self, messages, params, **kwargs)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

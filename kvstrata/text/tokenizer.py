@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer as _HFTokenizerImpl
 from tokenizers.decoders import DecodeStream
 
+from kvstrata.text.chat import ChatTemplate, load_chat_template
 from kvstrata.config import ModelConfig
 
 BYTE_BOS_ID = 256
@@ -37,6 +38,7 @@ class TokenStream(Protocol):
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+    chat_template: ChatTemplate | None
     bos_token_id: int | None
     vocab_size: int
     all_special_ids: frozenset[int]
@@ -68,6 +70,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens, plus BOS and EOS; ids outside 0..255 decode to nothing."""
 
     __slots__ = ()
+    chat_template = None  # no template: the plain chat format
     eos_token_id: int | None = BYTE_EOS_ID
     bos_token_id: int | None = BYTE_BOS_ID
     vocab_size: int = BYTE_VOCAB_SIZE
@@ -107,9 +110,10 @@ class HFTokenizer:
     """A ``tokenizer.json`` (any model the ``tokenizers`` package reads); special
     tokens come from tokenizer_config.json, else config.json/generation_config.json."""
 
-    __slots__ = ("_tok", "eos_token_id", "bos_token_id", "vocab_size", "all_special_ids")
+    __slots__ = ("_tok", "eos_token_id", "bos_token_id", "vocab_size", "all_special_ids", "chat_template")
 
     def __init__(self, directory: Path) -> None:
+        self.chat_template = load_chat_template(directory)  # None: the plain chat format
         self._tok = _HFTokenizerImpl.from_file(str(directory / "tokenizer.json"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         tok_cfg = _read_json(directory / "tokenizer_config.json")

@@ -46,11 +46,15 @@ def test_token_prompt_and_single_batch_prompt():
     assert T.completion_prompt(T.decode_request(b'{"prompt":["x"]}', T.CompletionRequest)) == "x"
 
 
-def test_chat_template_and_role_check():
+def test_plain_chat_format_and_role_check():
+    """A checkpoint without a chat template gets the plain role-tagged format."""
+    from kvstrata.api_server.server import _chat_prompt
+    from kvstrata.text.tokenizer import ByteTokenizer
+
     req = T.decode_request(b'{"messages":[{"role":"system","content":"S"},'
                            b'{"role":"user","content":[{"type":"text","text":"U"}]}]}', T.ChatCompletionRequest)
-    assert T.render_chat(req.messages) == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
+    assert _chat_prompt(ByteTokenizer(), req.messages) == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
     bad = T.decode_request(b'{"messages":[{"role":"robot","content":"x"}]}', T.ChatCompletionRequest)
     with pytest.raises(T.RequestValidationError) as e:
-        T.render_chat(bad.messages)
+        _chat_prompt(ByteTokenizer(), bad.messages)
     assert e.value.param == "messages[0].role"
