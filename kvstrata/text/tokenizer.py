@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as _HFTokenizerImpl
 from tokenizers.decoders import DecodeStream
 
 from kvstrata.text.chat import ChatTemplate, load_chat_template
+from kvstrata.text.gguf_tokenizer import read_gguf_tokenizer
 from kvstrata.config import ModelConfig
 
 BYTE_BOS_ID = 256
@@ -112,14 +113,24 @@ class HFTokenizer:
 
     __slots__ = ("_tok", "eos_token_id", "bos_token_id", "vocab_size", "all_special_ids", "chat_template")
 
-    def __init__(self, directory: Path) -> None:
-        self.chat_template = load_chat_template(directory)  # None: the plain chat format
-        self._tok = _HFTokenizerImpl.from_file(str(directory / "tokenizer.json"))
+    def __init__(self, directory: Path | None = None, *, tokenizer: _HFTokenizerImpl | None = None,
+                 eos_token_id: int | None = None, bos_token_id: int | None = None,
+                 chat_template: ChatTemplate | None = None) -> None:
+        """From a checkpoint ``directory`` (tokenizer.json and its configs), or
+        from a built ``tokenizer`` and its special ids (a GGUF's metadata)."""
+        if directory is None:
+            assert tokenizer is not None, "a directory or a tokenizer"
+            self._tok = tokenizer
+            self.chat_template = chat_template
+            self.eos_token_id, self.bos_token_id = eos_token_id, bos_token_id
+        else:
+            self.chat_template = load_chat_template(directory)  # None: the plain chat format
+            self._tok = _HFTokenizerImpl.from_file(str(directory / "tokenizer.json"))
+            tok_cfg = _read_json(directory / "tokenizer_config.json")
+            model_cfg = {**_read_json(directory / "config.json"), **_read_json(directory / "generation_config.json")}
+            self.eos_token_id = self._special_id(tok_cfg.get("eos_token"), model_cfg.get("eos_token_id"))
+            self.bos_token_id = self._special_id(tok_cfg.get("bos_token"), model_cfg.get("bos_token_id"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        tok_cfg = _read_json(directory / "tokenizer_config.json")
-        model_cfg = {**_read_json(directory / "config.json"), **_read_json(directory / "generation_config.json")}
-        self.eos_token_id = self._special_id(tok_cfg.get("eos_token"), model_cfg.get("eos_token_id"))
-        self.bos_token_id = self._special_id(tok_cfg.get("bos_token"), model_cfg.get("bos_token_id"))
         added = self._tok.get_added_tokens_decoder()
         self.all_special_ids = frozenset(i for i, t in added.items() if t.special)
 
@@ -153,13 +164,18 @@ def load_model_tokenizer(model: ModelConfig) -> ByteTokenizer | HFTokenizer:
 
 
 def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer in directory ``path`` (its tokenizer.json), else byte-level.
+    """The tokenizer in directory ``path`` (its tokenizer.json), or of a GGUF
+    file (from its metadata), else byte-level.
 
     ``path`` None, or a directory without tokenizer.json, gives the byte-level
     tokenizer; a ``path`` that does not exist is an error.
     """
     if path is None:
         return ByteTokenizer()
+    if str(path).lower().endswith(".gguf"):
+        parts = read_gguf_tokenizer(path)
+        return HFTokenizer(tokenizer=parts.tokenizer, eos_token_id=parts.eos_token_id,
+                           bos_token_id=parts.bos_token_id, chat_template=parts.chat_template)
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise ValueError(f"tokenizer: {str(directory)!r} is not a directory")

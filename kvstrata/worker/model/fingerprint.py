@@ -33,7 +33,10 @@ def checkpoint_fingerprint(config: dict[str, Any], files: list[Path], dtype: str
     digest.update(b"\0dtype=" + dtype.encode() + b"\0")
     for path in sorted(files, key=lambda p: p.name):
         digest.update(path.name.encode() + b"\0")
-        _digest_safetensors(path, digest)
+        if path.suffix.lower() == ".gguf":
+            _digest_sampled(path, digest)  # its metadata and tensor index are at the head
+        else:
+            _digest_safetensors(path, digest)
     return digest.hexdigest()
 
 
@@ -52,4 +55,18 @@ def _digest_safetensors(path: Path, digest: "hashlib._Hash") -> None:
             f.seek(start + i * stride)
             digest.update(f.read(_WINDOW))
         f.seek(max(start, size - _WINDOW))
+        digest.update(f.read(_WINDOW))
+
+
+def _digest_sampled(path: Path, digest: "hashlib._Hash") -> None:
+    """The size, the first 1 MiB (a GGUF's metadata and tensor index), 16
+    evenly spaced windows and the last window."""
+    size = path.stat().st_size
+    digest.update(size.to_bytes(8, "little"))
+    with path.open("rb") as f:
+        digest.update(f.read(16 * _HEAD))
+        for i in range(_NUM_WINDOWS):
+            f.seek(size * i // _NUM_WINDOWS)
+            digest.update(f.read(_WINDOW))
+        f.seek(max(0, size - _WINDOW))
         digest.update(f.read(_WINDOW))

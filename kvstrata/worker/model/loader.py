@@ -14,6 +14,7 @@ run wrongly. Errors name the directory and the file or tensor.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from safetensors import safe_open
 
 from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig, parse_arch_config, with_generation_eos
 from kvstrata.worker.model.fingerprint import checkpoint_fingerprint
+from kvstrata.worker.model.gguf_file import GGUFCheckpoint, is_gguf_path
 from kvstrata.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -52,6 +54,8 @@ class LoadedCheckpoint:
 def load_checkpoint(path: str, dtype: str = "float32", device: str = "cpu") -> LoadedCheckpoint:
     """Build the model in ``dtype`` ("float32", "float16", "bfloat16" or "auto":
     the checkpoint's own) on ``device`` and fill it from ``path``."""
+    if is_gguf_path(path):
+        return _load_gguf(path, dtype, device)
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise CheckpointError(f"model: {str(directory)!r} is not a directory")
@@ -131,7 +135,35 @@ def _slices(arch: LlamaArchConfig) -> dict[str, list[int]]:
     return {"qkv_proj": [0, q, q + kv, q + 2 * kv], "gate_up_proj": [0, inter, 2 * inter]}
 
 
+def _load_gguf(path: str, dtype: str, device: str) -> LoadedCheckpoint:
+    """A GGUF file: its metadata as config.json, its tensors dequantized."""
+    ck = GGUFCheckpoint(path)
+    raw = ck.hf_config()
+    arch = parse_arch_config(raw, str(ck.path))
+    dtype_name = resolve_dtype(dtype, "float32")
+    model = LlamaForCausalLM(arch, _DTYPES[dtype_name], device)
+    _fill_tensors(model, arch, ((name, t, ck.path.name) for name, t in ck.tensors()), ck.path)
+    model.eval()
+    fingerprint = checkpoint_fingerprint(raw, [ck.path], dtype_name)
+    log.info("checkpoint_loaded", path=str(ck.path), dtype=dtype_name, format="gguf",
+             num_layers=arch.num_hidden_layers, fingerprint=fingerprint[:16])
+    return LoadedCheckpoint(model, arch, ck.path, dtype_name, fingerprint)
+
+
 def _fill(model: LlamaForCausalLM, arch: LlamaArchConfig, files: list[Path], directory: Path) -> None:
+    def tensors():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for key in reader.keys():
+                    if _target(key, arch) is not None:
+                        yield key, reader.get_tensor(key), file.name
+    _fill_tensors(model, arch, tensors(), directory)
+
+
+def _fill_tensors(model: LlamaForCausalLM, arch: LlamaArchConfig,
+                  tensors: Iterable[tuple[str, torch.Tensor, str]], source: Path) -> None:
+    """Copy (HF name, tensor, file name) items into ``model``: each needed
+    once, nothing extra, shapes exact; errors name the tensor and the file."""
     params = dict(model.named_parameters(remove_duplicate=True))
     if arch.tie_word_embeddings:
         params.pop("lm_head.weight", None)
@@ -141,24 +173,22 @@ def _fill(model: LlamaForCausalLM, arch: LlamaArchConfig, files: list[Path], dir
         fused = name.split(".")[-2]
         count = len(offsets[fused]) - 1 if fused in offsets else 1
         needed.update((name, i) for i in range(count))
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for key in reader.keys():
-                target = _target(key, arch)
-                if target is None:
-                    continue
-                name, piece = target
-                if name not in params:
-                    raise CheckpointError(
-                        f"model: {file.name!r} has tensor {key!r}, which a Llama model with this config.json "
-                        "does not use (different architecture?)"
-                    )
-                _copy(params[name], piece, offsets, name, reader.get_tensor(key), key, file)
-                needed.discard((name, piece))
+    for key, tensor, file_name in tensors:
+        target = _target(key, arch)
+        if target is None:
+            continue
+        name, piece = target
+        if name not in params:
+            raise CheckpointError(
+                f"model: {file_name!r} has tensor {key!r}, which a Llama model with this config "
+                "does not use (different architecture?)"
+            )
+        _copy(params[name], piece, offsets, name, tensor, key, file_name)
+        needed.discard((name, piece))
     if needed:
         missing = sorted(_hf_name(name, piece) for name, piece in needed)
         raise CheckpointError(
-            f"model: checkpoint {str(directory)!r} is missing {len(missing)} tensor(s), e.g. {missing[:3]}"
+            f"model: checkpoint {str(source)!r} is missing {len(missing)} tensor(s), e.g. {missing[:3]}"
         )
 
 
@@ -189,7 +219,7 @@ def _copy(
     name: str,
     tensor: torch.Tensor,
     key: str,
-    file: Path,
+    file_name: str,
 ) -> None:
     """Copy checkpoint ``tensor`` into ``param`` (or its ``piece`` of a fused one), casting the dtype."""
     fused = name.split(".")[-2]
@@ -199,7 +229,7 @@ def _copy(
         dest = dest[lo:hi]
     if tuple(tensor.shape) != tuple(dest.shape):
         raise CheckpointError(
-            f"model: tensor {key!r} in {file.name!r} has shape {tuple(tensor.shape)}, "
+            f"model: tensor {key!r} in {file_name!r} has shape {tuple(tensor.shape)}, "
             f"expected {tuple(dest.shape)} from config.json"
         )
     dest.copy_(tensor)

@@ -1,0 +1,158 @@
+"""Read a GGUF checkpoint (llama.cpp's format) as a Hugging Face one: a
+config dict shaped like config.json and tensors under HF names, dequantized
+(Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16, F32: whatever ``gguf.quants``
+dequantizes) to float32 one tensor at a time.
+
+llama.cpp stores Llama's q and k projections permuted for its RoPE layout;
+they are permuted back, so the tensors equal the original checkpoint's
+(dequantization aside). The tokenizer, special tokens and chat template come
+from the metadata (``kvstrata.text.gguf_tokenizer``).
+
+Errors (``CheckpointError``) name the file and what is wrong: not a GGUF,
+truncated, an architecture or tensor type this reader does not map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstrata.worker.model.config import CheckpointError
+
+# GGUF architecture -> (HF architecture, metadata prefix)
+_ARCHS = {"llama": "LlamaForCausalLM"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFCheckpoint:
+    """Owns: the open reader (memory-mapped file) and what its metadata says."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise CheckpointError(f"model: {str(self.path)!r} is not a file")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except (ValueError, IndexError, OSError, EOFError) as e:
+            raise CheckpointError(f"model: {str(self.path)!r} is not a readable GGUF file: {e}") from None
+        except Exception as e:  # numpy raises assorted errors on truncated files
+            raise CheckpointError(f"model: {str(self.path)!r} is truncated or corrupt: {type(e).__name__}: {e}") from None
+        self.arch_name = self.string("general.architecture")
+        if self.arch_name not in _ARCHS:
+            raise CheckpointError(f"model: {self.path.name!r}: GGUF architecture {self.arch_name!r} is not supported "
+                                  f"(supported: {sorted(_ARCHS)})")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    # -- metadata ---------------------------------------------------------------
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self._reader.fields.get(key)
+        if f is None:
+            return default
+        if len(f.types) == 1 and f.types[0].name == "STRING":
+            return bytes(f.parts[f.data[0]]).decode("utf-8")
+        if f.types[0].name == "ARRAY":
+            if len(f.types) > 1 and f.types[1].name == "STRING":
+                return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+            return [f.parts[i].tolist()[0] for i in f.data]
+        value = f.parts[f.data[0]].tolist()
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    def string(self, key: str) -> str:
+        v = self.field(key)
+        if not isinstance(v, str):
+            raise CheckpointError(f"model: {self.path.name!r} has no {key!r} metadata")
+        return v
+
+    def _need(self, key: str) -> Any:
+        v = self.field(f"{self.arch_name}.{key}")
+        if v is None:
+            raise CheckpointError(f"model: {self.path.name!r} is missing metadata {self.arch_name}.{key}")
+        return v
+
+    def hf_config(self) -> dict[str, Any]:
+        """What config.json would say."""
+        heads = int(self._need("attention.head_count"))
+        hidden = int(self._need("embedding_length"))
+        vocab = self.field(f"{self.arch_name}.vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])
+        cfg: dict[str, Any] = {
+            "architectures": [_ARCHS[self.arch_name]],
+            "hidden_size": hidden,
+            "intermediate_size": int(self._need("feed_forward_length")),
+            "num_hidden_layers": int(self._need("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(f"{self.arch_name}.attention.head_count_kv") or heads),
+            "head_dim": int(self.field(f"{self.arch_name}.attention.key_length") or hidden // heads),
+            "rms_norm_eps": float(self._need("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self.field(f"{self.arch_name}.rope.freq_base") or 10000.0),
+            "max_position_embeddings": int(self.field(f"{self.arch_name}.context_length") or 2048),
+            "vocab_size": int(vocab),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "torch_dtype": "float32",
+        }
+        for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                          ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+            value = self.field(name)
+            if value is not None:
+                cfg[key] = int(value)
+        eot = self.field("tokenizer.ggml.eot_token_id")
+        if eot is not None and eot != cfg.get("eos_token_id"):
+            cfg["eos_token_id"] = [cfg["eos_token_id"], int(eot)] if "eos_token_id" in cfg else int(eot)
+        return cfg
+
+    # -- tensors ------------------------------------------------------------------
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for every tensor, dequantized lazily."""
+        from gguf.quants import dequantize
+
+        cfg = self.hf_config()
+        for name, t in self._tensors.items():
+            hf = _hf_name(name)
+            if hf is None:
+                raise CheckpointError(f"model: {self.path.name!r} has tensor {name!r}, which a "
+                                      f"{_ARCHS[self.arch_name]} does not use")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            try:
+                data = dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise CheckpointError(f"model: {self.path.name!r}: tensor {name!r} has type "
+                                      f"{t.tensor_type.name}, which cannot be dequantized") from None
+            arr = np.asarray(data, dtype=np.float32).reshape(shape)
+            if hf.endswith("q_proj.weight"):
+                arr = _unpermute(arr, cfg["num_attention_heads"])
+            elif hf.endswith("k_proj.weight"):
+                arr = _unpermute(arr, cfg["num_key_value_heads"])
+            yield hf, torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+
+
+def _hf_name(name: str) -> str | None:
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its converter interleaves the
+    two halves of each head's rotary dimensions)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")

