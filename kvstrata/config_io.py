@@ -107,7 +107,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine config (also TOML via --config, env KVSTRATA_<SECTION>__<FIELD>)")
     g.add_argument("--config", metavar="FILE", default=None, help="TOML file with the engine config")
     g.add_argument("--model", dest="cfg:model.model", default=argparse.SUPPRESS, metavar="PATH",
-                   help="shortcut for --model.model: a local Hugging Face checkpoint directory")
+                   help="shortcut for --model.model: a local Hugging Face checkpoint directory, a .gguf "
+                        "file, 'smollm2' (SmolLM2-135M-Instruct, the CLI's default) or 'random' (seeded "
+                        "random weights, no download)")
     defaults = msgspec.to_builtins(EngineConfig())
     for path, typ in config_fields().items():
         flag = "--" + path.replace("_", "-")

@@ -138,3 +138,19 @@ def run_main_job(args: argparse.Namespace, config: EngineConfig) -> int:
     save_outputs(args, report, result)
     print(format_report(report), flush=True)
     return 0 if report["num_errors"] == 0 else 1
+
+
+def resolve_model(config: EngineConfig) -> EngineConfig:
+    """The CLI's model names: none given or ``smollm2`` is the real default
+    model, SmolLM2-135M-Instruct (its GGUF, fetched into the cache once);
+    ``random`` is the seeded random model (tests, no download). The null
+    executor runs no model: it keeps the random one's shapes."""
+    name = config.model.model
+    if name == "random" or (name is None and config.executor != "model"):
+        return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=None))
+    if name is None or name == "smollm2":
+        from kvstrata.worker.model.smollm2 import locate_smollm2
+
+        path = str(locate_smollm2(download=True))
+        return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=path))
+    return config

@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level, json=args.log_json)
     from kvstrata.cli import commands
 
+    try:
+        config = commands.resolve_model(config)
+    except ValueError as e:  # CheckpointError: not installed, and could not download
+        print(f"kvstrata {args.command}: {e}", file=sys.stderr)
+        return 2
+
     if args.command == "serve":
         return commands.run_async(commands.serve(args, config))
     if args.command == "bench":

@@ -121,10 +121,14 @@ class EngineClient(Protocol):
 
 
 def served_model_name(config: EngineConfig) -> str:
-    """The model's name for the API: its checkpoint directory's name, or
-    ``kvstrata-default`` for the built-in random model."""
+    """The model's name for the API: its checkpoint directory's (or GGUF
+    file's, without ``.gguf``) name, or ``kvstrata-default`` for the
+    built-in random model."""
     m = config.model.model
-    return os.path.basename(os.path.normpath(m)) if m else "kvstrata-default"
+    if not m:
+        return "kvstrata-default"
+    name = os.path.basename(os.path.normpath(m))
+    return name[:-5] if name.lower().endswith(".gguf") else name
 
 
 async def generate_chat(client: EngineClient, messages: Sequence[Any], params: SamplingParams | None = None,

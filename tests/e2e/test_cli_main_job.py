@@ -1,6 +1,6 @@
 """`kvstrata run`, the README's first command: the engine subprocess with the
-default model (seeded random weights, nothing downloaded), a small multi-turn
-workload, the printed report."""
+default model (SmolLM2-135M-Instruct's GGUF, fetched into the cache once), a
+small multi-turn workload, the printed report."""
 
 from __future__ import annotations
 
