@@ -150,3 +150,34 @@ def _save(tok, directory: str | Path, bos: str, eos: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": {"content": eos}}))
+
+
+def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, **overrides: Any):
+    """A random tiny checkpoint of ``family`` ("llama", "qwen2": q/k/v biases,
+    "qwen3": q/k norms, explicit head_dim, tied embeddings) saved into
+    ``directory``; returns the HF model (fp32, eval) as the oracle."""
+    import transformers
+
+    if family == "llama":
+        return build_tiny_llama(directory, seed=seed, **overrides)
+    base = {**TINY_DEFAULTS, **overrides}
+    if family == "qwen2":
+        cfg = transformers.Qwen2Config(**base, use_sliding_window=False)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        base.update(head_dim=24, tie_word_embeddings=True)  # head_dim != hidden / heads (16)
+        cfg = transformers.Qwen3Config(**base, use_sliding_window=False)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0, 0.3)  # HF zero-inits biases: make a missed bias show
+    copy.deepcopy(model).save_pretrained(str(directory))
+    return model

@@ -1,6 +1,8 @@
-"""The oracle: Hugging Face transformers' Llama on the same weights.
+"""The oracle: Hugging Face transformers on the same weights, for every
+supported family (Llama; Qwen2 with q/k/v biases; Qwen3 with q/k norms, an
+explicit head_dim and tied embeddings).
 
-A tiny random LlamaForCausalLM is saved as safetensors; the whole engine
+A tiny random checkpoint of each is saved as safetensors; the whole engine
 (AsyncEngine -> scheduler -> KV manager -> model runner -> kernels) loads it
 and must produce exactly HF ``generate``'s greedy fp32 tokens for a batch of
 concurrent prompts: with prefix caching off, on (a second wave hitting the
@@ -14,7 +16,7 @@ import asyncio
 import random
 
 import pytest
-from hf_utils import build_tiny_llama, hf_greedy
+from hf_utils import build_tiny_family, hf_greedy
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.enginecore.async_engine import AsyncEngine
@@ -24,11 +26,11 @@ MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
-@pytest.fixture(scope="module")
-def oracle(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def oracle(request, tmp_path_factory):
     """(checkpoint dir, {prompt tuple: HF greedy tokens}) for the prompts below."""
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model = build_tiny_llama(path, seed=3)
+    path = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    model = build_tiny_family(path, request.param, seed=3)
     rng = random.Random(7)
     shared = [rng.randrange(2, 256) for _ in range(22)]
     prompts = {
@@ -100,8 +102,11 @@ async def test_matches_hf_with_small_prefill_chunks(oracle, start):
 @pytest.mark.parametrize("caching", [False, True], ids=["caching-off", "caching-on"])
 async def test_matches_hf_when_a_tiny_pool_forces_preemption(oracle, start, caching):
     path, prompts, expected = oracle
-    # 4 prompts of 16-36 tokens grow by 12: the 16 usable blocks (64 tokens) hold two at most.
-    engine = await start(path, num_blocks=17, caching=caching)
-    batch = prompts["plain"][3:] + prompts["wave2"][2:]
+    # 4 prompts of 16-36 tokens grow by up to 12: 12 usable blocks (48 tokens) hold the
+    # longest alone and any two of them only until they grow (whatever each family's outputs).
+    engine = await start(path, num_blocks=13, caching=caching)
+    full = [p for p in prompts["plain"] + prompts["wave2"] if len(p) >= 16 and len(expected[tuple(p)]) == MAX_NEW]
+    batch = full[:4]  # requests that grow by all 12 tokens (a family's EOS may end others early)
+    assert len(batch) >= 3
     assert_matches(expected, batch, await generate_all(engine, batch))
     assert (await engine.stats()).num_preemptions > 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvstrata.worker.model.layers import Linear
+from kvstrata.worker.model.layers import Linear, RMSNorm
 from kvstrata.worker.model.rope import apply_rotary
 from kvstrata.kernels import paged_attention, reshape_and_cache
 
@@ -52,7 +52,12 @@ class LlamaAttention(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        o_bias: bool | None = None,
+        qk_norm_eps: float | None = None,
     ) -> None:
+        """``bias``: on q/k/v (and on o_proj unless ``o_bias`` says otherwise);
+        ``qk_norm_eps``: RMSNorm each head of q and k before RoPE (Qwen3)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -62,7 +67,11 @@ class LlamaAttention(nn.Module):
         self.scale = head_dim**-0.5
         qkv_rows = self.q_size + 2 * self.kv_size
         self.qkv_proj = Linear(qkv_rows, hidden_size, bias, dtype, device)
-        self.o_proj = Linear(hidden_size, self.q_size, bias, dtype, device)
+        self.o_proj = Linear(hidden_size, self.q_size, bias if o_bias is None else o_bias, dtype, device)
+        self.qk_norm = qk_norm_eps is not None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -75,8 +84,12 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)

@@ -1,5 +1,11 @@
 """The architecture of a Llama-family checkpoint, read from its config.json.
 
+One decoder runs every family; what differs is data, a ``FamilySpec`` per
+architecture (``FAMILIES``): Llama (biases per ``attention_bias``), Qwen2
+(q/k/v biases, no o_proj bias), Qwen3 (per-head RMSNorm on q and k, explicit
+``head_dim``). Sliding-window settings are refused by name until the
+windowed attention path lands.
+
 Both spellings of the RoPE settings are accepted: transformers 4.x writes
 ``rope_theta`` + ``rope_scaling``; transformers 5.x writes one
 ``rope_parameters`` dict (``{"rope_type": ..., "rope_theta": ..., ...}``).
@@ -12,7 +18,21 @@ from typing import Any
 
 import msgspec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+class FamilySpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How one architecture differs from Llama, as data."""
+
+    model_type: str
+    qkv_bias: bool | None = None  # None: config.json's attention_bias decides
+    o_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE
+
+
+FAMILIES = {
+    "LlamaForCausalLM": FamilySpec(model_type="llama"),
+    "Qwen2ForCausalLM": FamilySpec(model_type="qwen2", qkv_bias=True, o_bias=False),
+    "Qwen3ForCausalLM": FamilySpec(model_type="qwen3", o_bias=False, qk_norm=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -55,22 +75,34 @@ class LlamaArchConfig(msgspec.Struct, frozen=True, kw_only=True):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
 
 def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
     """Validate a config.json dict; ``where`` (the file path) goes into every error."""
     archs = raw.get("architectures")
+    by_type = {f.model_type: a for a, f in FAMILIES.items()}
     if archs is None:
-        if raw.get("model_type") != "llama":
+        arch_name = by_type.get(raw.get("model_type"))
+        if arch_name is None:
             raise UnsupportedArchitectureError(
                 f"{where}: model_type {raw.get('model_type')!r} is not supported "
-                f"(supported: 'llama'; no 'architectures' field given)"
+                f"(supported: {sorted(by_type)}; no 'architectures' field given)"
             )
-    elif not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise UnsupportedArchitectureError(
-            f"{where}: architectures {archs!r} are not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    else:
+        arch_name = next((a for a in archs if a in FAMILIES), None)
+        if arch_name is None:
+            raise UnsupportedArchitectureError(
+                f"{where}: architectures {archs!r} are not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+    family = FAMILIES[arch_name]
+    if raw.get("use_sliding_window") or (family.model_type != "llama" and raw.get("layer_types")
+                                         and any(t != "full_attention" for t in raw["layer_types"])):
+        raise UnsupportedArchitectureError(f"{where}: {arch_name} with sliding-window layers is not supported yet")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
@@ -102,6 +134,10 @@ def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        architecture=arch_name,
+        qkv_bias=bool(raw.get("attention_bias", False)) if family.qkv_bias is None else family.qkv_bias,
+        o_bias=bool(raw.get("attention_bias", False)) if family.o_bias is None else family.o_bias,
+        qk_norm=family.qk_norm,
     )
 
 

@@ -47,9 +47,11 @@ class LlamaDecoderLayer(nn.Module):
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            cfg.attention_bias,
+            cfg.qkv_bias,
             dtype,
             device,
+            o_bias=cfg.o_bias,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype, device)

@@ -1,0 +1,55 @@
+"""Per-family loading rules: what each family's checkpoint must hold (Qwen2's
+q/k/v biases, Qwen3's q/k norms), and what is refused by name at start."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hf_utils import build_tiny_family
+from safetensors.torch import load_file, save_file
+
+from kvstrata.worker.model import CheckpointError, UnsupportedArchitectureError, load_checkpoint
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def family_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    build_tiny_family(d, request.param)
+    return request.param, d
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_each_family_loads_with_its_own_parts(family_dir):
+    family, d = family_dir
+    arch = load_checkpoint(str(d)).arch
+    assert arch.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert (arch.qkv_bias, arch.qk_norm) == ((True, False) if family == "qwen2" else (False, True))
+    assert not arch.o_bias
+
+
+def test_a_missing_family_tensor_is_named(family_dir, tmp_path):
+    family, src = family_dir
+    d = _copy(src, tmp_path / "ckpt")
+    tensors = load_file(str(d / "model.safetensors"))
+    gone = "model.layers.0.self_attn.k_proj.bias" if family == "qwen2" else "model.layers.0.self_attn.k_norm.weight"
+    del tensors[gone]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing 1 tensor"):
+        load_checkpoint(str(d))
+
+
+def test_sliding_window_layers_are_refused_by_name(family_dir, tmp_path):
+    family, src = family_dir
+    d = _copy(src, tmp_path / "sw")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["use_sliding_window"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="sliding-window"):
+        load_checkpoint(str(d))
