@@ -161,7 +161,9 @@ def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, **ov
     if family == "llama":
         return build_tiny_llama(directory, seed=seed, **overrides)
     base = {**TINY_DEFAULTS, **overrides}
-    if family == "qwen2":
+    if family in ("qwen2", "qwen2-yarn"):
+        if family == "qwen2-yarn":  # Qwen2.5's long-context setting, scaled down
+            base["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
         cfg = transformers.Qwen2Config(**base, use_sliding_window=False)
         cls = transformers.Qwen2ForCausalLM
     elif family == "qwen3":

@@ -1,6 +1,6 @@
 """The oracle: Hugging Face transformers on the same weights, for every
-supported family (Llama; Qwen2 with q/k/v biases; Qwen3 with q/k norms, an
-explicit head_dim and tied embeddings).
+supported family (Llama; Qwen2 with q/k/v biases, also with yarn RoPE;
+Qwen3 with q/k norms, an explicit head_dim and tied embeddings).
 
 A tiny random checkpoint of each is saved as safetensors; the whole engine
 (AsyncEngine -> scheduler -> KV manager -> model runner -> kernels) loads it
@@ -26,7 +26,7 @@ MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-yarn", "qwen3"])
 def oracle(request, tmp_path_factory):
     """(checkpoint dir, {prompt tuple: HF greedy tokens}) for the prompts below."""
     path = tmp_path_factory.mktemp(f"tiny_{request.param}")

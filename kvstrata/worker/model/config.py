@@ -33,7 +33,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": FamilySpec(model_type="qwen3", o_bias=False, qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class CheckpointError(ValueError):
@@ -46,10 +46,18 @@ class UnsupportedArchitectureError(CheckpointError):
 
 
 class RopeConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """RoPE settings; the llama3 fields are used only when ``rope_type`` is "llama3"."""
+    """RoPE settings; the llama3 fields are used only when ``rope_type`` is
+    "llama3", the yarn ones (and ``original_max_position_embeddings``) when
+    it is "yarn"."""
 
     rope_type: str = "default"
     theta: float = 10000.0
+    attention_factor: float | None = None  # yarn: None = from factor (and mscale)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -172,6 +180,20 @@ def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
         fields["low_freq_factor"] = float(params["low_freq_factor"])
         fields["high_freq_factor"] = float(params["high_freq_factor"])
         fields["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    if rope_type == "yarn":
+        orig = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+        if not isinstance(orig, int) or orig < 1:
+            raise CheckpointError(f"{where}: rope_scaling type 'yarn' needs 'original_max_position_embeddings'")
+        factor = params.get("factor")
+        fields["original_max_position_embeddings"] = orig
+        fields["factor"] = float(factor) if factor is not None else raw["max_position_embeddings"] / orig
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if params.get(key) is not None:
+                fields[key] = float(params[key])
+        for key in ("beta_fast", "beta_slow"):
+            if params.get(key):
+                fields[key] = float(params[key])
+        fields["truncate"] = bool(params.get("truncate", True))
     return RopeConfig(**fields)
 
 

@@ -1,9 +1,11 @@
 """Rotary position embeddings (the "rotate half" layout Hugging Face Llama uses).
 
-Frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` bit for bit (fp32):
-"default", "linear" (frequencies divided by ``factor``) and "llama3" (low
+Frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` (fp32):
+"default", "linear" (frequencies divided by ``factor``), "llama3" (low
 frequencies divided by ``factor``, a smooth ramp between ``low_freq_factor``
-and ``high_freq_factor`` wavelengths). "dynamic" NTK scaling is refused at
+and ``high_freq_factor`` wavelengths) and "yarn" (interpolate the slow
+dimensions, keep the fast ones, ramp between; cos/sin scaled by the
+attention factor). "dynamic" NTK scaling is refused at
 config time: its frequencies depend on the current sequence length, so keys
 already in a paged cache would have been rotated with different ones.
 
@@ -28,7 +30,46 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn(inv_freq, rope, head_dim)
     return inv_freq
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by: 1, except for yarn, whose
+    attention factor defaults to ``0.1 * ln(factor) + 1`` (or the ratio of
+    two such terms with ``mscale`` / ``mscale_all_dim``)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def m(scale: float, k: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return m(rope.factor, rope.mscale) / m(rope.factor, rope.mscale_all_dim)
+    return m(rope.factor)
+
+
+def _yarn(inv_freq: torch.Tensor, rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: dimensions that rotate fast (more than ``beta_fast`` turns over the
+    original context) keep their frequency, slow ones (under ``beta_slow``)
+    are interpolated by ``factor``, a linear ramp in between."""
+    base, orig = rope.theta, rope.original_max_position_embeddings
+
+    def dim_for(turns: float) -> float:  # the dimension that makes ``turns`` rotations over ``orig``
+        return dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_for(rope.beta_fast), dim_for(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (inv_freq / rope.factor) * (1 - keep) + inv_freq * keep
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -48,10 +89,11 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding:
     """Owns: the inverse-frequency vector (on the model's device, fp32)."""
 
-    __slots__ = ("inv_freq",)
+    __slots__ = ("inv_freq", "scale")
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> None:
         self.inv_freq = inv_frequencies(rope, head_dim).to(device)
+        self.scale = attention_scaling(rope)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Half-width cos/sin [T, 1, head_dim // 2] for ``positions`` [T], cast to ``dtype``.
@@ -60,7 +102,10 @@ class RotaryEmbedding:
         rotation on the two halves separately is the same arithmetic.
         """
         freqs = positions.to(torch.float)[:, None] * self.inv_freq
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
