@@ -36,7 +36,7 @@ from kvstrata.worker.sampler import Sampler
 from kvstrata.text.tokenizer import load_tokenizer
 from kvstrata.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches
-from kvstrata.kv import FullAttentionSpec, KVCacheSpec
+from kvstrata.kv import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 log = structlog.get_logger(__name__)
 
@@ -52,9 +52,12 @@ def resolve_device(device: str) -> torch.device:
 def layer_kv_specs(arch: LlamaArchConfig, dtype: str, block_size: int) -> dict[str, KVCacheSpec]:
     """The model's KV, per attention layer in layer order (the engine's
     builder groups equal specs into KV cache groups and sizes the pool from
-    their page sizes). Every Llama layer is full attention."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=arch.num_key_value_heads,
-                             head_size=arch.head_dim, dtype=dtype)
+    their page sizes). Full attention, or a sliding window on every layer
+    (Mistral): blocks that leave the window are freed and hits follow the
+    window's rules (``kvstrata.kv.managers.windowed``)."""
+    kw = dict(block_size=block_size, num_kv_heads=arch.num_key_value_heads, head_size=arch.head_dim, dtype=dtype)
+    spec: KVCacheSpec = (FullAttentionSpec(**kw) if arch.sliding_window is None
+                         else SlidingWindowSpec(**kw, sliding_window=arch.sliding_window))
     return {f"model.layers.{i}.self_attn": spec for i in range(arch.num_hidden_layers)}
 
 

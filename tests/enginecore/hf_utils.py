@@ -154,7 +154,8 @@ def _save(tok, directory: str | Path, bos: str, eos: str) -> None:
 
 def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, **overrides: Any):
     """A random tiny checkpoint of ``family`` ("llama", "qwen2": q/k/v biases,
-    "qwen3": q/k norms, explicit head_dim, tied embeddings) saved into
+    "qwen2-yarn", "qwen3": q/k norms, explicit head_dim, tied embeddings,
+    "mistral": an 8-token sliding window) saved into
     ``directory``; returns the HF model (fp32, eval) as the oracle."""
     import transformers
 
@@ -166,6 +167,9 @@ def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, **ov
             base["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
         cfg = transformers.Qwen2Config(**base, use_sliding_window=False)
         cls = transformers.Qwen2ForCausalLM
+    elif family == "mistral":  # a window (8) shorter than most prompts; blocks of 4
+        cfg = transformers.MistralConfig(**base, sliding_window=8)
+        cls = transformers.MistralForCausalLM
     elif family == "qwen3":
         base.update(head_dim=24, tie_word_embeddings=True)  # head_dim != hidden / heads (16)
         cfg = transformers.Qwen3Config(**base, use_sliding_window=False)

@@ -53,3 +53,22 @@ def test_sliding_window_layers_are_refused_by_name(family_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="sliding-window"):
         load_checkpoint(str(d))
+
+
+def test_mistral_window_becomes_a_sliding_window_kv_spec_and_null_is_full(tmp_path):
+    from kvstrata.kv import FullAttentionSpec, SlidingWindowSpec
+    from kvstrata.worker.model_runner import layer_kv_specs
+
+    d = tmp_path / "mistral"
+    build_tiny_family(d, "mistral")
+    arch = load_checkpoint(str(d)).arch
+    assert arch.architecture == "MistralForCausalLM" and arch.sliding_window == 8
+    specs = set(layer_kv_specs(arch, "float32", 4).values())
+    assert specs == {SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=16, dtype="float32", sliding_window=8)}
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["sliding_window"] = None
+    (d / "config.json").write_text(json.dumps(cfg))
+    arch = load_checkpoint(str(d)).arch
+    assert arch.sliding_window is None
+    assert set(layer_kv_specs(arch, "float32", 4).values()) == {
+        FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=16, dtype="float32")}

@@ -1,6 +1,7 @@
 """The oracle: Hugging Face transformers on the same weights, for every
 supported family (Llama; Qwen2 with q/k/v biases, also with yarn RoPE;
-Qwen3 with q/k norms, an explicit head_dim and tied embeddings).
+Qwen3 with q/k norms, an explicit head_dim and tied embeddings; Mistral
+with an 8-token sliding window, shorter than most prompts).
 
 A tiny random checkpoint of each is saved as safetensors; the whole engine
 (AsyncEngine -> scheduler -> KV manager -> model runner -> kernels) loads it
@@ -26,7 +27,7 @@ MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-yarn", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral"])
 def oracle(request, tmp_path_factory):
     """(checkpoint dir, {prompt tuple: HF greedy tokens}) for the prompts below."""
     path = tmp_path_factory.mktemp(f"tiny_{request.param}")
@@ -109,4 +110,5 @@ async def test_matches_hf_when_a_tiny_pool_forces_preemption(oracle, start, cach
     batch = full[:4]  # requests that grow by all 12 tokens (a family's EOS may end others early)
     assert len(batch) >= 3
     assert_matches(expected, batch, await generate_all(engine, batch))
-    assert (await engine.stats()).num_preemptions > 0
+    if "mistral" not in path:  # a sliding window frees what leaves it: this pool never runs short
+        assert (await engine.stats()).num_preemptions > 0

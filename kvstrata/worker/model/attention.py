@@ -55,6 +55,7 @@ class LlamaAttention(nn.Module):
         *,
         o_bias: bool | None = None,
         qk_norm_eps: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         """``bias``: on q/k/v (and on o_proj unless ``o_bias`` says otherwise);
         ``qk_norm_eps``: RMSNorm each head of q and k before RoPE (Qwen3)."""
@@ -68,6 +69,7 @@ class LlamaAttention(nn.Module):
         qkv_rows = self.q_size + 2 * self.kv_size
         self.qkv_proj = Linear(qkv_rows, hidden_size, bias, dtype, device)
         self.o_proj = Linear(hidden_size, self.q_size, bias if o_bias is None else o_bias, dtype, device)
+        self.sliding_window = sliding_window
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype, device)
@@ -101,5 +103,6 @@ class LlamaAttention(nn.Module):
             meta.query_start_loc,
             meta.seq_lens,
             self.scale,
+            sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))

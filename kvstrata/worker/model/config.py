@@ -25,12 +25,14 @@ class FamilySpec(msgspec.Struct, frozen=True, kw_only=True):
     qkv_bias: bool | None = None  # None: config.json's attention_bias decides
     o_bias: bool | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE
+    window_key: str | None = None  # config key of a window every layer uses (null: full attention)
 
 
 FAMILIES = {
     "LlamaForCausalLM": FamilySpec(model_type="llama"),
     "Qwen2ForCausalLM": FamilySpec(model_type="qwen2", qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": FamilySpec(model_type="qwen3", o_bias=False, qk_norm=True),
+    "MistralForCausalLM": FamilySpec(model_type="mistral", window_key="sliding_window"),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -87,6 +89,7 @@ class LlamaArchConfig(msgspec.Struct, frozen=True, kw_only=True):
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None  # every layer attends to this many tokens (None: all)
 
 
 def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
@@ -108,9 +111,13 @@ def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
     family = FAMILIES[arch_name]
-    if raw.get("use_sliding_window") or (family.model_type != "llama" and raw.get("layer_types")
-                                         and any(t != "full_attention" for t in raw["layer_types"])):
-        raise UnsupportedArchitectureError(f"{where}: {arch_name} with sliding-window layers is not supported yet")
+    window = raw.get(family.window_key) if family.window_key else None
+    if window is not None and (type(window) is not int or window < 1):
+        raise CheckpointError(f"{where}: {family.window_key} must be a positive integer or null, got {window!r}")
+    if family.window_key is None and (raw.get("use_sliding_window") or (
+            raw.get("layer_types") and any(t != "full_attention" for t in raw["layer_types"]))):
+        raise UnsupportedArchitectureError(
+            f"{where}: {arch_name} with sliding-window layers beside full-attention ones is not supported yet")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
@@ -146,6 +153,7 @@ def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
         qkv_bias=bool(raw.get("attention_bias", False)) if family.qkv_bias is None else family.qkv_bias,
         o_bias=bool(raw.get("attention_bias", False)) if family.o_bias is None else family.o_bias,
         qk_norm=family.qk_norm,
+        sliding_window=window,
     )
 
 

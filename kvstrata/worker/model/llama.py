@@ -52,6 +52,7 @@ class LlamaDecoderLayer(nn.Module):
             device,
             o_bias=cfg.o_bias,
             qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+            sliding_window=cfg.sliding_window,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype, device)
