@@ -41,7 +41,6 @@ import asyncio
 import hmac
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine
@@ -142,8 +141,6 @@ class EngineServer:
             self._sock.setsockopt(opt, val)
         if address.startswith("tcp://"):
             self._auth = _curve_server(self._sock, credentials)
-        elif address.startswith("ipc://"):
-            self._auth = _IpcPeerCheck(self._sock)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._monitor_reader = ZmqReader(self._loop, self._monitor, self._on_monitor)
         self._sock.bind(address)
@@ -513,46 +510,6 @@ def _curve_server(sock: zmq.Socket, credentials: P.Credentials) -> Any:
     sock.curve_secretkey = credentials.server_secret.encode()  # type: ignore[union-attr]
     sock.curve_publickey = credentials.server_public.encode()  # type: ignore[union-attr]
     return auth
-
-
-class _IpcPeerCheck:
-    """A ZAP handler (its own thread) for an ipc:// socket: libzmq asks it
-    about every new connection before any message passes, giving the peer's
-    credentials in the address (``localhost:UID:GID:PID``, from SO_PEERCRED);
-    only processes of the engine's own user are admitted. The 0700
-    directory already keeps other users out; this holds even if it is
-    loosened or the socket handed around."""
-
-    def __init__(self, sock: zmq.Socket) -> None:
-        self._uid = os.getuid()
-        self._stop = threading.Event()
-        self._zap = zmq.Context.instance().socket(zmq.REP)
-        self._zap.setsockopt(zmq.LINGER, 0)
-        self._zap.bind("inproc://zeromq.zap.01")
-        sock.zap_domain = b"kvstrata-ipc"
-        self._thread = threading.Thread(target=self._run, name="kvstrata-ipc-peer-check", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        zap = self._zap
-        try:
-            while not self._stop.is_set():
-                if not zap.poll(100):
-                    continue
-                version, request_id, _domain, address, *_ = zap.recv_multipart()
-                parts = address.decode("ascii", "replace").split(":")
-                uid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else -1
-                ok = uid == self._uid
-                if not ok:
-                    log.warning("engine_client_refused", reason="peer runs as another user", peer_uid=uid)
-                zap.send_multipart([version, request_id, b"200" if ok else b"400",
-                                    b"OK" if ok else b"peer uid refused", b"", b""])
-        finally:
-            zap.close(linger=0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 _zap_log = logging.getLogger("kvstrata.ipc.zap")
