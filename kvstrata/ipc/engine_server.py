@@ -41,6 +41,8 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
+import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine
@@ -76,7 +78,7 @@ class _Client:
     (its backlog, in order), its protocol error count."""
 
     __slots__ = ("identity", "fd", "requests", "recent", "pending", "num_errors", "backlog",
-                 "backlog_bytes", "num_unblocked", "stall_timer", "farewell")
+                 "backlog_bytes", "num_unblocked", "stall_timer", "farewell", "refused")
 
     def __init__(self, identity: bytes, fd: int) -> None:
         self.identity = identity
@@ -92,6 +94,7 @@ class _Client:
         # Requests aborted because the client did not read: the backlog's
         # first frame ends their streams; their own abort outputs are dropped.
         self.farewell: dict[str, bool] = {}  # request id -> its abort output still to come
+        self.refused = False  # a peer of another user (ipc): everything it sends is ignored
 
     def finished(self, rid: str) -> None:
         self.requests.discard(rid)
@@ -141,6 +144,10 @@ class EngineServer:
             self._sock.setsockopt(opt, val)
         if address.startswith("tcp://"):
             self._auth = _curve_server(self._sock, credentials)
+        # ipc://: besides the 0700 directory, each client's connection is
+        # checked (SO_PEERCRED on its fd) before its first message is handled.
+        self._check_peer_uid = address.startswith("ipc://")
+        self._uid = os.getuid()
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._monitor_reader = ZmqReader(self._loop, self._monitor, self._on_monitor)
         self._sock.bind(address)
@@ -193,6 +200,8 @@ class EngineServer:
         client = self._clients.get(identity)
         if client is None:
             client = self._new_client(identity, frames[0].get(zmq.SRCFD))
+        if client.refused:
+            return  # never an answer, not even an error
         if len(frames) != 2:
             return self._protocol_error(client, f"expected one frame per message, got {len(frames) - 1}")
         frame = frames[1].buffer
@@ -253,6 +262,12 @@ class EngineServer:
     def _new_client(self, identity: bytes, fd: int) -> _Client:
         self._monitor_reader.drain_now()  # an old disconnect of this fd goes first
         client = self._clients[identity] = self._by_fd[fd] = _Client(identity, fd)
+        if self._check_peer_uid:
+            uid = _peer_uid(fd)
+            if uid != self._uid:
+                client.refused = True
+                log.warning("engine_client_refused", reason="peer runs as another user", peer_uid=uid)
+                return client
         log.info("client_connected", num_clients=len(self._clients))
         return client
 
@@ -484,6 +499,17 @@ class EngineServer:
                             num_clients=len(self._clients), num_requests=len(self._routes),
                             num_protocol_errors=self.num_protocol_errors,
                             uptime_s=time.monotonic() - self._started, engine=engine)
+
+
+def _peer_uid(fd: int) -> int:
+    """The uid of the process at the other end of a unix socket (-1: unknown)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               struct.calcsize("3i")))
+            return uid
+    except OSError:
+        return -1
 
 
 def _curve_server(sock: zmq.Socket, credentials: P.Credentials) -> Any:

@@ -110,3 +110,49 @@ async def test_credentials_never_appear_in_the_engine_command_line(tcp_owner):
     cmdline = Path(f"/proc/{tcp_owner._proc.pid}/cmdline").read_bytes()
     for secret in (creds.owner_token, creds.server_secret, creds.client_secret, creds.client_public):
         assert secret.encode() not in cmdline
+_PROBE = """
+import sys, zmq, msgspec
+from kvstrata.ipc import protocol as P
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(sys.argv[1])
+sock.send(msgspec.msgpack.encode(P.Utility(1, "handshake", [])))
+print("ANSWER" if sock.poll(1500) else "SILENT")
+"""
+
+
+def _probe_as(uid: int, address: str) -> str:
+    """Run the probe as ``uid`` (``setpriv``: a real process of that user)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", _PROBE, address]
+    if uid != os.getuid():
+        cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd="/",
+                         env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+async def test_over_ipc_a_peer_of_another_user_gets_nothing():
+    """Even with the 0700 directory loosened (the first line of defence
+    gone), the engine checks each connection's peer uid (SO_PEERCRED) before
+    its first message and answers only its own user."""
+    import os
+
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a probe as another user")
+    owner = await MPEngineClient.start(null_config(), transport="ipc")
+    try:
+        path = Path(owner.address[len("ipc://"):])
+        path.parent.chmod(0o755)
+        path.chmod(0o777)
+        assert await asyncio.to_thread(_probe_as, os.getuid(), owner.address) == "ANSWER"
+        assert await asyncio.to_thread(_probe_as, 65534, owner.address) == "SILENT"
+        assert len(await _generate(owner)) == 3
+    finally:
+        await owner.aclose()
