@@ -112,7 +112,7 @@ class EngineServer:
     def __init__(self, address: str, config_builtins: Any, credentials: P.Credentials, *,
                  max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, send_hwm: int = P.SEND_HWM,
                  recv_hwm: int = P.RECV_HWM, max_backlog_bytes: int = P.MAX_CLIENT_BACKLOG_BYTES,
-                 stall_timeout_s: float = P.CLIENT_STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = P.CLIENT_STALL_TIMEOUT_S, allowed_uid: int | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self.address = address
         # What the handshake tells any client: never a secret (Redis passwords, ...).
@@ -147,7 +147,7 @@ class EngineServer:
         # ipc://: besides the 0700 directory, each client's connection is
         # checked (SO_PEERCRED on its fd) before its first message is handled.
         self._check_peer_uid = address.startswith("ipc://")
-        self._uid = os.getuid()
+        self._uid = os.getuid() if allowed_uid is None else allowed_uid  # the engine's own user
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._monitor_reader = ZmqReader(self._loop, self._monitor, self._on_monitor)
         self._sock.bind(address)
