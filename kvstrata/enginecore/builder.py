@@ -30,6 +30,7 @@ from kvstrata.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvstrata.connector import ConnectorSpec, KVConnector, KVConnectorScheduler
 from kvstrata.enginecore.engine_core import EngineCore, ModelRunnerLike
 from kvstrata.enginecore.scheduler import Scheduler
+from kvstrata.kv.specs import group_layer_specs
 from kvstrata.kv import (
     AttentionSpec,
     BlockHasher,
@@ -52,17 +53,8 @@ LayerSpecs = Mapping[str, KVCacheSpec]
 # -- the model's KV ---------------------------------------------------------------
 
 def kv_cache_groups(layer_specs: LayerSpecs) -> list[KVCacheGroupSpec]:
-    """One group per distinct spec, in order of first appearance, holding
-    every layer with that spec (each group gets one block table per request
-    and one manager)."""
-    if not layer_specs:
-        raise ValueError("the runner's kv_cache_spec() names no layer")
-    by_spec: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in layer_specs.items():
-        if not isinstance(spec, KVCacheSpec):
-            raise TypeError(f"layer {name!r}: a KV spec must be a kvstrata.kv KVCacheSpec, got {type(spec).__name__}")
-        by_spec.setdefault(spec, []).append(name)
-    return [KVCacheGroupSpec(layer_names=names, spec=spec) for spec, names in by_spec.items()]
+    """``kvstrata.kv.specs.group_layer_specs``: equal specs -> one group."""
+    return group_layer_specs(layer_specs)
 
 
 def kv_bytes_per_block(layer_specs: LayerSpecs) -> int:

@@ -8,6 +8,7 @@ granularity (the page size in bytes is the runner's business).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import msgspec
@@ -166,3 +167,18 @@ class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
         for i, g in enumerate(self.groups):
             if not isinstance(g, KVCacheGroupSpec):
                 raise TypeError(f"KVCacheConfig.groups[{i}] must be a KVCacheGroupSpec, got {type(g).__name__}")
+
+
+def group_layer_specs(layer_specs: "Mapping[str, KVCacheSpec]") -> list[KVCacheGroupSpec]:
+    """One group per distinct spec, in order of first appearance, holding
+    every layer with that spec (each group gets one block table per request
+    and one manager). The engine's builder and the model runner both group
+    with this, so a layer's group index means the same on both sides."""
+    if not layer_specs:
+        raise ValueError("the runner's kv_cache_spec() names no layer")
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"layer {name!r}: a KV spec must be a kvstrata.kv KVCacheSpec, got {type(spec).__name__}")
+        by_spec.setdefault(spec, []).append(name)
+    return [KVCacheGroupSpec(layer_names=names, spec=spec) for spec, names in by_spec.items()]

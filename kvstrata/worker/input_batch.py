@@ -3,7 +3,8 @@ between steps, and how one step's flat inputs are built from it.
 
 The scheduler sends new requests in full and running ones as deltas
 (``SchedulerOutput``); this keeps the rest. Block tables live in one numpy
-array, a row per request slot, so a step's tables, positions and slot
+array per KV cache group (a model whose layers differ, e.g. full and
+sliding-window attention, has several), a row per request slot, so a step's tables, positions and slot
 mappings are a handful of vectorised numpy operations, not work per token:
 
     row r:  [b7, b2, b9, 0, 0 ...]    block ids of request r, in order
@@ -31,7 +32,7 @@ class RequestState:
     __slots__ = ("req_id", "row", "token_ids", "num_prompt_tokens", "num_computed_tokens", "params",
                  "generator", "num_blocks")
 
-    def __init__(self, data: NewRequestData, row: int, device: torch.device) -> None:
+    def __init__(self, data: NewRequestData, row: int, device: torch.device, num_groups: int = 1) -> None:
         self.req_id = data.req_id
         self.row = row
         self.token_ids = list(data.token_ids)
@@ -40,7 +41,7 @@ class RequestState:
         self.params: SamplingParams = data.sampling_params
         seeded = self.params.seed is not None and not self.params.greedy
         self.generator = torch.Generator(device) if seeded else None
-        self.num_blocks = 0
+        self.num_blocks = [0] * num_groups  # per KV cache group
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,7 +52,7 @@ class StepInputs:
     req_ids: list[str]
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | list[AttentionMetadata]  # one, or one per layer (its group's)
     logits_indices: torch.Tensor
     sample_states: list[RequestState]
     sample_batch_idx: list[int]
@@ -61,13 +62,22 @@ class InputBatch:
     """Owns: the state of every request the runner holds, and the block-table
     array (one row per request slot, rows reused after a request leaves)."""
 
-    def __init__(self, block_size: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, max_model_len: int, device: torch.device,
+                 layer_groups: list[int] | None = None) -> None:
+        """``layer_groups[i]``: the KV cache group of layer i (None: one group)."""
         self.block_size = block_size
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
-        self.block_table = np.zeros((16, self.max_blocks), dtype=np.int32)
+        self.layer_groups = layer_groups
+        self.num_groups = max(layer_groups) + 1 if layer_groups else 1
+        self.block_tables = [np.zeros((16, self.max_blocks), dtype=np.int32) for _ in range(self.num_groups)]
         self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(15, -1, -1))
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Group 0's table (the only one for most models)."""
+        return self.block_tables[0]
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -81,9 +91,9 @@ class InputBatch:
         self.remove(data.req_id)  # resumed after preemption, or re-sent: start afresh
         if not self._free_rows:
             self._grow()
-        state = RequestState(data, self._free_rows.pop(), self.device)
+        state = RequestState(data, self._free_rows.pop(), self.device, self.num_groups)
         self.requests[data.req_id] = state
-        self._append_blocks(state, data.block_ids[0])
+        self._append_blocks(state, data.block_ids)
 
     def update(self, cached: CachedRequestData) -> None:
         requests = self.requests
@@ -93,30 +103,35 @@ class InputBatch:
             state = requests[req_id]
             state.num_computed_tokens = num_computed
             if new_blocks is not None:
-                self._append_blocks(state, new_blocks[0])
+                self._append_blocks(state, new_blocks)
 
     def holds_any(self, state: RequestState, block_ids) -> bool:
         """Whether any of ``block_ids`` is in the request's block table."""
-        row = self.block_table[state.row, : state.num_blocks]
-        return bool(np.isin(row, np.fromiter(block_ids, dtype=np.int32)).any())
+        wanted = np.fromiter(block_ids, dtype=np.int32)
+        return any(bool(np.isin(t[state.row, : n], wanted).any())
+                   for t, n in zip(self.block_tables, state.num_blocks))
 
-    def _append_blocks(self, state: RequestState, block_ids: list[int]) -> None:
-        n = len(block_ids)
-        if not n:
-            return
-        end = state.num_blocks + n
-        if end > self.max_blocks:
-            raise ValueError(
-                f"request {state.req_id!r} has {end} blocks, more than max_model_len allows ({self.max_blocks})"
-            )
-        self.block_table[state.row, state.num_blocks : end] = block_ids
-        state.num_blocks = end
+    def _append_blocks(self, state: RequestState, group_block_ids) -> None:
+        """Append each group's new block ids (one list per group)."""
+        for g, block_ids in enumerate(group_block_ids):
+            n = len(block_ids)
+            if not n:
+                continue
+            start = state.num_blocks[g]
+            end = start + n
+            if end > self.max_blocks:
+                raise ValueError(
+                    f"request {state.req_id!r} has {end} blocks, more than max_model_len allows ({self.max_blocks})"
+                )
+            self.block_tables[g][state.row, start:end] = block_ids
+            state.num_blocks[g] = end
 
     def _grow(self) -> None:
-        old = self.block_table.shape[0]
-        table = np.zeros((old * 2, self.max_blocks), dtype=np.int32)
-        table[:old] = self.block_table
-        self.block_table = table
+        old = self.block_tables[0].shape[0]
+        for g, t in enumerate(self.block_tables):
+            table = np.zeros((old * 2, self.max_blocks), dtype=np.int32)
+            table[:old] = t
+            self.block_tables[g] = table
         self._free_rows.extend(range(old * 2 - 1, old - 1, -1))
 
     def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
@@ -163,17 +178,23 @@ class InputBatch:
         qsl[1:] = cu
         positions = np.repeat(starts - qsl[:-1], counts) + np.arange(num_tokens)
         token_rows = np.repeat(rows, counts)
-        slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (starts + counts).astype(np.int32)
         max_blocks = -(-int(seq_lens.max()) // bs)
-        tables = self.block_table[rows, :max_blocks]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-        )
+        qsl_t, lens_t = torch.from_numpy(qsl).to(dev), torch.from_numpy(seq_lens).to(dev)
+        metas = []
+        for table in self.block_tables:
+            slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots).to(dev),
+                block_tables=torch.from_numpy(table[rows, :max_blocks]).to(dev),
+                query_start_loc=qsl_t,
+                seq_lens=lens_t,
+            ))
+        meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
+        if self.num_groups > 1:
+            assert self.layer_groups is not None
+            meta = [metas[g] for g in self.layer_groups]
         logits_indices = torch.from_numpy(cu[sample_idx] - 1).to(dev)
         return StepInputs(
             req_ids=req_ids,

@@ -37,6 +37,7 @@ from kvstrata.text.tokenizer import load_tokenizer
 from kvstrata.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches
 from kvstrata.kv import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvstrata.kv.specs import group_layer_specs
 
 log = structlog.get_logger(__name__)
 
@@ -52,13 +53,15 @@ def resolve_device(device: str) -> torch.device:
 def layer_kv_specs(arch: LlamaArchConfig, dtype: str, block_size: int) -> dict[str, KVCacheSpec]:
     """The model's KV, per attention layer in layer order (the engine's
     builder groups equal specs into KV cache groups and sizes the pool from
-    their page sizes). Full attention, or a sliding window on every layer
-    (Mistral): blocks that leave the window are freed and hits follow the
-    window's rules (``kvstrata.kv.managers.windowed``)."""
+    their page sizes). Full attention, or a sliding window per layer
+    (Mistral: all; Qwen2 with use_sliding_window: some, two groups): blocks
+    that leave the window are freed and hits follow the window's rules
+    (``kvstrata.kv.managers.windowed``, the hybrid coordinator)."""
     kw = dict(block_size=block_size, num_kv_heads=arch.num_key_value_heads, head_size=arch.head_dim, dtype=dtype)
-    spec: KVCacheSpec = (FullAttentionSpec(**kw) if arch.sliding_window is None
-                         else SlidingWindowSpec(**kw, sliding_window=arch.sliding_window))
-    return {f"model.layers.{i}.self_attn": spec for i in range(arch.num_hidden_layers)}
+    windows = arch.layer_windows or (None,) * arch.num_hidden_layers
+    return {f"model.layers.{i}.self_attn": (FullAttentionSpec(**kw) if w is None
+                                            else SlidingWindowSpec(**kw, sliding_window=w))
+            for i, w in enumerate(windows)}
 
 
 def check_max_model_len(requested: int | None, max_positions: int) -> int:
@@ -98,7 +101,10 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.kv_cache_backing: torch.Tensor | None = None
         self.kv_connector: Any = None  # a KV connector's worker side, or None
-        self.batch = InputBatch(self.block_size, self.max_model_len, self.device)
+        groups = group_layer_specs(self.kv_cache_spec())  # the engine's builder groups the same way
+        group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
+        layer_groups = [group_of[name] for name in self.kv_cache_spec()] if len(groups) > 1 else None
+        self.batch = InputBatch(self.block_size, self.max_model_len, self.device, layer_groups)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:
             log.warning("tokenizer_vocab_exceeds_model", tokenizer=self.tokenizer.vocab_size, model=self.vocab_size)
@@ -177,9 +183,10 @@ class ModelRunner:
         m = self.model
         x = m.model.embed_tokens(step.input_ids)
         cos, sin = m.rotary.cos_sin(step.positions, x.dtype)
+        metas = step.meta if isinstance(step.meta, list) else [step.meta] * len(self.kv_caches)
         for i, (layer, kv_cache) in enumerate(zip(m.model.layers, self.kv_caches, strict=True)):
             conn.wait_for_layer_load(i)
-            x = layer(x, cos, sin, kv_cache, step.meta)
+            x = layer(x, cos, sin, kv_cache, metas[i])
             conn.save_kv_layer(i)
         return m.model.norm(x)
 

@@ -162,10 +162,13 @@ def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, **ov
     if family == "llama":
         return build_tiny_llama(directory, seed=seed, **overrides)
     base = {**TINY_DEFAULTS, **overrides}
-    if family in ("qwen2", "qwen2-yarn"):
+    if family in ("qwen2", "qwen2-yarn", "qwen2-sw"):
         if family == "qwen2-yarn":  # Qwen2.5's long-context setting, scaled down
             base["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
-        cfg = transformers.Qwen2Config(**base, use_sliding_window=False)
+        # qwen2-sw: layer 0 full attention, layer 1 an 8-token window (two KV cache groups)
+        sw = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1) if family == "qwen2-sw" else \
+            dict(use_sliding_window=False)
+        cfg = transformers.Qwen2Config(**base, **sw)
         cls = transformers.Qwen2ForCausalLM
     elif family == "mistral":  # a window (8) shorter than most prompts; blocks of 4
         cfg = transformers.MistralConfig(**base, sliding_window=8)

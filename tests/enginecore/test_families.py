@@ -9,7 +9,7 @@ import pytest
 from hf_utils import build_tiny_family
 from safetensors.torch import load_file, save_file
 
-from kvstrata.worker.model import CheckpointError, UnsupportedArchitectureError, load_checkpoint
+from kvstrata.worker.model import CheckpointError, load_checkpoint
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])
@@ -45,13 +45,20 @@ def test_a_missing_family_tensor_is_named(family_dir, tmp_path):
         load_checkpoint(str(d))
 
 
-def test_sliding_window_layers_are_refused_by_name(family_dir, tmp_path):
+def test_sliding_layers_follow_use_sliding_window_and_max_window_layers(family_dir, tmp_path):
     family, src = family_dir
     d = _copy(src, tmp_path / "sw")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["use_sliding_window"] = True
+    cfg.pop("layer_types", None)  # as transformers 4 wrote it: the rule decides
+    cfg.update(use_sliding_window=True, sliding_window=6, max_window_layers=1)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedArchitectureError, match="sliding-window"):
+    assert load_checkpoint(str(d)).arch.layer_windows == (None, 6)
+    cfg["layer_types"] = ["sliding_attention", "sliding_attention"]  # stated per layer: it wins
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert load_checkpoint(str(d)).arch.layer_windows == (6, 6)
+    cfg["layer_types"] = ["sliding_attention"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="layer_types"):
         load_checkpoint(str(d))
 
 
@@ -62,13 +69,13 @@ def test_mistral_window_becomes_a_sliding_window_kv_spec_and_null_is_full(tmp_pa
     d = tmp_path / "mistral"
     build_tiny_family(d, "mistral")
     arch = load_checkpoint(str(d)).arch
-    assert arch.architecture == "MistralForCausalLM" and arch.sliding_window == 8
+    assert arch.architecture == "MistralForCausalLM" and arch.layer_windows == (8, 8)
     specs = set(layer_kv_specs(arch, "float32", 4).values())
     assert specs == {SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=16, dtype="float32", sliding_window=8)}
     cfg = json.loads((d / "config.json").read_text())
     cfg["sliding_window"] = None
     (d / "config.json").write_text(json.dumps(cfg))
     arch = load_checkpoint(str(d)).arch
-    assert arch.sliding_window is None
+    assert arch.layer_windows == (None, None)
     assert set(layer_kv_specs(arch, "float32", 4).values()) == {
         FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=16, dtype="float32")}

@@ -1,7 +1,8 @@
 """The oracle: Hugging Face transformers on the same weights, for every
 supported family (Llama; Qwen2 with q/k/v biases, also with yarn RoPE;
 Qwen3 with q/k norms, an explicit head_dim and tied embeddings; Mistral
-with an 8-token sliding window, shorter than most prompts).
+with an 8-token sliding window, shorter than most prompts; Qwen2 with one
+full-attention and one sliding layer: two KV cache groups).
 
 A tiny random checkpoint of each is saved as safetensors; the whole engine
 (AsyncEngine -> scheduler -> KV manager -> model runner -> kernels) loads it
@@ -27,7 +28,7 @@ MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-yarn", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-yarn", "qwen2-sw", "qwen3", "mistral"])
 def oracle(request, tmp_path_factory):
     """(checkpoint dir, {prompt tuple: HF greedy tokens}) for the prompts below."""
     path = tmp_path_factory.mktemp(f"tiny_{request.param}")
@@ -38,6 +39,7 @@ def oracle(request, tmp_path_factory):
         "plain": [[rng.randrange(2, 256) for _ in range(n)] for n in (1, 5, 9, 16, 23, 30)],
         "wave1": [shared + [rng.randrange(2, 256) for _ in range(n)] for n in (1, 6)],
         "wave2": [shared + [rng.randrange(2, 256) for _ in range(n)] for n in (3, 9, 14)],
+        "short": [[rng.randrange(2, 256) for _ in range(4)] for _ in range(3)],
     }
     expected = {tuple(p): hf_greedy(model, p, MAX_NEW) for group in prompts.values() for p in group}
     return str(path), prompts, expected
@@ -105,10 +107,24 @@ async def test_matches_hf_when_a_tiny_pool_forces_preemption(oracle, start, cach
     path, prompts, expected = oracle
     # 4 prompts of 16-36 tokens grow by up to 12: 12 usable blocks (48 tokens) hold the
     # longest alone and any two of them only until they grow (whatever each family's outputs).
-    engine = await start(path, num_blocks=13, caching=caching)
+    # two KV cache groups (qwen2-sw) share the pool: twice the blocks for the same tokens
+    engine = await start(path, num_blocks=25 if "-sw" in path else 13, caching=caching)
     full = [p for p in prompts["plain"] + prompts["wave2"] if len(p) >= 16 and len(expected[tuple(p)]) == MAX_NEW]
     batch = full[:4]  # requests that grow by all 12 tokens (a family's EOS may end others early)
     assert len(batch) >= 3
     assert_matches(expected, batch, await generate_all(engine, batch))
-    if "mistral" not in path:  # a sliding window frees what leaves it: this pool never runs short
+    if "mistral" not in path and "-sw" not in path:  # a window frees what leaves it: no shortage here
         assert (await engine.stats()).num_preemptions > 0
+
+
+async def test_windowed_families_match_hf_when_preempted(oracle, start):
+    """A window frees blocks as it slides, so preemption needs a pool smaller
+    than the windows of the requests together: 3 requests of 4 + 12 tokens
+    over 4 usable blocks per group (each needs up to 3 for an 8-token window)."""
+    path, prompts, expected = oracle
+    if "mistral" not in path and "-sw" not in path:
+        pytest.skip("full-attention families are preempted in the test above")
+    engine = await start(path, num_blocks=5 if "mistral" in path else 9)
+    batch = prompts["short"]
+    assert_matches(expected, batch, await generate_all(engine, batch))
+    assert (await engine.stats()).num_preemptions > 0

@@ -89,7 +89,8 @@ class LlamaArchConfig(msgspec.Struct, frozen=True, kw_only=True):
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None  # every layer attends to this many tokens (None: all)
+    # per layer: the tokens it attends to (None: all, full attention)
+    layer_windows: tuple[int | None, ...] = ()
 
 
 def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
@@ -111,13 +112,7 @@ def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
     family = FAMILIES[arch_name]
-    window = raw.get(family.window_key) if family.window_key else None
-    if window is not None and (type(window) is not int or window < 1):
-        raise CheckpointError(f"{where}: {family.window_key} must be a positive integer or null, got {window!r}")
-    if family.window_key is None and (raw.get("use_sliding_window") or (
-            raw.get("layer_types") and any(t != "full_attention" for t in raw["layer_types"]))):
-        raise UnsupportedArchitectureError(
-            f"{where}: {arch_name} with sliding-window layers beside full-attention ones is not supported yet")
+    layer_windows = _layer_windows(raw, family, arch_name, where)
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitectureError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
@@ -153,7 +148,7 @@ def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
         qkv_bias=bool(raw.get("attention_bias", False)) if family.qkv_bias is None else family.qkv_bias,
         o_bias=bool(raw.get("attention_bias", False)) if family.o_bias is None else family.o_bias,
         qk_norm=family.qk_norm,
-        sliding_window=window,
+        layer_windows=layer_windows,
     )
 
 
@@ -232,3 +227,26 @@ def with_generation_eos(arch: LlamaArchConfig, generation_config: dict[str, Any]
     extra = eos_token_ids(generation_config, where)
     merged = tuple(dict.fromkeys((*arch.eos_token_ids, *extra)))
     return arch if merged == arch.eos_token_ids else msgspec.structs.replace(arch, eos_token_ids=merged)
+
+
+def _layer_windows(raw: dict[str, Any], family: FamilySpec, arch_name: str, where: str) -> tuple[int | None, ...]:
+    n = raw.get("num_hidden_layers")
+    if type(n) is not int or n < 1:
+        return ()  # _int reports it
+    if family.window_key is not None:  # Mistral: one window for every layer
+        window = raw.get(family.window_key)
+        if window is not None and (type(window) is not int or window < 1):
+            raise CheckpointError(f"{where}: {family.window_key} must be a positive integer or null, got {window!r}")
+        return (window,) * n
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    types = raw.get("layer_types")
+    if types is None:
+        lo = raw.get("max_window_layers", 0)
+        types = ["sliding_attention" if window is not None and i >= lo else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise CheckpointError(f"{where}: layer_types must list 'full_attention'/'sliding_attention' for each "
+                              f"of the {n} layers, got {types!r}")
+    if "sliding_attention" in types and (type(window) is not int or window < 1):
+        raise CheckpointError(f"{where}: {arch_name} has sliding layers but no positive sliding_window "
+                              f"(use_sliding_window={raw.get('use_sliding_window')!r})")
+    return tuple(window if t == "sliding_attention" else None for t in types)

@@ -39,7 +39,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(
@@ -52,7 +53,7 @@ class LlamaDecoderLayer(nn.Module):
             device,
             o_bias=cfg.o_bias,
             qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
-            sliding_window=cfg.sliding_window,
+            sliding_window=sliding_window,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype, device)
@@ -73,7 +74,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        windows = cfg.layer_windows or (None,) * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, windows[i])
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -98,14 +101,16 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for ``input_ids`` [T] at ``positions`` [T]."""
+        """Hidden states [T, hidden] after the final norm, for ``input_ids`` [T] at ``positions`` [T];
+        ``meta`` is one for every layer or a list of one per layer (its KV cache group's)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+        metas = meta if isinstance(meta, list) else [meta] * len(kv_caches)
+        for layer, kv_cache, m in zip(self.model.layers, kv_caches, metas, strict=True):
+            x = layer(x, cos, sin, kv_cache, m)
         return self.model.norm(x)
 
     @torch.inference_mode()
