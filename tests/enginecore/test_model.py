@@ -122,3 +122,40 @@ def test_inv_frequencies_equal_transformers(rope):
         128,
     )
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 128},  # Qwen2.5's shape, scaled down
+        {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 2.0},
+        {"factor": 4.0, "original_max_position_embeddings": 128, "truncate": False},
+        {"factor": 40.0, "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 0.707},
+        {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.3},
+    ],
+    ids=["qwen25", "betas", "no-truncate", "mscale", "attention-factor"],
+)
+def test_yarn_cos_sin_equal_transformers_rotary_embedding(yarn):
+    """Our yarn cos/sin (frequencies and attention factor, read from
+    config.json the way the loader reads it) against transformers' own
+    rotary embedding on the same config."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+    from transformers import Qwen2Config
+
+    from kvstrata.worker.model.config import parse_arch_config
+    from kvstrata.worker.model.rope import RotaryEmbedding
+
+    cfg = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                      num_hidden_layers=1, vocab_size=64, max_position_embeddings=1024,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **yarn})
+    arch = parse_arch_config(cfg.to_dict(), "config.json")
+    assert arch.rope.rope_type == "yarn"
+    ref = Qwen2RotaryEmbedding(cfg)
+    pos = torch.tensor([0, 1, 7, 100, 127, 128, 500, 1023])
+    ref_cos, ref_sin = ref(torch.zeros(1, 1, dtype=torch.float32), pos[None])
+    ours = RotaryEmbedding(arch.rope, arch.head_dim)
+    assert ours.scale == pytest.approx(ref.attention_scaling, rel=0, abs=0)
+    torch.testing.assert_close(ours.inv_freq, ref.inv_freq, rtol=1e-6, atol=0)
+    cos, sin = ours.cos_sin(pos, torch.float32)
+    torch.testing.assert_close(torch.cat((cos, cos), -1)[:, 0], ref_cos[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat((sin, sin), -1)[:, 0], ref_sin[0], rtol=1e-5, atol=1e-6)
