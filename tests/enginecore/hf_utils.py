@@ -152,15 +152,18 @@ def _save(tok, directory: str | Path, bos: str, eos: str) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": {"content": eos}}))
 
 
-def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, **overrides: Any):
+def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, save_dtype: torch.dtype = torch.float32,
+                      max_shard_size: str | None = None, **overrides: Any):
     """A random tiny checkpoint of ``family`` ("llama", "qwen2": q/k/v biases,
     "qwen2-yarn", "qwen3": q/k norms, explicit head_dim, tied embeddings,
-    "mistral": an 8-token sliding window) saved into
-    ``directory``; returns the HF model (fp32, eval) as the oracle."""
+    "mistral": an 8-token sliding window) saved into ``directory`` in
+    ``save_dtype`` (sharded with ``max_shard_size``); returns the HF model
+    (fp32, eval, holding the weights as saved) as the oracle."""
     import transformers
 
     if family == "llama":
-        return build_tiny_llama(directory, seed=seed, **overrides)
+        return build_tiny_llama(directory, seed=seed, save_dtype=save_dtype, max_shard_size=max_shard_size,
+                                **overrides)
     base = {**TINY_DEFAULTS, **overrides}
     if family in ("qwen2", "qwen2-yarn", "qwen2-sw"):
         if family == "qwen2-yarn":  # Qwen2.5's long-context setting, scaled down
@@ -188,5 +191,8 @@ def build_tiny_family(directory: str | Path, family: str, *, seed: int = 0, **ov
                 param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0, 0.3)  # HF zero-inits biases: make a missed bias show
-    copy.deepcopy(model).save_pretrained(str(directory))
+        for param in model.parameters():  # the oracle holds the weights as saved
+            param.copy_(param.to(save_dtype))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    copy.deepcopy(model).to(save_dtype).save_pretrained(str(directory), **kwargs)
     return model

@@ -2,6 +2,7 @@
 loading and the default random model.
 
     load_checkpoint(path, dtype, device) -> LoadedCheckpoint(model, arch, directory, dtype, fingerprint)
+    build_model(raw_config, tensors, *, dtype, device, source) -> (model, arch)   (any format's tensors)
     default_model_dir(seed) -> Path     (built once, cached on disk)
 """
 
@@ -15,7 +16,7 @@ from kvstrata.worker.model.config import (
 )
 from kvstrata.worker.model.default_model import DEFAULT_MODEL_CONFIG, default_model_dir
 from kvstrata.worker.model.llama import LlamaForCausalLM
-from kvstrata.worker.model.loader import LoadedCheckpoint, load_checkpoint
+from kvstrata.worker.model.loader import LoadedCheckpoint, build_model, load_checkpoint
 
 __all__ = [
     "DEFAULT_MODEL_CONFIG",
@@ -26,6 +27,7 @@ __all__ = [
     "LoadedCheckpoint",
     "RopeConfig",
     "UnsupportedArchitectureError",
+    "build_model",
     "default_model_dir",
     "load_checkpoint",
     "parse_arch_config",

@@ -1,10 +1,13 @@
 """The architecture of a Llama-family checkpoint, read from its config.json.
 
 One decoder runs every family; what differs is data, a ``FamilySpec`` per
-architecture (``FAMILIES``): Llama (biases per ``attention_bias``), Qwen2
-(q/k/v biases, no o_proj bias), Qwen3 (per-head RMSNorm on q and k, explicit
-``head_dim``). Sliding-window settings are refused by name until the
-windowed attention path lands.
+architecture (``FAMILIES``): Llama (biases per ``attention_bias``, no
+windows), Qwen2 (q/k/v biases, no o_proj bias, windows per layer), Qwen3
+(per-head RMSNorm on q and k, explicit ``head_dim``, windows per layer),
+Mistral (``sliding_window`` on every layer, null: full attention). The
+per-layer rule is transformers': ``layer_types`` when config.json lists it,
+else layers ``max_window_layers`` and up slide when ``use_sliding_window``.
+An architecture or RoPE type not listed here is refused by name.
 
 Both spellings of the RoPE settings are accepted: transformers 4.x writes
 ``rope_theta`` + ``rope_scaling``; transformers 5.x writes one
@@ -14,7 +17,7 @@ They are normalised into ``LlamaArchConfig.rope`` (a ``RopeConfig``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -25,14 +28,18 @@ class FamilySpec(msgspec.Struct, frozen=True, kw_only=True):
     qkv_bias: bool | None = None  # None: config.json's attention_bias decides
     o_bias: bool | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE
-    window_key: str | None = None  # config key of a window every layer uses (null: full attention)
+    # which layers attend through a sliding window:
+    #   "none": none (full attention everywhere);
+    #   "all_layers": every layer, config's ``sliding_window`` (null: none);
+    #   "per_layer": ``layer_types``, else ``use_sliding_window`` + ``max_window_layers``
+    window_rule: Literal["none", "all_layers", "per_layer"] = "none"
 
 
 FAMILIES = {
     "LlamaForCausalLM": FamilySpec(model_type="llama"),
-    "Qwen2ForCausalLM": FamilySpec(model_type="qwen2", qkv_bias=True, o_bias=False),
-    "Qwen3ForCausalLM": FamilySpec(model_type="qwen3", o_bias=False, qk_norm=True),
-    "MistralForCausalLM": FamilySpec(model_type="mistral", window_key="sliding_window"),
+    "Qwen2ForCausalLM": FamilySpec(model_type="qwen2", qkv_bias=True, o_bias=False, window_rule="per_layer"),
+    "Qwen3ForCausalLM": FamilySpec(model_type="qwen3", o_bias=False, qk_norm=True, window_rule="per_layer"),
+    "MistralForCausalLM": FamilySpec(model_type="mistral", window_rule="all_layers"),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -233,10 +240,12 @@ def _layer_windows(raw: dict[str, Any], family: FamilySpec, arch_name: str, wher
     n = raw.get("num_hidden_layers")
     if type(n) is not int or n < 1:
         return ()  # _int reports it
-    if family.window_key is not None:  # Mistral: one window for every layer
-        window = raw.get(family.window_key)
+    if family.window_rule == "none":
+        return (None,) * n
+    if family.window_rule == "all_layers":  # Mistral: one window for every layer
+        window = raw.get("sliding_window")
         if window is not None and (type(window) is not int or window < 1):
-            raise CheckpointError(f"{where}: {family.window_key} must be a positive integer or null, got {window!r}")
+            raise CheckpointError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
         return (window,) * n
     window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
     types = raw.get("layer_types")

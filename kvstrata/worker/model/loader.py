@@ -1,4 +1,19 @@
-"""Load a Hugging Face Llama checkpoint from a local directory.
+"""Load a Hugging Face Llama-family checkpoint (every architecture in
+``config.FAMILIES``) from a local directory or a GGUF file.
+
+One entry point does the building for every format::
+
+    build_model(raw_config: dict[str, Any],
+                tensors: Iterable[tuple[str, torch.Tensor]],
+                *, dtype: str = "float32", device: str = "cpu",
+                source: str = "<tensors>") -> tuple[LlamaForCausalLM, LlamaArchConfig]
+
+``raw_config`` is a config.json-style dict, ``tensors`` yields tensors under
+their Hugging Face names (``model.layers.0.self_attn.q_proj.weight``); the
+safetensors path and the GGUF path both feed it. Before any weight is
+allocated, a directory's safetensors headers (names and shapes only) are
+checked against the model built on the ``meta`` device, so a missing tensor,
+a wrong shape or an unknown one is refused with nothing allocated.
 
 A checkpoint is ``config.json`` plus either ``model.safetensors`` or
 ``model.safetensors.index.json`` and the shards it names (other single
@@ -14,7 +29,7 @@ run wrongly. Errors name the directory and the file or tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,9 +82,11 @@ def load_checkpoint(path: str, dtype: str = "float32", device: str = "cpu") -> L
         arch = with_generation_eos(arch, _read_config(gen_path), str(gen_path))
     files = weight_files(directory)
     dtype_name = resolve_dtype(dtype, arch.checkpoint_dtype)
-    model = LlamaForCausalLM(arch, _DTYPES[dtype_name], device)
-    _fill(model, arch, files, directory)
-    model.eval()
+    # names and shapes from the headers first: a bad checkpoint allocates nothing
+    _fill_tensors(LlamaForCausalLM(arch, _DTYPES[dtype_name], "meta"), arch, _header_shapes(files), directory,
+                  shapes_only=True)
+    model, _ = build_model(raw, _safetensors_tensors(files), dtype=dtype_name, device=device,
+                           source=str(directory))
     fingerprint = checkpoint_fingerprint(raw, files, dtype_name)
     log.info(
         "checkpoint_loaded",
@@ -135,35 +152,60 @@ def _slices(arch: LlamaArchConfig) -> dict[str, list[int]]:
     return {"qkv_proj": [0, q, q + kv, q + 2 * kv], "gate_up_proj": [0, inter, 2 * inter]}
 
 
+def build_model(
+    raw_config: dict[str, Any],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    source: str = "<tensors>",
+) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
+    """The model ``raw_config`` (a config.json dict) describes, in ``dtype``
+    (or "auto") on ``device``, filled from ``tensors``: (Hugging Face name,
+    tensor) pairs in any order, each needed one exactly once, nothing extra,
+    shapes exact. Errors are ``CheckpointError`` naming ``source`` and the
+    tensor or field; on error no model is returned."""
+    arch = parse_arch_config(raw_config, source)
+    model = LlamaForCausalLM(arch, _DTYPES[resolve_dtype(dtype, arch.checkpoint_dtype)], device)
+    _fill_tensors(model, arch, ((name, t, source) for name, t in tensors), Path(source))
+    model.eval()
+    return model, arch
+
+
 def _load_gguf(path: str, dtype: str, device: str) -> LoadedCheckpoint:
     """A GGUF file: its metadata as config.json, its tensors dequantized."""
     ck = GGUFCheckpoint(path)
     raw = ck.hf_config()
-    arch = parse_arch_config(raw, str(ck.path))
     dtype_name = resolve_dtype(dtype, "float32")
-    model = LlamaForCausalLM(arch, _DTYPES[dtype_name], device)
-    _fill_tensors(model, arch, ((name, t, ck.path.name) for name, t in ck.tensors()), ck.path)
-    model.eval()
+    model, arch = build_model(raw, ck.tensors(), dtype=dtype_name, device=device, source=str(ck.path))
     fingerprint = checkpoint_fingerprint(raw, [ck.path], dtype_name)
     log.info("checkpoint_loaded", path=str(ck.path), dtype=dtype_name, format="gguf",
              num_layers=arch.num_hidden_layers, fingerprint=fingerprint[:16])
     return LoadedCheckpoint(model, arch, ck.path, dtype_name, fingerprint)
 
 
-def _fill(model: LlamaForCausalLM, arch: LlamaArchConfig, files: list[Path], directory: Path) -> None:
-    def tensors():
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as reader:
-                for key in reader.keys():
-                    if _target(key, arch) is not None:
-                        yield key, reader.get_tensor(key), file.name
-    _fill_tensors(model, arch, tensors(), directory)
+def _header_shapes(files: list[Path]) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, file name) of every tensor, read from the safetensors headers only."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                yield key, tuple(reader.get_slice(key).get_shape()), file.name
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                if not key.endswith(_IGNORED_SUFFIXES):
+                    yield key, reader.get_tensor(key)
 
 
 def _fill_tensors(model: LlamaForCausalLM, arch: LlamaArchConfig,
-                  tensors: Iterable[tuple[str, torch.Tensor, str]], source: Path) -> None:
+                  tensors: Iterable[tuple[str, Any, str]], source: Path, *, shapes_only: bool = False) -> None:
     """Copy (HF name, tensor, file name) items into ``model``: each needed
-    once, nothing extra, shapes exact; errors name the tensor and the file."""
+    once, nothing extra, shapes exact; errors name the tensor and the file.
+    With ``shapes_only`` the items carry shapes instead of tensors and only
+    the checks run (``model`` may live on the meta device)."""
     params = dict(model.named_parameters(remove_duplicate=True))
     if arch.tie_word_embeddings:
         params.pop("lm_head.weight", None)
@@ -180,10 +222,10 @@ def _fill_tensors(model: LlamaForCausalLM, arch: LlamaArchConfig,
         name, piece = target
         if name not in params:
             raise CheckpointError(
-                f"model: {file_name!r} has tensor {key!r}, which a Llama model with this config "
+                f"model: {file_name!r} has tensor {key!r}, which a {arch.architecture} with this config "
                 "does not use (different architecture?)"
             )
-        _copy(params[name], piece, offsets, name, tensor, key, file_name)
+        _copy(params[name], piece, offsets, name, tensor, key, file_name, shapes_only)
         needed.discard((name, piece))
     if needed:
         missing = sorted(_hf_name(name, piece) for name, piece in needed)
@@ -220,6 +262,7 @@ def _copy(
     tensor: torch.Tensor,
     key: str,
     file_name: str,
+    shapes_only: bool = False,
 ) -> None:
     """Copy checkpoint ``tensor`` into ``param`` (or its ``piece`` of a fused one), casting the dtype."""
     fused = name.split(".")[-2]
@@ -227,9 +270,10 @@ def _copy(
     if fused in offsets:
         lo, hi = offsets[fused][piece], offsets[fused][piece + 1]
         dest = dest[lo:hi]
-    if tuple(tensor.shape) != tuple(dest.shape):
+    shape = tuple(tensor) if shapes_only else tuple(tensor.shape)
+    if shape != tuple(dest.shape):
         raise CheckpointError(
-            f"model: tensor {key!r} in {file_name!r} has shape {tuple(tensor.shape)}, "
-            f"expected {tuple(dest.shape)} from config.json"
+            f"model: tensor {key!r} in {file_name!r} has shape {shape}, expected {tuple(dest.shape)} from config.json"
         )
-    dest.copy_(tensor)
+    if not shapes_only:
+        dest.copy_(tensor)
