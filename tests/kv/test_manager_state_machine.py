@@ -1,7 +1,8 @@
 """Property test: random request lifecycles against KVCacheManager.
 
-Requests share prefixes (so hits and evictions happen), run chunked
-prefills and decodes, finish, get aborted, and the prefix cache is reset.
+Requests share prefixes (so hits and evictions happen), some have tokens a
+connector loads, finished ones come back longer, they run chunked prefills
+and decodes, finish, get aborted, and the prefix cache is reset.
 After every step the pool's invariants must hold.
 """
 
@@ -30,6 +31,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.pool = self.m.block_pool
         self.running = {}  # request id -> request holding blocks
         self.waiting = {}  # request id -> request never allocated
+        self.finished = []  # computed tokens of the last finished requests
         self.next_id = 0
 
     # -- helpers ---------------------------------------------------------------
@@ -53,17 +55,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         req.num_computed_tokens += num_hit + ext + num_new
         return True
 
-    # -- rules -------------------------------------------------------------------
-
-    @rule(prefix=st.integers(0, len(PREFIXES)), shared=st.integers(0, 24), tail=st.integers(0, 30),
-          chunk=st.integers(1, 40), external=st.sampled_from([0, 0, 0, 4, 9, 16]))
-    def add_request(self, prefix, shared, tail, chunk, external):
+    def _admit(self, tokens, chunk, external):
         if not self.external_tokens:
             external = 0
-        head = PREFIXES[prefix][:shared] if prefix < len(PREFIXES) else []
-        tokens = head + [50_000 + self.next_id * 100 + i for i in range(tail)]
-        if not tokens:
-            tokens = [7]
         req = make_request(f"r{self.next_id}", tokens, block_size=BS)
         self.next_id += 1
         hit, num_hit = self.m.get_computed_blocks(req)
@@ -77,6 +71,24 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.running[req.request_id] = req
         else:
             self.waiting[req.request_id] = req
+
+    # -- rules -------------------------------------------------------------------
+
+    @rule(prefix=st.integers(0, len(PREFIXES)), shared=st.integers(0, 24), tail=st.integers(0, 30),
+          chunk=st.integers(1, 40), external=st.sampled_from([0, 0, 0, 4, 9, 16]))
+    def add_request(self, prefix, shared, tail, chunk, external):
+        head = PREFIXES[prefix][:shared] if prefix < len(PREFIXES) else []
+        tokens = head + [50_000 + self.next_id * 100 + i for i in range(tail)]
+        self._admit(tokens or [7], chunk, external)
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), extra=st.integers(1, 9), chunk=st.integers(1, 40), external=st.sampled_from([4, 9, 16]))
+    def resend_finished(self, data, extra, chunk, external):
+        """A finished conversation comes back longer with part of it loaded
+        by a connector: its blocks are free cached hits in every group while
+        new blocks are popped for the loaded tokens (issue 16 item 8)."""
+        tokens = data.draw(st.sampled_from(self.finished))
+        self._admit(tokens + [60_000 + self.next_id * 100 + i for i in range(extra)], chunk, external)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -97,7 +109,9 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data):
         rid = data.draw(st.sampled_from(sorted(self.running)))
-        self.m.free(self.running.pop(rid))
+        req = self.running.pop(rid)
+        self.m.free(req)
+        self.finished = [*self.finished[-3:], list(req.all_token_ids[: req.num_computed_tokens])]
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -172,6 +186,17 @@ class HybridKVManagerMachine(KVManagerMachine):
     num_blocks = 20  # small: new blocks come from the front of a queue full of cached hits
 
 
+class WideWindowHybridKVManagerMachine(KVManagerMachine):
+    """A window over several blocks: sliding-window hits survive more
+    connector-loaded tokens, so the full group pops more new blocks while
+    those hits are still free (before issue 16 item 8's fix, about 8% of
+    random 40-step sequences here put a block in both groups, against 3%
+    with the 6-token window)."""
+
+    specs = (full_spec(BS), SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, sliding_window=17))
+    num_blocks = 30
+
+
 class MambaHybridKVManagerMachine(KVManagerMachine):
     specs = (full_spec(BS), MambaSpec(block_size=BS, mamba_cache_mode="align", num_speculative_blocks=1))
     num_blocks = 40
@@ -189,9 +214,11 @@ _settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestKVManagerStateMachine = KVManagerMachine.TestCase
 TestHybridKVManagerStateMachine = HybridKVManagerMachine.TestCase
+TestWideWindowHybridKVManagerStateMachine = WideWindowHybridKVManagerMachine.TestCase
 TestMambaHybridKVManagerStateMachine = MambaHybridKVManagerMachine.TestCase
 TestChunkedLocalKVManagerStateMachine = ChunkedLocalKVManagerMachine.TestCase
 TestKVManagerStateMachine.settings = _settings
 TestHybridKVManagerStateMachine.settings = _settings
+TestWideWindowHybridKVManagerStateMachine.settings = _settings
 TestMambaHybridKVManagerStateMachine.settings = _settings
 TestChunkedLocalKVManagerStateMachine.settings = _settings
