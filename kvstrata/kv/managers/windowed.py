@@ -79,7 +79,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         can serve a hit only if it is among those before the first aligned L
         at or after its end. With one-block alignment that is every block;
         beside bigger blocks (a hybrid model) most window blocks never can,
-        and are not cached (as vLLM's reachable-block mask)."""
+        and are not cached. (Mainline vLLM's SlidingWindowManager still
+        caches every full block; its hit search is the one above.)"""
         bs, align = self.block_size, self.hit_alignment
         needed = cdiv(self.sliding_window - 1, bs)
         if align == bs and needed >= 1:
