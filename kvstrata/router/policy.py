@@ -1,0 +1,249 @@
+"""The router: which replica gets a request, by policy.
+
+    kv           (default) the least work: prefill tokens not cached on the
+                 replica (device hits count fully, CPU / disk / remote hits
+                 by their weight, shared remote hits for everyone) plus its
+                 queued prefill and running decodes; replicas far above the
+                 mean load are skipped; ties go by a stable hash of the
+                 prompt's first block, so new prefixes spread deterministically
+    session      a stable hash of a session / user key (rendezvous hashing:
+                 when the first choice is dead, the key's next choice)
+    round-robin  the next live replica after the last one dispatched to
+
+``Router.choose`` is pure: it returns a :class:`Decision` and changes
+nothing. The caller applies it (``note_dispatched`` adds the request's load
+and moves the round-robin cursor) and keeps loads current (``set_load``),
+liveness (``mark_dead`` / ``mark_alive``) and the index (``ingest``,
+``reset_replica``) fed from the engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import msgspec
+import xxhash
+
+from kvstrata.kv.events import KVEventBatch
+from kvstrata.kv.hashing import CacheIdentity
+from kvstrata.kv.types import BlockHash
+from kvstrata.router.hashes import PromptHasher
+from kvstrata.router.index import MEDIA, IngestResult, PrefixIndex
+from kvstrata.router.load import ReplicaLoad, overloaded
+
+POLICIES = ("kv", "session", "round-robin")
+
+
+class NoLiveReplicaError(RuntimeError):
+    """Every replica is dead (or none is registered)."""
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """``medium_weights``: the share of a hit block's prefill saved when it
+    sits on that medium (GPU 1.0: nothing to do; a tier hit still costs the
+    load). ``load_skip_factor``: skip a replica whose load exceeds this many
+    times the mean (and ``load_skip_min_tokens``). ``decode_weight``: prefill
+    tokens one running request weighs. ``replay_window``: the engines'
+    replay ring (``ZmqEventPublisher.buffer_steps``): a wider gap needs a
+    snapshot."""
+
+    policy: str = "kv"
+    medium_weights: dict[str, float] = msgspec.field(
+        default_factory=lambda: {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "REMOTE": 0.5})
+    shared_remote: bool = True
+    load_skip_factor: float = 2.0
+    load_skip_min_tokens: float = 2048.0
+    decode_weight: float = 16.0
+    max_replicas: int = 64
+    replay_window: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if set(self.medium_weights) != set(MEDIA):
+            raise ValueError(f"medium_weights must name exactly {', '.join(MEDIA)}; got {sorted(self.medium_weights)}")
+        for medium, w in self.medium_weights.items():
+            if not 0.0 <= w <= 1.0:
+                raise ValueError(f"medium_weights[{medium!r}] must be in [0, 1], got {w!r}")
+        if not self.load_skip_factor >= 1.0:
+            raise ValueError(f"load_skip_factor must be >= 1 (else every replica may be skipped), "
+                             f"got {self.load_skip_factor!r}")
+        if self.decode_weight < 0 or self.load_skip_min_tokens < 0:
+            raise ValueError("decode_weight and load_skip_min_tokens must be >= 0")
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request goes and why. ``hit_tokens``: the winner's cached
+    prefix (any medium, shared included), ``device_hit_tokens`` the part on
+    its device; ``cost``: the work scored (kv policy; 0 for the others);
+    ``skipped``: live replicas passed over for load."""
+
+    replica: str
+    policy: str
+    reason: str
+    hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    cost: float = 0.0
+    skipped: tuple[str, ...] = ()
+
+
+def _rendezvous(key: bytes, replicas: Sequence[str]) -> list[str]:
+    """``replicas`` in the key's stable preference order (highest random weight)."""
+    return sorted(replicas, key=lambda r: (xxhash.xxh3_64_intdigest(key, seed=_seed(r)), r), reverse=True)
+
+
+def _seed(replica: str) -> int:
+    return xxhash.xxh3_64_intdigest(replica.encode("utf-8"))
+
+
+class Router:
+    """Owns: the prefix index, each replica's load and liveness, the
+    round-robin cursor. Single-threaded (the server's event loop)."""
+
+    def __init__(self, identity: CacheIdentity, config: RouterConfig | None = None) -> None:
+        self.config = config = config if config is not None else RouterConfig()
+        self.hasher = PromptHasher(identity)
+        self.block_size = identity.block_size
+        self.index = PrefixIndex(max_replicas=config.max_replicas, shared_remote=config.shared_remote,
+                                 replay_window=config.replay_window)
+        w = config.medium_weights
+        self._weights = tuple(w[m] for m in MEDIA)
+        self._loads: dict[str, ReplicaLoad] = {}
+        self._dead: set[str] = set()
+        self._live_mask = 0
+        self._rr_last = -1  # slot of the last dispatch
+        self._policies: dict[str, Callable[[list[BlockHash], str | None, int], Decision]] = {
+            "kv": self._choose_kv, "session": self._choose_session, "round-robin": self._choose_round_robin,
+        }
+
+    # -- membership, load, events -------------------------------------------------
+
+    def reset_replica(self, replica: str, epoch: int) -> None:
+        """A replica (re)started with ``epoch``: its old blocks are dropped,
+        it is live, its load is zero."""
+        self.index.reset_replica(replica, epoch)
+        self._dead.discard(replica)
+        self._loads[replica] = ReplicaLoad()
+        self._refresh_live()
+
+    def remove_replica(self, replica: str) -> None:
+        self.index.remove_replica(replica)
+        self._dead.discard(replica)
+        self._loads.pop(replica, None)
+        self._refresh_live()
+
+    def mark_dead(self, replica: str) -> None:
+        self.index.slot(replica)  # KeyError naming it when unknown
+        self._dead.add(replica)
+        self._refresh_live()
+
+    def mark_alive(self, replica: str) -> None:
+        self.index.slot(replica)
+        self._dead.discard(replica)
+        self._refresh_live()
+
+    def set_load(self, replica: str, load: ReplicaLoad) -> None:
+        self.index.slot(replica)
+        self._loads[replica] = load
+
+    def load(self, replica: str) -> ReplicaLoad:
+        return self._loads[replica]
+
+    def ingest(self, replica: str, seq: int, batch: KVEventBatch, *, epoch: int | None = None) -> IngestResult:
+        return self.index.ingest(replica, seq, batch, epoch=epoch)
+
+    def _refresh_live(self) -> None:
+        mask = 0
+        for r in self.index.replicas:
+            if r not in self._dead:
+                mask |= 1 << self.index.slot(r)
+        self._live_mask = mask
+
+    def live_replicas(self) -> list[str]:
+        """Live replicas in slot order."""
+        return [r for r in self.index.replicas if r not in self._dead]
+
+    # -- decisions ------------------------------------------------------------------
+
+    def hash_prompt(self, token_ids: Sequence[int], *, lora_name: str | None = None,
+                    cache_salt: str | None = None) -> list[BlockHash]:
+        return self.hasher.hash_prompt(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+
+    def choose(self, request_hashes: list[BlockHash], session_key: str | None = None, *,
+               num_tokens: int | None = None, policy: str | None = None) -> Decision:
+        """The replica for a request whose prompt has ``request_hashes``
+        (``num_tokens`` long; by default its full blocks). Changes nothing.
+        Raises NoLiveReplicaError when no replica is live."""
+        if not self._live_mask:
+            raise NoLiveReplicaError(f"no live replica (known: {self.index.replicas}, dead: {sorted(self._dead)})")
+        name = self.config.policy if policy is None else policy
+        choose = self._policies.get(name)
+        if choose is None:
+            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}; got {name!r}")
+        if num_tokens is None:
+            num_tokens = len(request_hashes) * self.block_size
+        return choose(request_hashes, session_key, num_tokens)
+
+    def note_dispatched(self, decision: Decision, num_tokens: int) -> None:
+        """Apply a decision: the request's uncached prompt joins the replica's
+        queued prefill, one more request runs there, round-robin moves on."""
+        load = self._loads[decision.replica]
+        self._loads[decision.replica] = ReplicaLoad(
+            queued_prefill_tokens=load.queued_prefill_tokens + max(num_tokens - decision.hit_tokens, 0),
+            running_requests=load.running_requests + 1,
+        )
+        self._rr_last = self.index.slot(decision.replica)
+
+    def _choose_round_robin(self, hashes: list[BlockHash], session_key: str | None, num_tokens: int) -> Decision:
+        live = self._live_mask
+        after = live >> (self._rr_last + 1)  # live slots after the cursor, else wrap to the lowest
+        slot = (self._rr_last + 1 + ((after & -after).bit_length() - 1)) if after else (live & -live).bit_length() - 1
+        return Decision(replica=self.index.replica_at(slot), policy="round-robin", reason="next live replica")
+
+    def _choose_session(self, hashes: list[BlockHash], session_key: str | None, num_tokens: int) -> Decision:
+        if session_key is None:
+            d = self._choose_kv(hashes, None, num_tokens)
+            return msgspec.structs.replace(d, policy="session", reason=f"no session key; {d.reason}")
+        order = _rendezvous(session_key.encode("utf-8"), self.index.replicas)
+        first = order[0]
+        pick = next(r for r in order if r not in self._dead)
+        reason = "session key's replica" if pick == first else f"session key's replica {first} is dead: its next choice"
+        return Decision(replica=pick, policy="session", reason=reason)
+
+    def _choose_kv(self, hashes: list[BlockHash], session_key: str | None, num_tokens: int) -> Decision:
+        index, w = self.index, self.index.width
+        hits = index.prefix_blocks(hashes, self._live_mask)
+        w0, w1, w2, w3 = self._weights
+        bs, decode_weight = self.block_size, self.config.decode_weight
+        names, slots, loads = [], [], []
+        for r in self.live_replicas():
+            names.append(r)
+            slots.append(index.slot(r))
+            loads.append(self._loads[r].cost(decode_weight))
+        skip = overloaded(loads, self.config.load_skip_factor, self.config.load_skip_min_tokens)
+        best_cost, best = None, []
+        skipped = []
+        for name, slot, load, skipped_it in zip(names, slots, loads, skip):
+            if skipped_it:
+                skipped.append(name)
+                continue
+            g = hits.get(slot, 0)
+            c = hits.get(w + slot, 0)
+            d = hits.get(2 * w + slot, 0)
+            a = hits.get(3 * w + slot, 0)
+            saved = bs * (g * w0 + (c - g) * w1 + (d - c) * w2 + (a - d) * w3)
+            cost = max(num_tokens - saved, 0.0) + load
+            if best_cost is None or cost < best_cost:
+                best_cost, best = cost, [(name, a, g)]
+            elif cost == best_cost:
+                best.append((name, a, g))
+        assert best_cost is not None  # the least-loaded replica is never skipped
+        if len(best) == 1:
+            (name, a, g), reason = best[0], "least cost"
+        else:
+            key = bytes(hashes[0]) if hashes else b""
+            pick = _rendezvous(key, [b[0] for b in best])[0]
+            (name, a, g) = next(b for b in best if b[0] == pick)
+            reason = f"least cost, tied by {len(best)}: prefix hash"
+        return Decision(replica=name, policy="kv", reason=reason, hit_tokens=a * bs, device_hit_tokens=g * bs,
+                        cost=best_cost, skipped=tuple(skipped))

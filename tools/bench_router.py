@@ -1,0 +1,192 @@
+"""Benchmark of the KV-cache-aware router's core (kvstrata.router): decision
+latency for long prompts and KV event ingest rate. Prints JSON.
+
+Setup (fixed seed): ``--replicas`` replicas; ``--prompts`` prompts of
+``--prompt-tokens`` tokens that share one of ``--families`` system prompts
+(a quarter of the prompt) and differ after it. Each prompt's chain is
+stored, as engines would publish it (``BlockStored`` batches of
+``--event-blocks`` hashes), on the device of one replica for a random
+prefix, on its CPU tier a little further, on a second replica's disk, and a
+tenth of them on the shared REMOTE tier; some device blocks are then evicted
+(``BlockRemoved``). That fill is the ingest figure (block events per second,
+one core).
+
+Decisions: requests re-send a stored prompt's first part with a new tail;
+between two decisions one more event batch is ingested, so the index keeps
+changing. Figures: p50 / p99 of ``Router.choose`` on precomputed hashes,
+and of ``hash_prompt`` + ``choose``; the baseline, measured in the same run
+on the same requests, walks a per-(replica, medium) set of hashes in Python
+block by block (the obvious implementation); ``same_cost_as_baseline`` is the fraction of
+requests where both find the same least cost (their picks may differ
+among tied replicas: the router breaks ties by the prefix's hash).
+
+    python tools/bench_router.py [--replicas 8 --prompt-tokens 8192 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+
+from kvstrata.kv.events import BlockRemoved, BlockStored, KVEventBatch
+from kvstrata.kv.hashing import CacheIdentity
+from kvstrata.router import CPU, DISK, GPU, MEDIA, REMOTE, Router, RouterConfig
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(int(q * len(s)), len(s) - 1)]
+
+
+def chunks(hashes: list[bytes], n: int) -> list[list[bytes]]:
+    return [hashes[i: i + n] for i in range(0, len(hashes), n)]
+
+
+class NaiveIndex:
+    """The baseline: a set of hashes per replica and medium, walked in Python."""
+
+    def __init__(self, replicas: list[str]) -> None:
+        self.sets = {r: {m: set() for m in MEDIA} for r in replicas}
+
+    def apply(self, replica: str, batch: KVEventBatch) -> None:
+        for e in batch.events:
+            s = self.sets[replica][e.medium]
+            if isinstance(e, BlockStored):
+                s.update(e.block_hashes)
+            else:
+                s.difference_update(e.block_hashes)
+
+    def choose(self, router: Router, hashes: list[bytes], num_tokens: int) -> tuple[str, float]:
+        """The kv policy's choice and its cost (idle replicas), from the sets."""
+        weights = [router.config.medium_weights[m] for m in MEDIA]
+        shared = set().union(*(s[REMOTE] for s in self.sets.values()))
+        best, best_cost = None, None
+        for r, media in self.sets.items():
+            saved, level = 0.0, 0
+            for h in hashes:  # the medium of each block, no better than the block before (the engine's order)
+                while level < 4 and not any(h in media[m] for m in MEDIA[: level + 1]) and not (
+                        level == 3 and h in shared):
+                    level += 1
+                if level == 4:
+                    break
+                saved += weights[level]
+            cost = num_tokens - saved * router.block_size
+            if best_cost is None or cost < best_cost:
+                best, best_cost = r, cost
+        return best, best_cost  # type: ignore[return-value]
+
+
+def build(args: argparse.Namespace, rng: random.Random):
+    identity = CacheIdentity(model_fingerprint="bench-model", kv_dtype="bfloat16", kv_layout="per_layer",
+                             block_size=args.block_size, hash_algo=args.hash_algo)
+    router = Router(identity, RouterConfig(max_replicas=max(args.replicas, 8)))
+    replicas = [f"engine-{i}" for i in range(args.replicas)]
+    for r in replicas:
+        router.reset_replica(r, epoch=1)
+    naive = NaiveIndex(replicas)
+    families = [[rng.randrange(32_000) for _ in range(args.prompt_tokens // 4)] for _ in range(args.families)]
+    prompts, plans = [], []
+    n_blocks = args.prompt_tokens // args.block_size
+    for i in range(args.prompts):
+        tokens = families[i % args.families] + [rng.randrange(32_000) for _ in range(args.prompt_tokens * 3 // 4)]
+        hashes = router.hash_prompt(tokens)
+        prompts.append((tokens, hashes))
+        home, other = rng.sample(replicas, 2)
+        dev = rng.randrange(n_blocks // 4, n_blocks + 1)
+        cpu = min(n_blocks, dev + rng.randrange(0, n_blocks // 4))
+        plans.append((home, BlockStored(block_hashes=hashes[:dev], parent_block_hash=None, token_ids=[],
+                                        block_size=args.block_size, medium=GPU)))
+        plans.append((home, BlockStored(block_hashes=hashes[:cpu], parent_block_hash=None, token_ids=[],
+                                        block_size=args.block_size, medium=CPU)))
+        plans.append((other, BlockStored(block_hashes=hashes[: n_blocks // 2], parent_block_hash=None,
+                                         token_ids=[], block_size=args.block_size, medium=DISK)))
+        if rng.random() < 0.1:
+            plans.append((other, BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                             block_size=args.block_size, medium=REMOTE)))
+        if rng.random() < 0.3:  # the tail of the device copy evicted
+            plans.append((home, BlockRemoved(block_hashes=hashes[dev * 3 // 4: dev], medium=GPU)))
+    # As engines publish: one batch per step, a few blocks per event.
+    batches: list[tuple[str, KVEventBatch]] = []
+    for replica, ev in plans:
+        for part in chunks(ev.block_hashes, args.event_blocks):
+            e = (BlockStored(block_hashes=part, parent_block_hash=None, token_ids=[], block_size=args.block_size,
+                             medium=ev.medium) if isinstance(ev, BlockStored)
+                 else BlockRemoved(block_hashes=part, medium=ev.medium))
+            batches.append((replica, KVEventBatch(ts=0.0, events=[e])))
+    return router, naive, replicas, prompts, batches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--hash-algo", default="sha256")
+    ap.add_argument("--prompts", type=int, default=2000)
+    ap.add_argument("--families", type=int, default=16)
+    ap.add_argument("--event-blocks", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    router, naive, replicas, prompts, batches = build(args, rng)
+
+    fill, live = batches[: len(batches) * 9 // 10], batches[len(batches) * 9 // 10:]
+    seq = dict.fromkeys(replicas, 0)
+    gc.collect()
+    t0 = time.perf_counter()
+    for replica, b in fill:
+        router.ingest(replica, seq[replica], b)
+        seq[replica] += 1
+    ingest_s = time.perf_counter() - t0
+    block_events = router.index.counters.block_events
+    t0 = time.perf_counter()
+    for replica, b in fill:
+        naive.apply(replica, b)
+    naive_ingest_s = time.perf_counter() - t0
+
+    with_hash, without, baseline, agree = [], [], [], 0
+    for i in range(args.requests):
+        if live:
+            replica, b = live[i % len(live)]
+            if i < len(live):
+                router.ingest(replica, seq[replica], b)
+                naive.apply(replica, b)
+                seq[replica] += 1
+        tokens, _ = prompts[rng.randrange(len(prompts))]
+        keep = rng.randrange(len(tokens) // 4, len(tokens) + 1)
+        tokens = tokens[:keep] + [rng.randrange(32_000) for _ in range(len(tokens) - keep)]
+        t0 = time.perf_counter_ns()
+        hashes = router.hash_prompt(tokens)
+        d = router.choose(hashes, num_tokens=len(tokens))
+        t1 = time.perf_counter_ns()
+        router.choose(hashes, num_tokens=len(tokens))
+        t2 = time.perf_counter_ns()
+        _pick, cost = naive.choose(router, hashes, len(tokens))
+        t3 = time.perf_counter_ns()
+        with_hash.append((t1 - t0) / 1e3)
+        without.append((t2 - t1) / 1e3)
+        baseline.append((t3 - t2) / 1e3)
+        agree += abs(cost - d.cost) <= 1e-6 * len(tokens)  # float sums in another order
+
+    def stats(xs: list[float]) -> dict[str, float]:
+        return {"p50_us": round(percentile(xs, 0.5), 1), "p99_us": round(percentile(xs, 0.99), 1)}
+
+    print(json.dumps({
+        "config": {k.replace("_", "-"): v for k, v in vars(args).items()},
+        "index_hashes": len(router.index),
+        "ingest": {"block_events": block_events, "seconds": round(ingest_s, 3),
+                   "block_events_per_s": round(block_events / ingest_s),
+                   "baseline_block_events_per_s": round(block_events / naive_ingest_s)},
+        "decision_with_hashing": stats(with_hash),
+        "decision_without_hashing": stats(without),
+        "baseline_decision_without_hashing": stats(baseline),
+        "same_cost_as_baseline": round(agree / args.requests, 4),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
