@@ -82,7 +82,7 @@ class NaiveIndex:
 def build(args: argparse.Namespace, rng: random.Random):
     identity = CacheIdentity(model_fingerprint="bench-model", kv_dtype="bfloat16", kv_layout="per_layer",
                              block_size=args.block_size, hash_algo=args.hash_algo)
-    router = Router(identity, RouterConfig(max_replicas=max(args.replicas, 8)))
+    router = Router(identity, RouterConfig(max_replicas=args.max_replicas))
     replicas = [f"engine-{i}" for i in range(args.replicas)]
     for r in replicas:
         router.reset_replica(r, epoch=1)
@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--event-blocks", type=int, default=16)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-replicas", type=int, default=RouterConfig().max_replicas,
+                    help="RouterConfig.max_replicas (the lane width)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     router, naive, replicas, prompts, batches = build(args, rng)

@@ -43,7 +43,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     sits on that medium (GPU 1.0: nothing to do; a tier hit still costs the
     load). ``load_skip_factor``: skip a replica whose load exceeds this many
     times the mean (and ``load_skip_min_tokens``). ``decode_weight``: prefill
-    tokens one running request weighs. ``replay_window``: the engines'
+    tokens one running request weighs. ``max_replicas``: the most replicas
+    registered at once (each hash's int has 4 x max_replicas bits: wider is
+    slower). ``replay_window``: the engines'
     replay ring (``ZmqEventPublisher.buffer_steps``): a wider gap needs a
     snapshot."""
 
@@ -54,7 +56,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     load_skip_factor: float = 2.0
     load_skip_min_tokens: float = 2048.0
     decode_weight: float = 16.0
-    max_replicas: int = 64
+    max_replicas: int = 16
     replay_window: int = 10_000
 
     def __post_init__(self) -> None:
@@ -111,6 +113,7 @@ class Router:
         self._loads: dict[str, ReplicaLoad] = {}
         self._dead: set[str] = set()
         self._live_mask = 0
+        self._live: list[tuple[str, int]] = []  # (replica, slot) of the live ones, slot order
         self._rr_last = -1  # slot of the last dispatch
         self._policies: dict[str, Callable[[list[BlockHash], str | None, int], Decision]] = {
             "kv": self._choose_kv, "session": self._choose_session, "round-robin": self._choose_round_robin,
@@ -153,15 +156,12 @@ class Router:
         return self.index.ingest(replica, seq, batch, epoch=epoch)
 
     def _refresh_live(self) -> None:
-        mask = 0
-        for r in self.index.replicas:
-            if r not in self._dead:
-                mask |= 1 << self.index.slot(r)
-        self._live_mask = mask
+        self._live = [(r, self.index.slot(r)) for r in self.index.replicas if r not in self._dead]
+        self._live_mask = sum(1 << slot for _, slot in self._live)
 
     def live_replicas(self) -> list[str]:
         """Live replicas in slot order."""
-        return [r for r in self.index.replicas if r not in self._dead]
+        return [r for r, _ in self._live]
 
     # -- decisions ------------------------------------------------------------------
 
@@ -215,15 +215,12 @@ class Router:
         hits = index.prefix_blocks(hashes, self._live_mask)
         w0, w1, w2, w3 = self._weights
         bs, decode_weight = self.block_size, self.config.decode_weight
-        names, slots, loads = [], [], []
-        for r in self.live_replicas():
-            names.append(r)
-            slots.append(index.slot(r))
-            loads.append(self._loads[r].cost(decode_weight))
+        live, all_loads = self._live, self._loads
+        loads = [all_loads[r].cost(decode_weight) for r, _ in live]
         skip = overloaded(loads, self.config.load_skip_factor, self.config.load_skip_min_tokens)
         best_cost, best = None, []
         skipped = []
-        for name, slot, load, skipped_it in zip(names, slots, loads, skip):
+        for (name, slot), load, skipped_it in zip(live, loads, skip):
             if skipped_it:
                 skipped.append(name)
                 continue
