@@ -2,6 +2,9 @@
 package, or a byte-level tokenizer when there is none.
 
 Both offer the same small surface: ``encode``, ``decode``, ``eos_token_id``,
+``eos_token_ids`` (every id that ends a reply: the tokenizer's EOS token,
+config.json's and generation_config.json's ``eos_token_id``, an int or a
+list in either; for a GGUF its EOS, end-of-turn and end-of-message ids),
 ``bos_token_id``, ``vocab_size``, ``all_special_ids`` and
 ``decode_stream(prompt_token_ids)``, an incremental decoder whose
 ``step(token_id)`` returns only complete text (never half a UTF-8 character)
@@ -39,6 +42,7 @@ class TokenStream(Protocol):
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
     chat_template: ChatTemplate | None
     bos_token_id: int | None
     vocab_size: int
@@ -73,6 +77,7 @@ class ByteTokenizer:
     __slots__ = ()
     chat_template = None  # no template: the plain chat format
     eos_token_id: int | None = BYTE_EOS_ID
+    eos_token_ids: tuple[int, ...] = (BYTE_EOS_ID,)
     bos_token_id: int | None = BYTE_BOS_ID
     vocab_size: int = BYTE_VOCAB_SIZE
     all_special_ids: frozenset[int] = frozenset((BYTE_BOS_ID, BYTE_EOS_ID))
@@ -111,11 +116,12 @@ class HFTokenizer:
     """A ``tokenizer.json`` (any model the ``tokenizers`` package reads); special
     tokens come from tokenizer_config.json, else config.json/generation_config.json."""
 
-    __slots__ = ("_tok", "eos_token_id", "bos_token_id", "vocab_size", "all_special_ids", "chat_template")
+    __slots__ = ("_tok", "eos_token_id", "eos_token_ids", "bos_token_id", "vocab_size", "all_special_ids",
+                 "chat_template")
 
     def __init__(self, directory: Path | None = None, *, tokenizer: _HFTokenizerImpl | None = None,
                  eos_token_id: int | None = None, bos_token_id: int | None = None,
-                 chat_template: ChatTemplate | None = None) -> None:
+                 chat_template: ChatTemplate | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         """From a checkpoint ``directory`` (tokenizer.json and its configs), or
         from a built ``tokenizer`` and its special ids (a GGUF's metadata)."""
         if directory is None:
@@ -123,13 +129,18 @@ class HFTokenizer:
             self._tok = tokenizer
             self.chat_template = chat_template
             self.eos_token_id, self.bos_token_id = eos_token_id, bos_token_id
+            ends: list[int] = list(eos_token_ids)
         else:
             self.chat_template = load_chat_template(directory)  # None: the plain chat format
             self._tok = _HFTokenizerImpl.from_file(str(directory / "tokenizer.json"))
             tok_cfg = _read_json(directory / "tokenizer_config.json")
-            model_cfg = {**_read_json(directory / "config.json"), **_read_json(directory / "generation_config.json")}
+            configs = {name: _read_json(directory / name) for name in ("config.json", "generation_config.json")}
+            model_cfg = {**configs["config.json"], **configs["generation_config.json"]}
             self.eos_token_id = self._special_id(tok_cfg.get("eos_token"), model_cfg.get("eos_token_id"))
             self.bos_token_id = self._special_id(tok_cfg.get("bos_token"), model_cfg.get("bos_token_id"))
+            ends = [i for name, cfg in configs.items() for i in _eos_list(cfg, directory / name)]
+        self.eos_token_ids = tuple(dict.fromkeys(
+            [self.eos_token_id, *ends] if self.eos_token_id is not None else ends))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         added = self._tok.get_added_tokens_decoder()
         self.all_special_ids = frozenset(i for i, t in added.items() if t.special)
@@ -175,13 +186,25 @@ def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
     if str(path).lower().endswith(".gguf"):
         parts = read_gguf_tokenizer(path)
         return HFTokenizer(tokenizer=parts.tokenizer, eos_token_id=parts.eos_token_id,
-                           bos_token_id=parts.bos_token_id, chat_template=parts.chat_template)
+                           bos_token_id=parts.bos_token_id, chat_template=parts.chat_template,
+                           eos_token_ids=parts.eos_token_ids)
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise ValueError(f"tokenizer: {str(directory)!r} is not a directory")
     if (directory / "tokenizer.json").is_file():
         return HFTokenizer(directory)
     return ByteTokenizer()
+
+
+def _eos_list(cfg: dict[str, Any], path: Path) -> list[int]:
+    """``eos_token_id`` of a config.json / generation_config.json: absent, an
+    int or a list of ints."""
+    eos = cfg.get("eos_token_id")
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"tokenizer: {str(path)!r}: eos_token_id must be a non-negative int or a list of them, "
+                         f"got {eos!r}")
+    return ids
 
 
 def _read_json(path: Path) -> dict[str, Any]:
