@@ -87,15 +87,19 @@ async def test_greedy_chat_tokens_equal_transformers(gguf_path, hf):
     assert "Paris" in got[0][1]
 
 
-def test_broken_gguf_files_are_named(gguf_path, tmp_path):
+@pytest.mark.parametrize("keep", [2_000_000, 60_000_000, -1], ids=["in-metadata", "in-tensors", "last-byte"])
+def test_a_truncated_gguf_is_named(gguf_path, tmp_path, keep):
     truncated = tmp_path / "truncated.gguf"
-    with gguf_path.open("rb") as src, truncated.open("wb") as dst:
-        dst.write(src.read(2_000_000))
-    with pytest.raises(CheckpointError, match="truncated.gguf"):
+    data = gguf_path.read_bytes()
+    truncated.write_bytes(data[:keep])
+    with pytest.raises(CheckpointError, match=r"truncated.gguf' is a truncated or corrupt GGUF file"):
         load_checkpoint(str(truncated))
+
+
+def test_not_a_gguf_or_missing_is_named(gguf_path, tmp_path):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf at all" * 100)
-    with pytest.raises(CheckpointError, match="garbage.gguf"):
+    with pytest.raises(CheckpointError, match=r"garbage.gguf' is not a GGUF file \(it starts with b'not '"):
         load_checkpoint(str(garbage))
     with pytest.raises(CheckpointError, match="missing.gguf"):
         load_checkpoint(str(tmp_path / "missing.gguf"))

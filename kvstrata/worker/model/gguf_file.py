@@ -1,10 +1,13 @@
 """Read a GGUF checkpoint (llama.cpp's format) as a Hugging Face one: a
 config dict shaped like config.json and tensors under HF names, dequantized
 (Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16, F32: whatever ``gguf.quants``
-dequantizes) to float32 one tensor at a time.
+dequantizes) to the requested dtype one tensor at a time. GGUF architectures
+``llama`` (Llama, and Mistral as llama.cpp converts it), ``qwen2`` and
+``qwen3`` map to LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
 
-llama.cpp stores Llama's q and k projections permuted for its RoPE layout;
-they are permuted back, so the tensors equal the original checkpoint's
+llama.cpp stores Llama's q and k projections (weights and biases) permuted
+for its RoPE layout (its Qwen files use the NeoX layout, unpermuted); they
+are permuted back, so the tensors equal the original checkpoint's
 (dequantization aside). The tokenizer, special tokens and chat template come
 from the metadata (``kvstrata.text.gguf_tokenizer``).
 
@@ -23,12 +26,14 @@ import torch
 
 from kvstrata.worker.model.config import CheckpointError
 
-# GGUF architecture -> (HF architecture, metadata prefix)
-_ARCHS = {"llama": "LlamaForCausalLM"}
+# GGUF architecture -> HF architecture; and which ones llama.cpp stores with q/k permuted
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_PERMUTED_QK = {"llama"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -44,10 +49,8 @@ class GGUFCheckpoint:
             raise CheckpointError(f"model: {str(self.path)!r} is not a file")
         try:
             self._reader = gguf.GGUFReader(str(self.path))
-        except (ValueError, IndexError, OSError, EOFError) as e:
-            raise CheckpointError(f"model: {str(self.path)!r} is not a readable GGUF file: {e}") from None
-        except Exception as e:  # numpy raises assorted errors on truncated files
-            raise CheckpointError(f"model: {str(self.path)!r} is truncated or corrupt: {type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - numpy raises assorted errors on truncated files
+            raise CheckpointError(_unreadable(self.path, e)) from None
         self.arch_name = self.string("general.architecture")
         if self.arch_name not in _ARCHS:
             raise CheckpointError(f"model: {self.path.name!r}: GGUF architecture {self.arch_name!r} is not supported "
@@ -100,19 +103,24 @@ class GGUFCheckpoint:
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "torch_dtype": "float32",
         }
+        if self.arch_name in ("qwen2", "qwen3"):
+            cfg["use_sliding_window"] = False  # llama.cpp records no window for these
         for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                           ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             value = self.field(name)
             if value is not None:
                 cfg[key] = int(value)
-        eot = self.field("tokenizer.ggml.eot_token_id")
-        if eot is not None and eot != cfg.get("eos_token_id"):
-            cfg["eos_token_id"] = [cfg["eos_token_id"], int(eot)] if "eos_token_id" in cfg else int(eot)
+        # end of turn / end of message end a reply too
+        ends = [cfg.get("eos_token_id"), self.field("tokenizer.ggml.eot_token_id"),
+                self.field("tokenizer.ggml.eom_token_id")]
+        ends = list(dict.fromkeys(int(e) for e in ends if e is not None))
+        if len(ends) > 1:
+            cfg["eos_token_id"] = ends
         return cfg
 
     # -- tensors ------------------------------------------------------------------
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for every tensor, dequantized lazily."""
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in ``dtype``) for every tensor, dequantized lazily."""
         from gguf.quants import dequantize
 
         cfg = self.hf_config()
@@ -128,11 +136,21 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"model: {self.path.name!r}: tensor {name!r} has type "
                                       f"{t.tensor_type.name}, which cannot be dequantized") from None
             arr = np.asarray(data, dtype=np.float32).reshape(shape)
-            if hf.endswith("q_proj.weight"):
+            if self.arch_name in _PERMUTED_QK and hf.endswith(("q_proj.weight", "q_proj.bias")):
                 arr = _unpermute(arr, cfg["num_attention_heads"])
-            elif hf.endswith("k_proj.weight"):
+            elif self.arch_name in _PERMUTED_QK and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 arr = _unpermute(arr, cfg["num_key_value_heads"])
-            yield hf, torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+            yield hf, torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True)).to(dtype)
+
+
+def _unreadable(path: Path, e: Exception) -> str:
+    """Why ``gguf.GGUFReader`` failed, in words: not a GGUF at all, or a GGUF cut short."""
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        return f"model: {str(path)!r} is not a GGUF file (it starts with {head!r}, not b'GGUF')"
+    return (f"model: {str(path)!r} is a truncated or corrupt GGUF file ({path.stat().st_size} bytes): "
+            f"{type(e).__name__}: {e}")
 
 
 def _hf_name(name: str) -> str | None:
