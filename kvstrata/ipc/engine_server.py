@@ -116,7 +116,7 @@ class EngineServer:
         self._loop = asyncio.get_running_loop()
         self.address = address
         # What the handshake tells any client: never a secret (Redis passwords, ...).
-        self._config = redact_secrets(config_builtins)
+        self._config = client_view(config_builtins)
         self.max_frame_bytes = max_frame_bytes
         self.max_backlog_bytes = max_backlog_bytes
         self.stall_timeout_s = stall_timeout_s
@@ -499,6 +499,18 @@ class EngineServer:
                             num_clients=len(self._clients), num_requests=len(self._routes),
                             num_protocol_errors=self.num_protocol_errors,
                             uptime_s=time.monotonic() - self._started, engine=engine)
+
+
+def client_view(config_builtins: Any) -> Any:
+    """The engine config (plain data) as the handshake tells it: the
+    connector's options left out (free-form, where a secret may sit under any
+    key, e.g. a DSN; a client never needs them), and every other field that
+    holds a secret redacted."""
+    view = redact_secrets(config_builtins)
+    kv = view.get("kv_transfer") if isinstance(view, dict) else None
+    if isinstance(kv, dict) and "options" in kv:
+        kv["options"] = {}
+    return view
 
 
 def _peer_uid(fd: int) -> int:
