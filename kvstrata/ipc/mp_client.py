@@ -179,7 +179,8 @@ class MPEngineClient:
 
     @property
     def config(self) -> EngineConfig:
-        """The engine's configuration, as its handshake told it."""
+        """The engine's configuration, as its handshake told it: the
+        connector's options left out, other secret fields redacted."""
         assert self._config is not None, "the handshake sets it"
         return self._config
 
