@@ -52,7 +52,7 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizerParts:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - a bad file: name it
         raise ValueError(f"tokenizer: {str(path)!r} is not a readable GGUF file: {type(e).__name__}: {e}") from None
-    meta = _Metadata(reader)
+    meta = GGUFMetadata(reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"tokenizer: {path.name!r}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2', "
@@ -75,16 +75,18 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizerParts:
     return GGUFTokenizerParts(tok, eos, bos, template, tuple(dict.fromkeys(int(t) for t in ends if t is not None)))
 
 
-class _Metadata:
-    """Owns: a GGUF reader's fields, read as plain Python values."""
+class GGUFMetadata:
+    """Owns: a GGUF reader's fields, read as plain Python values (strings,
+    numbers, lists of either). The one reader of GGUF metadata: the
+    tokenizer here and the checkpoint reader (``kvstrata.worker.model.gguf_file``)."""
 
     def __init__(self, reader: Any) -> None:
         self._fields = reader.fields
 
-    def get(self, key: str) -> Any:
+    def get(self, key: str, default: Any = None) -> Any:
         f = self._fields.get(key)
         if f is None:
-            return None
+            return default
         if f.types[0].name == "ARRAY":
             if len(f.types) > 1 and f.types[1].name == "STRING":
                 return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]

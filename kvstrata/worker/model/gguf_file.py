@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstrata.text.gguf_tokenizer import GGUFMetadata
 from kvstrata.worker.model.config import CheckpointError
 
 # GGUF architecture -> HF architecture; and which ones llama.cpp stores with q/k permuted
@@ -51,6 +52,7 @@ class GGUFCheckpoint:
             self._reader = gguf.GGUFReader(str(self.path))
         except Exception as e:  # noqa: BLE001 - numpy raises assorted errors on truncated files
             raise CheckpointError(_unreadable(self.path, e)) from None
+        self._meta = GGUFMetadata(self._reader)
         self.arch_name = self.string("general.architecture")
         if self.arch_name not in _ARCHS:
             raise CheckpointError(f"model: {self.path.name!r}: GGUF architecture {self.arch_name!r} is not supported "
@@ -59,17 +61,7 @@ class GGUFCheckpoint:
 
     # -- metadata ---------------------------------------------------------------
     def field(self, key: str, default: Any = None) -> Any:
-        f = self._reader.fields.get(key)
-        if f is None:
-            return default
-        if len(f.types) == 1 and f.types[0].name == "STRING":
-            return bytes(f.parts[f.data[0]]).decode("utf-8")
-        if f.types[0].name == "ARRAY":
-            if len(f.types) > 1 and f.types[1].name == "STRING":
-                return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-            return [f.parts[i].tolist()[0] for i in f.data]
-        value = f.parts[f.data[0]].tolist()
-        return value[0] if isinstance(value, list) and len(value) == 1 else value
+        return self._meta.get(key, default)
 
     def string(self, key: str) -> str:
         v = self.field(key)
