@@ -138,7 +138,8 @@ class HFTokenizer:
             model_cfg = {**configs["config.json"], **configs["generation_config.json"]}
             self.eos_token_id = self._special_id(tok_cfg.get("eos_token"), model_cfg.get("eos_token_id"))
             self.bos_token_id = self._special_id(tok_cfg.get("bos_token"), model_cfg.get("bos_token_id"))
-            ends = [i for name, cfg in configs.items() for i in _eos_list(cfg, directory / name)]
+            ends = [i for name, cfg in configs.items()
+                    for i in eos_ids_in(cfg, f"tokenizer: {str(directory / name)!r}")]
         self.eos_token_ids = tuple(dict.fromkeys(
             [self.eos_token_id, *ends] if self.eos_token_id is not None else ends))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -196,15 +197,15 @@ def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer()
 
 
-def _eos_list(cfg: dict[str, Any], path: Path) -> list[int]:
+def eos_ids_in(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
     """``eos_token_id`` of a config.json / generation_config.json: absent, an
-    int or a list of ints."""
+    int or a list of ints; anything else is a ValueError naming ``where``.
+    The one parser of it (the checkpoint loader uses it too)."""
     eos = cfg.get("eos_token_id")
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"tokenizer: {str(path)!r}: eos_token_id must be a non-negative int or a list of them, "
-                         f"got {eos!r}")
-    return ids
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise ValueError(f"{where}: eos_token_id must be a non-negative int or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

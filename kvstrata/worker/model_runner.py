@@ -93,7 +93,7 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(model_config.tokenizer or str(ckpt.directory))
         self.vocab_size: int = ckpt.arch.vocab_size
         self.max_model_len: int = check_max_model_len(model_config.max_model_len, ckpt.arch.max_position_embeddings)
-        eos = [self.tokenizer.eos_token_id, *ckpt.arch.eos_token_ids]
+        eos = [*self.tokenizer.eos_token_ids, *ckpt.arch.eos_token_ids]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(t for t in eos if t is not None))
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         self.block_size = cache_config.block_size

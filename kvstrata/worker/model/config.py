@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvstrata.text.tokenizer import eos_ids_in
+
 class FamilySpec(msgspec.Struct, frozen=True, kw_only=True):
     """How one architecture differs from Llama, as data."""
 
@@ -219,13 +221,10 @@ def _int(raw: dict[str, Any], key: str, where: str, default: int | None = None) 
 def eos_token_ids(raw: dict[str, Any], where: str) -> tuple[int, ...]:
     """``eos_token_id`` of a config.json or generation_config.json: an int, a
     list of ints, or absent. Anything else names the file."""
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    ids = eos if isinstance(eos, list) else [eos]
-    if not all(type(i) is int and i >= 0 for i in ids):
-        raise CheckpointError(f"{where}: eos_token_id must be a non-negative int or a list of them, got {eos!r}")
-    return tuple(ids)
+    try:
+        return eos_ids_in(raw, where)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def with_generation_eos(arch: LlamaArchConfig, generation_config: dict[str, Any], where: str) -> LlamaArchConfig:
