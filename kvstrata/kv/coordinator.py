@@ -97,6 +97,11 @@ class KVCacheCoordinator:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.managers[0].req_to_blocks
 
+    @property
+    def num_requests(self) -> int:
+        """Requests holding blocks."""
+        return len(self.managers[0].req_to_blocks)
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,

@@ -252,6 +252,11 @@ class KVCacheManager:
         """True while ``request_id`` holds blocks (allocated and not freed)."""
         return self.coordinator.has_request(request_id)
 
+    @property
+    def num_requests(self) -> int:
+        """How many requests hold blocks (allocated and not freed)."""
+        return self.coordinator.num_requests
+
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """Cache the full blocks among the first ``num_computed_tokens`` tokens
         (after ``allocate_slots(..., delay_cache_blocks=True)``, once the KV

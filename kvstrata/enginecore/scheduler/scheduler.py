@@ -280,6 +280,8 @@ class Scheduler:
         flight are never touched (the worker is writing their blocks): they
         land, then become reclaimable. False when there is nothing to take."""
         kv, transfers = self.kv, self.transfers
+        if kv.num_requests <= len(self.running):
+            return False  # only running requests hold blocks: no scan of the waiting queue
         victim: Request | None = None
         for w in self.waiting:
             if w is requester or not kv.has_request(w.request_id) or transfers.in_flight(w.request_id):
