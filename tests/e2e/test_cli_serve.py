@@ -11,20 +11,9 @@ import sys
 
 import aiohttp
 
+from serve_process import wait_healthy
+
 from kvstrata.ipc.addresses import free_port
-
-
-async def _wait_healthy(session: aiohttp.ClientSession, proc: subprocess.Popen) -> None:
-    async with asyncio.timeout(120):
-        while True:
-            assert proc.poll() is None, "kvstrata serve exited early"
-            try:
-                async with session.get("/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.1)
 
 
 async def test_serve_cli_answers_then_stops_on_sigterm():
@@ -35,7 +24,7 @@ async def test_serve_cli_answers_then_stops_on_sigterm():
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as session:
-            await _wait_healthy(session, proc)
+            await wait_healthy(session, proc)
             async with session.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}) as r:
                 body = await r.json()
             assert body["model"] == "m" and body["usage"]["completion_tokens"] == 3

@@ -11,18 +11,12 @@ import subprocess
 import sys
 
 import aiohttp
-import pytest
+from serve_process import wait_healthy
 
 from kvstrata.ipc.addresses import free_port
-from kvstrata.worker.model import CheckpointError
-from kvstrata.worker.model.smollm2 import locate_smollm2
 
 
-async def test_serve_without_a_model_answers_paris():
-    try:
-        locate_smollm2(download=True)
-    except CheckpointError as e:
-        pytest.skip(str(e))
+async def test_serve_without_a_model_answers_paris(smollm2_gguf):
     port = free_port()
     env = {**os.environ, "KVSTRATA_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen([sys.executable, "-m", "kvstrata", "serve", "--port", str(port),
@@ -30,15 +24,7 @@ async def test_serve_without_a_model_answers_paris():
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as s:
-            for _ in range(600):
-                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-                try:
-                    async with s.get("/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.2)
+            await wait_healthy(s, proc)
             async with s.get("/v1/models") as r:
                 assert (await r.json())["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1"
             body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],

