@@ -5,7 +5,6 @@ engine itself reports for the same greedy request."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest

@@ -6,7 +6,7 @@ on chat prompts; a broken GGUF is a clear error naming the file."""
 
 from __future__ import annotations
 
-import shutil
+import asyncio
 
 import pytest
 import torch
@@ -71,7 +71,6 @@ async def test_greedy_chat_tokens_equal_transformers(smollm2_gguf, hf):
                                                  SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
             return [t for o in outs for t in o.new_token_ids], "".join(o.text_delta for o in outs)
 
-        import asyncio
         got = await asyncio.gather(*(one(q) for q in QUESTIONS))
     finally:
         await engine.aclose()
