@@ -101,9 +101,10 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.kv_cache_backing: torch.Tensor | None = None
         self.kv_connector: Any = None  # a KV connector's worker side, or None
-        groups = group_layer_specs(self.kv_cache_spec())  # the engine's builder groups the same way
+        specs = self.kv_cache_spec()
+        groups = group_layer_specs(specs)  # the engine's builder groups the same way
         group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
-        layer_groups = [group_of[name] for name in self.kv_cache_spec()] if len(groups) > 1 else None
+        layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
         self.batch = InputBatch(self.block_size, self.max_model_len, self.device, layer_groups)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:
