@@ -43,16 +43,12 @@ class GGUFTokenizerParts(NamedTuple):
     eos_token_ids: tuple[int, ...] = ()  # EOS, end-of-turn, end-of-message: every id that ends a reply
 
 
-def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizerParts:
-    """The tokenizer, special ids and chat template a GGUF's metadata describe."""
-    import gguf
-
+def read_gguf_tokenizer(path: str | Path, metadata: GGUFMetadata | None = None) -> GGUFTokenizerParts:
+    """The tokenizer, special ids and chat template a GGUF's metadata
+    describe; ``metadata``: the file's, already read (opening a large GGUF
+    parses every string in it: seconds)."""
     path = Path(path).expanduser()
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - a bad file: name it
-        raise ValueError(f"tokenizer: {str(path)!r} is not a readable GGUF file: {type(e).__name__}: {e}") from None
-    meta = GGUFMetadata(reader)
+    meta = metadata if metadata is not None else _open_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"tokenizer: {path.name!r}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2', "
@@ -73,6 +69,15 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizerParts:
                                 bos_token=tokens[bos] if bos is not None else "",
                                 eos_token=tokens[eos] if eos is not None else "")
     return GGUFTokenizerParts(tok, eos, bos, template, tuple(dict.fromkeys(int(t) for t in ends if t is not None)))
+
+
+def _open_metadata(path: Path) -> GGUFMetadata:
+    import gguf
+
+    try:
+        return GGUFMetadata(gguf.GGUFReader(str(path)))
+    except Exception as e:  # noqa: BLE001 - a bad file: name it
+        raise ValueError(f"tokenizer: {str(path)!r} is not a readable GGUF file: {type(e).__name__}: {e}") from None
 
 
 class GGUFMetadata:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as _HFTokenizerImpl
 from tokenizers.decoders import DecodeStream
 
 from kvstrata.text.chat import ChatTemplate, load_chat_template
-from kvstrata.text.gguf_tokenizer import read_gguf_tokenizer
+from kvstrata.text.gguf_tokenizer import GGUFMetadata, read_gguf_tokenizer
 from kvstrata.config import ModelConfig
 
 BYTE_BOS_ID = 256
@@ -175,7 +175,7 @@ def load_model_tokenizer(model: ModelConfig) -> ByteTokenizer | HFTokenizer:
     return load_tokenizer(model.tokenizer or model.model)
 
 
-def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(path: str | None, *, gguf_metadata: GGUFMetadata | None = None) -> ByteTokenizer | HFTokenizer:
     """The tokenizer in directory ``path`` (its tokenizer.json), or of a GGUF
     file (from its metadata), else byte-level.
 
@@ -185,7 +185,7 @@ def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
     if path is None:
         return ByteTokenizer()
     if str(path).lower().endswith(".gguf"):
-        parts = read_gguf_tokenizer(path)
+        parts = read_gguf_tokenizer(path, gguf_metadata)
         return HFTokenizer(tokenizer=parts.tokenizer, eos_token_id=parts.eos_token_id,
                            bos_token_id=parts.bos_token_id, chat_template=parts.chat_template,
                            eos_token_ids=parts.eos_token_ids)

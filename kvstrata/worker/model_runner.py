@@ -90,7 +90,8 @@ class ModelRunner:
         self.arch = ckpt.arch
         self.dtype = ckpt.dtype
         self.model_fingerprint: str = ckpt.fingerprint
-        self.tokenizer = load_tokenizer(model_config.tokenizer or str(ckpt.directory))
+        self.tokenizer = (load_tokenizer(model_config.tokenizer) if model_config.tokenizer
+                          else load_tokenizer(str(ckpt.directory), gguf_metadata=ckpt.gguf_metadata))
         self.vocab_size: int = ckpt.arch.vocab_size
         self.max_model_len: int = check_max_model_len(model_config.max_model_len, ckpt.arch.max_position_embeddings)
         eos = [*self.tokenizer.eos_token_ids, *ckpt.arch.eos_token_ids]

@@ -60,6 +60,11 @@ class GGUFCheckpoint:
         self._tensors = {t.name: t for t in self._reader.tensors}
 
     # -- metadata ---------------------------------------------------------------
+    @property
+    def metadata(self) -> GGUFMetadata:
+        """The file's metadata, read once (the tokenizer is built from it too)."""
+        return self._meta
+
     def field(self, key: str, default: Any = None) -> Any:
         return self._meta.get(key, default)
 

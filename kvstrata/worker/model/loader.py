@@ -38,6 +38,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from kvstrata.text.gguf_tokenizer import GGUFMetadata
 from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig, parse_arch_config, with_generation_eos
 from kvstrata.worker.model.fingerprint import checkpoint_fingerprint
 from kvstrata.worker.model.gguf_file import GGUFCheckpoint, is_gguf_path
@@ -64,6 +65,7 @@ class LoadedCheckpoint:
     directory: Path
     dtype: str
     fingerprint: str
+    gguf_metadata: GGUFMetadata | None = None  # a GGUF's metadata, for its tokenizer
 
 
 def load_checkpoint(path: str, dtype: str = "float32", device: str = "cpu") -> LoadedCheckpoint:
@@ -181,7 +183,7 @@ def _load_gguf(path: str, dtype: str, device: str) -> LoadedCheckpoint:
     fingerprint = checkpoint_fingerprint(raw, [ck.path], dtype_name)
     log.info("checkpoint_loaded", path=str(ck.path), dtype=dtype_name, format="gguf",
              num_layers=arch.num_hidden_layers, fingerprint=fingerprint[:16])
-    return LoadedCheckpoint(model, arch, ck.path, dtype_name, fingerprint)
+    return LoadedCheckpoint(model, arch, ck.path, dtype_name, fingerprint, ck.metadata)
 
 
 def _header_shapes(files: list[Path]) -> Iterator[tuple[str, tuple[int, ...], str]]:
