@@ -39,7 +39,13 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_namespace: str | None = None
     random_hash_root: bool = False
     metrics_sample_rate: float = 0.01
+    # KV events (kvstrata.kv.events): to the vLLM-compatible ZMQ publisher at
+    # this endpoint (PUB; ``kv_events_replay_endpoint`` its replay ROUTER),
+    # and, with ``enable_kv_events``, to the engine subprocess's own clients
+    # (a fleet router subscribes over the engine's socket).
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    enable_kv_events: bool = False
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -58,6 +58,7 @@ from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputPro
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError
 from kvstrata.kv.events import KVEventBatch
+from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams, SchedulerOutput
 
@@ -124,9 +125,11 @@ class AsyncEngine:
         builds it).
         """
         config.validate()
-        if config.cache.kv_events_endpoint is not None and kv_events is None:
-            raise ValueError("cache.kv_events_endpoint: start the engine with a KV events sink "
-                             "(kvstrata.ipc.engines.open_engine builds the ZMQ publisher)")
+        if kv_events is None and (config.cache.kv_events_endpoint is not None or config.cache.enable_kv_events):
+            field = "kv_events_endpoint" if config.cache.kv_events_endpoint is not None else "enable_kv_events"
+            raise ValueError(f"cache.{field}: start the engine with a KV events sink "
+                             "(kvstrata.ipc.engines.open_engine builds the ZMQ publisher; the engine "
+                             "subprocess its clients' feed)")
         owned = None
         if connector is None and config.kv_transfer is not None:
             from kvstrata.connector import KVConnectorFactory
@@ -179,6 +182,11 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self._core.tokenizer
+
+    @property
+    def identity(self) -> CacheIdentity:
+        """The cache identity every block hash of this engine is rooted in."""
+        return self._core.identity
 
     @property
     def facts(self) -> ModelFacts:

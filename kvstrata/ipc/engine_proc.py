@@ -43,10 +43,20 @@ async def serve_engine(config: EngineConfig, address: str, credentials: P.Creden
     engine = None
     failed = False
     try:
-        from kvstrata.ipc.engines import start_async_engine  # the engine is heavy (torch): after the bind
+        # the engine is heavy (torch): after the bind
+        from kvstrata.enginecore.async_engine import AsyncEngine
+        from kvstrata.ipc.engines import open_kv_events
+        from kvstrata.ipc.kv_feed import KVEventFeed
 
-        engine = await start_async_engine(config)
-        server.attach(engine)
+        events = await open_kv_events(config)  # the vLLM-compatible publisher, when configured
+        feed = KVEventFeed(epoch=server.epoch, tee=events) if config.cache.enable_kv_events else None
+        try:
+            engine = await AsyncEngine.start(config, kv_events=feed or events)
+        except BaseException:
+            if feed is not None or events is not None:
+                await (feed or events).aclose()
+            raise
+        server.attach(engine, kv_feed=feed)
         log.info("engine_ready", address=address, pid=os.getpid())
         await server.stopped.wait()
         failed = server.stop_reason.startswith("engine died")

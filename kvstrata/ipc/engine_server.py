@@ -60,6 +60,7 @@ from kvstrata.enginecore.processing import validate_request
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
+from kvstrata.ipc.kv_feed import KVEventFeed, new_epoch
 from kvstrata.ipc.zmq_io import ZmqReader
 from kvstrata.types import RequestOutput
 
@@ -121,6 +122,9 @@ class EngineServer:
         self.max_backlog_bytes = max_backlog_bytes
         self.stall_timeout_s = stall_timeout_s
         self._engine: AsyncEngine | None = None
+        self.epoch = new_epoch()  # this engine start (a router fences older epochs' blocks)
+        self._kv_feed: KVEventFeed | None = None
+        self._kv_subscribers: set[bytes] = set()  # client identities that asked for KV events
         self._clients: dict[bytes, _Client] = {}
         self._by_fd: dict[int, _Client] = {}
         self._routes: dict[str, _Client] = {}
@@ -157,9 +161,13 @@ class EngineServer:
         self._reader.start()
         log.info("engine_server_listening", address=address)
 
-    def attach(self, engine: AsyncEngine) -> None:
-        """The engine is ready: answer the handshakes that were waiting."""
+    def attach(self, engine: AsyncEngine, kv_feed: KVEventFeed | None = None) -> None:
+        """The engine is ready: answer the handshakes that were waiting.
+        ``kv_feed``: the engine's KV events sink, served to subscribers."""
         self._engine = engine
+        if kv_feed is not None:
+            self._kv_feed = kv_feed
+            kv_feed.listener = self._broadcast_kv
         for identity, call_id in self._deferred_handshakes:
             self._send(identity, P.UtilityResult(call_id, self._info()))
         self._deferred_handshakes.clear()
@@ -250,6 +258,8 @@ class EngineServer:
                 self._send(client.identity, P.UtilityResult(call_id, self._info()))
         elif method == "health":
             self._send(client.identity, P.UtilityResult(call_id, self._health()))
+        elif method == "kv_subscribe":
+            self._kv_subscribe(client, call_id, args)
         elif method in ("stats", "reset_prefix_cache", "flush_kv"):
             if self._engine is None:
                 self._send(client.identity, P.UtilityResult(call_id, None, "engine not ready"))
@@ -258,6 +268,40 @@ class EngineServer:
         else:
             self._protocol_error(client, f"unknown utility method {method!r} (known: {', '.join(P.UTILITY_METHODS)})")
             self._send(client.identity, P.UtilityResult(call_id, None, f"unknown utility method {method!r}"))
+
+    def _kv_subscribe(self, client: _Client, call_id: int, args: list[Any]) -> None:
+        """Answer with the feed's position, then send the buffered batches
+        from ``args[0]`` (default 0), then every later one as it comes: all
+        on this loop, so none is missed or sent twice."""
+        feed = self._kv_feed
+        if feed is None:
+            self._send(client.identity, P.UtilityResult(
+                call_id, None, "KV events are off on this engine (cache.enable_kv_events)"))
+            return
+        start = args[0] if args else 0
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            self._protocol_error(client, f"kv_subscribe: start_seq must be an integer >= 0, got {start!r}")
+            self._send(client.identity, P.UtilityResult(call_id, None, "kv_subscribe: bad start_seq"))
+            return
+        self._send(client.identity, P.UtilityResult(call_id, {
+            "epoch": feed.epoch, "next_seq": feed.next_seq, "oldest_seq": feed.oldest_seq}))
+        for seq, payload in feed.since(start):
+            self._send(client.identity, P.KVEvents(feed.epoch, seq, payload))
+        self._kv_subscribers.add(client.identity)
+
+    def _broadcast_kv(self, seq: int, payload: bytes) -> None:
+        if not self._kv_subscribers:
+            return
+        assert self._kv_feed is not None
+        frame = self._encoder.encode(P.KVEvents(self._kv_feed.epoch, seq, payload))
+        for identity in list(self._kv_subscribers):
+            client = self._clients.get(identity)
+            if client is None:
+                self._kv_subscribers.discard(identity)
+            elif client.backlog:
+                self._hold(client, frame)
+            else:
+                self._send_frame(identity, frame, client)
 
     def _new_client(self, identity: bytes, fd: int) -> _Client:
         self._monitor_reader.drain_now()  # an old disconnect of this fd goes first
@@ -284,6 +328,7 @@ class EngineServer:
         if self._by_fd.get(client.fd) is client:
             del self._by_fd[client.fd]
         self._backlogged.pop(client.identity, None)
+        self._kv_subscribers.discard(client.identity)
         _cancel_stall_timer(client)
         rids = list(client.requests)
         for rid in rids:
@@ -489,7 +534,9 @@ class EngineServer:
         engine = self._engine
         return P.EngineInfo(protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(), ready=engine is not None,
                             config=self._config, max_frame_bytes=self.max_frame_bytes,
-                            facts=None if engine is None else engine.facts)
+                            facts=None if engine is None else engine.facts, epoch=self.epoch,
+                            cache_identity=None if engine is None else msgspec.to_builtins(engine.identity),
+                            kv_events=self._kv_feed is not None)
 
     def _health(self) -> P.HealthInfo:
         engine = None

@@ -7,7 +7,9 @@ Wire format (vLLM's; every message on the PUB socket, three frames)::
 Sequence numbers start at 0 and have no gaps, so a subscriber that sees
 ``seq`` jump knows what it missed. It asks the ROUTER replay socket for them
 from a DEALER socket, sending one frame, the 8-byte big-endian first
-sequence number it wants; the publisher answers with one
+sequence number it wants (or from a REQ socket, or a DEALER that sends an
+empty delimiter frame first, as vLLM's subscribers do: the answer then
+carries the same envelope); the publisher answers with one
 ``[seq, payload]`` message per buffered batch from there on, then the end
 marker ``[-1 as 8 signed bytes, b""]``. The buffer is a bounded ring (the
 last ``buffer_steps`` batches): older ones are gone for good, which the
@@ -263,14 +265,24 @@ class ZmqEventPublisher:
     @staticmethod
     def _serve_replay(replay: zmq.Socket, ring: deque[tuple[int, bytes]]) -> None:
         frames = replay.recv_multipart()
-        if len(frames) != 2 or len(frames[1]) != 8:
+        # [peer, seq] from a DEALER; [peer, b"", seq] from a REQ socket (or a
+        # DEALER that adds the delimiter, as vLLM's subscribers do): answered
+        # with the same envelope.
+        if len(frames) == 3 and frames[1] == b"":
+            envelope: tuple[bytes, ...] = (frames[0], b"")
+        elif len(frames) == 2:
+            envelope = (frames[0],)
+        else:
             log.warning("kv_event_replay_bad_request", num_frames=len(frames))
             return
-        client, start = frames[0], int.from_bytes(frames[1], "big")
+        if len(frames[-1]) != 8:
+            log.warning("kv_event_replay_bad_request", start_seq_bytes=len(frames[-1]))
+            return
+        start = int.from_bytes(frames[-1], "big")
         for seq, payload in ring:
             if seq >= start:
-                replay.send_multipart((client, seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, END_OF_REPLAY, b""))
+                replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((*envelope, END_OF_REPLAY, b""))
 
 
 def _drain(sock: socket.socket) -> None:

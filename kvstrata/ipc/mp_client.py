@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -96,6 +96,7 @@ class MPEngineClient:
         self._dead: EngineDeadError | None = None
         self._closed = False
         self.num_protocol_errors = 0
+        self._kv_listener: Callable[[P.KVEvents], None] | None = None
         self.info: P.EngineInfo | None = None
         self._config: EngineConfig | None = None
         self._inputs: InputProcessor | None = None  # set by the handshake
@@ -301,6 +302,16 @@ class MPEngineClient:
     async def health(self) -> P.HealthInfo:
         return msgspec.convert(await self._call("health"), P.HealthInfo)
 
+    async def subscribe_kv_events(self, listener: Callable[[P.KVEvents], None], start_seq: int = 0) -> dict:
+        """Receive the engine's KV events: ``listener`` is called on this loop
+        with each ``KVEvents`` (the buffered ones from ``start_seq`` first,
+        then each step's). Returns the engine's ``{"epoch", "next_seq",
+        "oldest_seq"}`` at subscription; RuntimeError when the engine runs
+        without ``cache.enable_kv_events``. Calling it again re-subscribes
+        (a replay from another ``start_seq``)."""
+        self._kv_listener = listener
+        return await self._call("kv_subscribe", [start_seq])
+
     async def shutdown_engine(self) -> None:
         """Ask the engine to stop (every client's requests end with EngineDeadError)."""
         if self._dead is None and not self._closed:
@@ -415,6 +426,9 @@ class MPEngineClient:
                 log.warning("engine_protocol_error", message=message, num_errors=n)
             case P.EngineDead(reason=reason):
                 self._mark_dead(reason)
+            case P.KVEvents():
+                if self._kv_listener is not None:
+                    self._kv_listener(msg)
 
     def _on_rejected(self, msg: P.RequestRejected) -> None:
         s = self._streams.get(msg.request_id)

@@ -7,14 +7,16 @@ by one typed decoder and dispatched with ``match``:
         AddRequest | AbortRequests | Utility | Shutdown
     client (DEALER) ◀── Outbound ── engine (ROUTER)
         Outputs (one batch per engine step and client) | UtilityResult
-        | RequestRejected | ProtocolError | EngineDead
+        | RequestRejected | ProtocolError | EngineDead | KVEvents
 
 Requests and outputs carry token ids only: the client tokenizes, checks,
 detokenizes and applies stop strings (``kvstrata.enginecore.processing``).
 
 The handshake is ``Utility(method="handshake")``; its result is an
 ``EngineInfo`` (the engine's config, what a client needs to check requests,
-pid, protocol version, readiness). Health checks are
+pid, protocol version, readiness, its epoch and cache identity). A client
+that calls ``Utility(method="kv_subscribe", args=[start_seq])`` gets the
+engine's KV events as ``KVEvents`` frames from then on (``kvstrata.ipc.kv_feed``). Health checks are
 ``Utility(method="health")``.
 
 Both sides bound their queues (ZMQ high-water marks, counted in messages):
@@ -32,12 +34,12 @@ import msgspec
 from kvstrata.enginecore.processing import ModelFacts
 from kvstrata.types import EngineHealth, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # Frames larger than this are rejected with a ProtocolError (the engine never
 # decodes them). A generous bound: a 1M-token prompt as msgpack ints is ~5 MiB.
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 
-UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_kv")
+UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_kv", "kv_subscribe")
 
 # High-water marks (messages) of the engine's ROUTER and each client's
 # DEALER, both ways. The engine sends one Outputs frame per step and client,
@@ -135,7 +137,18 @@ class EngineDead(_Wire, tag="dead"):
     reason: str
 
 
-Outbound = Outputs | UtilityResult | RequestRejected | ProtocolError | EngineDead
+class KVEvents(_Wire, tag="kv_events"):
+    """One engine step's KV events for a client that subscribed
+    (``Utility("kv_subscribe", [start_seq])``; ``kvstrata.ipc.kv_feed``):
+    ``payload`` is the msgpack ``KVEventBatch`` as vLLM's publisher sends it,
+    ``seq`` its number (from 0, no gaps, per ``epoch``: one engine start)."""
+
+    epoch: int
+    seq: int
+    payload: bytes
+
+
+Outbound = Outputs | UtilityResult | RequestRejected | ProtocolError | EngineDead | KVEvents
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,6 +162,13 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     config: Any  # EngineConfig as plain data (msgspec.to_builtins)
     max_frame_bytes: int
     facts: ModelFacts | None = None
+    # One engine start: a router fences blocks of older epochs.
+    epoch: int = 0
+    # The engine's CacheIdentity as plain data (a router hashes prompts with
+    # it); None while the engine is starting.
+    cache_identity: Any = None
+    # Whether ``kv_subscribe`` is served (cache.enable_kv_events).
+    kv_events: bool = False
 
 
 class HealthInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,7 +1,14 @@
 """KV cache events for external routers (which replica holds which prefix).
 
 Wire types: frozen, tagged, array-like msgspec Structs, so a batch crosses
-ZMQ as compact msgpack and decodes back into the same classes. ``medium``
+ZMQ as compact msgpack and decodes back into the same classes. The field
+positions are vLLM's (``vllm.distributed.kv_events``, array-like as its
+subscriber example and NVIDIA Dynamo's and llm-d's indexers decode them):
+``BlockStored`` is ``[tag, block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, lora_name, extra_keys, group_idx]`` and every
+field is always written (no omitted defaults), so a decoder that requires
+vLLM's fields finds them all; fields after the ones it knows are ignored.
+See docs/kv_events.md. ``medium``
 says which tier the event is about: the block pool writes "device"; the
 engine renames it "GPU" when it publishes (``EngineCore.take_kv_events``),
 beside the connector's tiers, "CPU", "DISK" and "REMOTE"
@@ -17,14 +24,14 @@ described there). This module holds no socket and no thread.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 DEVICE_MEDIUM = "device"
 
 
-class KVCacheEvent(
-    msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False, tag=True
-):
+class KVCacheEvent(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=True):
     """Base of the three event kinds (the tag is the class name)."""
 
 
@@ -37,9 +44,11 @@ class BlockStored(KVCacheEvent, frozen=True):
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
-    lora_name: str | None = None
+    lora_id: int | None = None  # vLLM's deprecated LoRA id: always None here (LoRA is keyed by lora_name)
     medium: str | None = DEVICE_MEDIUM
-    group_idx: int = 0
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None  # vLLM: per-block extra hash keys; not published here
+    group_idx: int | None = 0  # None (as vLLM may send it) means group 0
 
 
 class BlockRemoved(KVCacheEvent, frozen=True):
@@ -47,7 +56,7 @@ class BlockRemoved(KVCacheEvent, frozen=True):
 
     block_hashes: list[bytes]
     medium: str | None = DEVICE_MEDIUM
-    group_idx: int = 0
+    group_idx: int | None = 0  # None (as vLLM may send it) means group 0
 
 
 class AllBlocksCleared(KVCacheEvent, frozen=True):
@@ -59,7 +68,7 @@ class AllBlocksCleared(KVCacheEvent, frozen=True):
 AnyKVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+class KVEventBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The events of one engine step, stamped with wall-clock time."""
 
     ts: float

@@ -216,7 +216,7 @@ class PrefixIndex:
         for ev in batch.events:
             lane = _LANE_OF.get(ev.medium, -1)
             kind = type(ev)
-            if lane < 0 or (kind is not AllBlocksCleared and ev.group_idx != 0):
+            if lane < 0 or (kind is not AllBlocksCleared and ev.group_idx not in (0, None)):
                 c.ignored_events += 1  # another group's copy of the same hashes, or a medium we do not know
                 continue
             if kind is BlockStored:
