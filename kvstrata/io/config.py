@@ -141,22 +141,68 @@ class RedisOptions(msgspec.Struct, **_STRUCT):
     def validate(self, prefix: str) -> None:
         check_int(f"{prefix}.port", self.port)
         check_int(f"{prefix}.db", self.db, 0)
-        if self.ttl_s is not None:
-            check_int(f"{prefix}.ttl_s", self.ttl_s)
-        if not self.key_prefix or ":" in self.key_prefix:
-            raise ValueError(f"{prefix}.key_prefix must be non-empty and contain no ':'")
         if self.ssl_insecure_skip_verify and self.ssl_ca_certs:
             raise ValueError(f"{prefix}.ssl_insecure_skip_verify contradicts {prefix}.ssl_ca_certs: "
                              "a CA is given to verify against")
-        check_float(f"{prefix}.socket_timeout_s", self.socket_timeout_s)
-        check_float(f"{prefix}.connect_timeout_s", self.connect_timeout_s)
-        check_int(f"{prefix}.max_connections", self.max_connections)
-        check_int(f"{prefix}.max_in_flight", self.max_in_flight)
-        check_int(f"{prefix}.max_queued_puts", self.max_queued_puts, 0)
-        check_int(f"{prefix}.io_threads", self.io_threads)
-        if self.max_in_flight > self.max_connections:
-            raise ValueError(f"{prefix}.max_in_flight must be <= {prefix}.max_connections")
-        _check_health(f"{prefix}.health", self.health)
+        _check_redis_common(prefix, self)
+
+
+class RedisClusterOptions(msgspec.Struct, **_STRUCT):
+    """A Redis Cluster through redis.asyncio.cluster. ``startup_nodes`` are
+    ``"host:port"`` strings (any reachable one is enough to discover the
+    rest). Keys are ``{key_prefix}:{identity}:{{name}}:{m|d}``: the object's
+    name is the hash tag, so its two keys live in one slot."""
+
+    startup_nodes: tuple[str, ...]
+    username: str | None = None
+    password: str | None = None
+    key_prefix: str = "kvstrata"
+    ttl_s: int | None = None
+    socket_timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    max_connections: int = 16  # per node
+    max_in_flight: int = 8
+    max_queued_puts: int = 64
+    io_threads: int = 2
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+
+    def validate(self, prefix: str) -> None:
+        if not self.startup_nodes:
+            raise ValueError(f"{prefix}.startup_nodes must name at least one \"host:port\"")
+        for i, node in enumerate(self.startup_nodes):
+            parse_host_port(f"{prefix}.startup_nodes[{i}]", node)
+        if "{" in self.key_prefix or "}" in self.key_prefix:  # it would become the hash tag
+            raise ValueError(f"{prefix}.key_prefix must contain no '{{' or '}}'")
+        _check_redis_common(prefix, self)
+
+    def nodes(self) -> list[tuple[str, int]]:
+        return [parse_host_port("startup_nodes", n) for n in self.startup_nodes]
+
+
+def parse_host_port(name: str, value: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[::1]:port"`` for IPv6) -> (host, port)."""
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} must be \"host:port\" with a port in 1..65535, got {value!r}")
+    return host, int(port)
+
+
+def _check_redis_common(prefix: str, o: RedisOptions | RedisClusterOptions) -> None:
+    """The fields the Redis and Redis Cluster options share."""
+    if o.ttl_s is not None:
+        check_int(f"{prefix}.ttl_s", o.ttl_s)
+    if not o.key_prefix or ":" in o.key_prefix:
+        raise ValueError(f"{prefix}.key_prefix must be non-empty and contain no ':'")
+    check_float(f"{prefix}.socket_timeout_s", o.socket_timeout_s)
+    check_float(f"{prefix}.connect_timeout_s", o.connect_timeout_s)
+    check_int(f"{prefix}.max_connections", o.max_connections)
+    check_int(f"{prefix}.max_in_flight", o.max_in_flight)
+    check_int(f"{prefix}.max_queued_puts", o.max_queued_puts, 0)
+    check_int(f"{prefix}.io_threads", o.io_threads)
+    if o.max_in_flight > o.max_connections:
+        raise ValueError(f"{prefix}.max_in_flight must be <= {prefix}.max_connections")
+    _check_health(f"{prefix}.health", o.health)
 
 
 class StoreConfig(msgspec.Struct, **_STRUCT):

@@ -16,6 +16,7 @@ from kvstrata.io.backends.base import LOWER_TIER_MEMBERS, LowerTier
 from kvstrata.io.backends.disk import DiskTier
 from kvstrata.io.backends.fs import FSTier
 from kvstrata.io.backends.redis import RedisTier
+from kvstrata.io.backends.redis_cluster import RedisClusterTier
 from kvstrata.io.config import TierSpec
 
 
@@ -31,6 +32,7 @@ class TierRegistry:
             self.register("disk", DiskTier)
             self.register("fs", FSTier)
             self.register("redis", RedisTier)
+            self.register("redis-cluster", RedisClusterTier)
 
     def names(self) -> list[str]:
         return sorted(self._types)

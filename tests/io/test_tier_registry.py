@@ -75,7 +75,7 @@ def user_module(tmp_path, monkeypatch):
 
 def test_builtin_names():
     reg = TierRegistry()
-    assert reg.names() == ["disk", "fs", "redis"]
+    assert reg.names() == ["disk", "fs", "redis", "redis-cluster"]
     assert reg.resolve("disk") is DiskTier
     assert reg.resolve("kvstrata.io.backends.disk.DiskTier") is DiskTier
     assert reg.resolve("kvstrata.io.backends.disk:DiskTier") is DiskTier

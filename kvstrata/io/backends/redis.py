@@ -11,6 +11,10 @@ pipeline, so a reader that finds the meta finds the data; a read MGETs both and 
 checksum (in a thread, with the copy into L1). Connection faults make the
 tier unavailable (see ``Health``); the client reconnects on the next attempt
 after the retry interval. Redis cannot pin for us: ``pin`` is always False.
+
+``RedisStoreBase`` holds all of that; ``RedisTier`` adds the single-server
+client and key layout, ``redis_cluster.RedisClusterTier`` a Redis Cluster's
+(whose faults may take one shard only: see its ``_shard`` hooks).
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ _encode = msgspec.msgpack.encode
 _FAULTS = (RedisError, OSError, asyncio.TimeoutError)
 
 
+class ShardDown(RedisError):
+    """The shard that holds a key is marked down: the op was skipped
+    without I/O (a miss, or a dropped put; not a new fault)."""
+
+
 def _verify_copy(data: bytes, meta: RedisMeta, dst: np.ndarray) -> bool:
     """Thread side: checksum the received bytes, then copy them into L1."""
     if len(data) != dst.nbytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
@@ -60,53 +69,53 @@ def _verify_copy(data: bytes, meta: RedisMeta, dst: np.ndarray) -> bool:
     return True
 
 
-class RedisTier(SharedMediumTier):
-    """Owns: the client and its connection pool; the rest as SharedMediumTier
-    (its thread pool checksums and copies)."""
+class RedisStoreBase(SharedMediumTier):
+    """Owns: the client (``_client``, made by ``_connect``); the rest as
+    SharedMediumTier (its thread pool checksums and copies). Subclasses give
+    ``_connect``, ``_probe``, ``_rkey`` and ``_mget_metas``; a sharded medium
+    also ``_shard``/``_shard_allows``/``_ok``/``_fault`` (one shard's fault
+    then costs only that shard's keys)."""
 
-    kind = "redis"
-    options_type = RedisOptions
     faults = _FAULTS
 
-    def __init__(self, opts: RedisOptions, *, name: str = "redis", write_back: bool = False) -> None:
+    def __init__(self, opts, *, name: str, write_back: bool = False) -> None:
         super().__init__(opts, name=name, write_back=write_back, max_in_flight=opts.max_in_flight)
-        self._client: aioredis.Redis | None = None
+        self._client = None
 
     async def start(self) -> None:
-        """Connect and ping; a server that is down leaves the tier
+        """Connect and probe; a medium that is down leaves the tier
         unavailable (retried later), it does not raise."""
-        o = self._opts
-        pool = aioredis.BlockingConnectionPool(
-            host=o.host, port=o.port, db=o.db, username=o.username, password=o.password,
-            socket_timeout=o.socket_timeout_s, socket_connect_timeout=o.connect_timeout_s,
-            max_connections=o.max_connections, timeout=o.socket_timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            **self._ssl_kwargs(),
-        )
-        self._client = aioredis.Redis(connection_pool=pool)
-        self._pool = ThreadPoolExecutor(o.io_threads, thread_name_prefix=f"kvstrata-{self.name}")
+        self._client = self._connect()
+        self._pool = ThreadPoolExecutor(self._opts.io_threads, thread_name_prefix=f"kvstrata-{self.name}")
         try:
-            await self._client.ping()
-        except _FAULTS as e:
+            await self._probe()
+        except self.faults as e:
             self._fault(e)
 
-    def _ssl_kwargs(self) -> dict:
-        """TLS verifies the server (its CA, else the system store, and its
-        host name) unless ``ssl_insecure_skip_verify`` says otherwise."""
-        o = self._opts
-        if not o.ssl:
-            return {}
-        kw = dict(connection_class=aioredis.SSLConnection, ssl_ca_certs=o.ssl_ca_certs,
-                  ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
-                  ssl_check_hostname=o.ssl_check_hostname, ssl_cert_reqs="required")
-        if o.ssl_insecure_skip_verify:
-            log.warning("redis_tls_verification_disabled", tier=self.name,
-                        reason="ssl_insecure_skip_verify is set: any certificate is accepted")
-            kw.update(ssl_cert_reqs="none", ssl_check_hostname=False)
-        return kw
+    def _connect(self):
+        raise NotImplementedError
+
+    async def _probe(self) -> None:
+        raise NotImplementedError
 
     def _rkey(self, key: ChunkKey, part: str) -> str:
-        return f"{self._opts.key_prefix}:{key.identity}:{key.name}:{part}"
+        raise NotImplementedError
+
+    async def _mget_metas(self, rkeys: list[str]) -> list[bytes | None]:
+        """The meta values of ``rkeys`` (None: absent, or its shard failed);
+        marks the shards that answered ok."""
+        raise NotImplementedError
+
+    # --- shards: one for a single server ---------------------------------
+    def _shard(self, key: ChunkKey) -> str | None:
+        """Which shard holds ``key`` (None: the only one, or not known yet)."""
+        return None
+
+    def _shard_allows(self, shard: str | None) -> bool:
+        return True
+
+    def _ok(self, shard: str | None) -> None:
+        self._health.ok()
 
     def _open(self) -> bool:
         return self._client is not None and not self._closed
@@ -117,17 +126,22 @@ class RedisTier(SharedMediumTier):
             return
         self._health.fault(e)
 
+    @staticmethod
+    def _tag(e: BaseException, shard: str | None) -> BaseException:
+        """Mark a fault with the shard it came from (read by ``_fault``)."""
+        if shard is not None and getattr(e, "kvstrata_shard", None) is None:
+            e.kvstrata_shard = shard
+        return e
+
     # --- lookup --------------------------------------------------------
     async def metas(self, keys: Sequence[ChunkKey]) -> list[ObjectMeta | None]:
         if not keys or not self._usable():
             return [None] * len(keys)
-        assert self._client is not None
         try:
-            raw = await self._client.mget([self._rkey(k, "m") for k in keys])
-        except _FAULTS as e:
+            raw = await self._mget_metas([self._rkey(k, "m") for k in keys])
+        except self.faults as e:
             self._fault(e)
             return [None] * len(keys)
-        self._health.ok()
         out: list[ObjectMeta | None] = []
         for key, blob in zip(keys, raw):
             m = self._parse(key, blob)
@@ -154,37 +168,49 @@ class RedisTier(SharedMediumTier):
     # --- put -----------------------------------------------------------
     async def _write(self, key: ChunkKey, obj: MemoryObj) -> bool:
         assert self._client is not None and self._pool is not None
-        if await self._client.exists(self._rkey(key, "m")):
-            return False  # already there
-        payload = obj.numpy_bytes()
-        csum = await run_in_thread(self._pool, xxhash.xxh3_64_intdigest, payload)
-        meta = _encode(RedisMeta(key, obj.shape, dtype_name(obj.dtype), obj.layout, obj.nbytes, csum))
-        pipe = self._client.pipeline(transaction=False)
-        pipe.set(self._rkey(key, "d"), memoryview(payload), ex=self._opts.ttl_s)
-        pipe.set(self._rkey(key, "m"), meta, ex=self._opts.ttl_s)
-        await pipe.execute()
+        shard = self._shard(key)
+        if not self._shard_allows(shard):
+            raise ShardDown(f"shard {shard} is down")
+        try:
+            if await self._client.exists(self._rkey(key, "m")):
+                self._ok(shard)
+                return False  # already there
+            payload = obj.numpy_bytes()
+            csum = await run_in_thread(self._pool, xxhash.xxh3_64_intdigest, payload)
+            meta = _encode(RedisMeta(key, obj.shape, dtype_name(obj.dtype), obj.layout, obj.nbytes, csum))
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(self._rkey(key, "d"), memoryview(payload), ex=self._opts.ttl_s)
+            pipe.set(self._rkey(key, "m"), meta, ex=self._opts.ttl_s)
+            await pipe.execute()
+        except self.faults as e:
+            raise self._tag(e, shard)
+        self._ok(shard)
         return True
 
     # --- read ----------------------------------------------------------
     async def _read_job(self, key: ChunkKey, want: ObjectMeta, dst: MemoryObj) -> bool:
         assert self._client is not None and self._pool is not None
+        shard = self._shard(key)
         try:
+            if not self._shard_allows(shard):
+                return False
             blob, data = await self._client.mget([self._rkey(key, "m"), self._rkey(key, "d")])
             m = self._parse(key, blob)
             if m is None or data is None:
                 if m is not None:  # meta without data: the server evicted the data
                     self.submit_remove(key)
+                self._ok(shard)
                 return False
             if (m.shape, m.dtype, m.layout, m.nbytes) != (want.shape, want.dtype, want.layout, want.nbytes):
                 self._corrupt(key)
                 return False
             ok = await run_in_thread(self._pool, _verify_copy, data, m, dst.numpy_bytes())
-        except _FAULTS as e:
-            self._fault(e)
+        except self.faults as e:
+            self._fault(self._tag(e, shard))
             return False
         finally:
             dst.release()
-        self._health.ok()
+        self._ok(shard)
         if not ok:
             self._corrupt(key)
             return False
@@ -199,12 +225,66 @@ class RedisTier(SharedMediumTier):
 
     async def _delete_job(self, key: ChunkKey) -> None:
         assert self._client is not None
+        shard = self._shard(key)
+        if not self._shard_allows(shard):
+            return
         try:
             await self._client.delete(self._rkey(key, "m"), self._rkey(key, "d"))
-        except _FAULTS as e:
-            self._fault(e)
+        except self.faults as e:
+            self._fault(self._tag(e, shard))
 
     # --- lifecycle -----------------------------------------------------
+    async def _close_medium(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+class RedisTier(RedisStoreBase):
+    """One Redis server: a blocking connection pool, optional TLS."""
+
+    kind = "redis"
+    options_type = RedisOptions
+
+    def __init__(self, opts: RedisOptions, *, name: str = "redis", write_back: bool = False) -> None:
+        super().__init__(opts, name=name, write_back=write_back)
+
+    def _connect(self) -> aioredis.Redis:
+        o = self._opts
+        pool = aioredis.BlockingConnectionPool(
+            host=o.host, port=o.port, db=o.db, username=o.username, password=o.password,
+            socket_timeout=o.socket_timeout_s, socket_connect_timeout=o.connect_timeout_s,
+            max_connections=o.max_connections, timeout=o.socket_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            **self._ssl_kwargs(),
+        )
+        return aioredis.Redis(connection_pool=pool)
+
+    async def _probe(self) -> None:
+        await self._client.ping()
+
+    def _ssl_kwargs(self) -> dict:
+        """TLS verifies the server (its CA, else the system store, and its
+        host name) unless ``ssl_insecure_skip_verify`` says otherwise."""
+        o = self._opts
+        if not o.ssl:
+            return {}
+        kw = dict(connection_class=aioredis.SSLConnection, ssl_ca_certs=o.ssl_ca_certs,
+                  ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
+                  ssl_check_hostname=o.ssl_check_hostname, ssl_cert_reqs="required")
+        if o.ssl_insecure_skip_verify:
+            log.warning("redis_tls_verification_disabled", tier=self.name,
+                        reason="ssl_insecure_skip_verify is set: any certificate is accepted")
+            kw.update(ssl_cert_reqs="none", ssl_check_hostname=False)
+        return kw
+
+    def _rkey(self, key: ChunkKey, part: str) -> str:
+        return f"{self._opts.key_prefix}:{key.identity}:{key.name}:{part}"
+
+    async def _mget_metas(self, rkeys: list[str]) -> list[bytes | None]:
+        raw = await self._client.mget(rkeys)
+        self._health.ok()
+        return raw
+
     async def _close_medium(self) -> None:
         if self._client is not None:
             await self._client.aclose(close_connection_pool=True)
