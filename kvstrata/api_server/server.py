@@ -4,6 +4,7 @@
     POST /v1/completions        POST /v1/chat/completions   (stream: SSE)
     GET  /v1/models             GET  /v1/models/{id}
     GET  /health                GET  /metrics
+    GET  /fleet                 (a fleet of replicas: their state and the router's)
 
 A request naming a model this server does not serve is 404
 ``model_not_found`` (OpenAI's shape). Validation errors are 400 with ``error.param`` naming the field: a body of
@@ -102,6 +103,7 @@ class OpenAIServer:
             web.get("/v1/models/{model_id}", self.model),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
+            web.get("/fleet", self.fleet),
         ])
         return app
 
@@ -165,6 +167,14 @@ class OpenAIServer:
                                   "seconds_since_progress": round(h.seconds_since_progress, 3),
                                   "num_unfinished": h.num_unfinished}, status=503)
 
+    async def fleet(self, request: web.Request) -> web.Response:
+        """The replicas behind this server and the router's view (a fleet
+        engine only: ``kvstrata serve --engines N`` or ``--engine ADDR``)."""
+        status = getattr(self.engine, "fleet_status", None)
+        if status is None:
+            return _error(404, "this server runs one engine, not a fleet", "invalid_request_error")
+        return web.json_response(status())
+
     async def prometheus(self, request: web.Request) -> web.Response:
         try:
             stats = await self.engine.stats()
@@ -180,8 +190,9 @@ class OpenAIServer:
                      prompt: str | list[int], params: SamplingParams, rid: str, *, chat: bool) -> web.StreamResponse:
         start = time.perf_counter()
         with structlog.contextvars.bound_contextvars(request_id=rid):
+            routing = {"session_key": req.user} if req.user and getattr(self.engine, "takes_session_key", False) else {}
             agen = self.engine.generate(prompt, params, request_id=rid, priority=req.priority,
-                                        cache_salt=req.cache_salt)
+                                        cache_salt=req.cache_salt, **routing)
             try:
                 try:
                     first = await anext(agen)  # errors before any byte is sent become 4xx/5xx

@@ -15,6 +15,7 @@ import structlog
 
 from kvstrata.config import EngineConfig, KVTransferConfig
 from kvstrata.enginecore.client import EngineClient
+from kvstrata.errors import EngineDeadError
 from kvstrata.bench import workloads as W
 from kvstrata.bench.report import format_report
 from kvstrata.bench.runner import make_workload, model_name, run_bench, save_outputs
@@ -43,10 +44,16 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     engine: EngineClient
-    if args.engine_address:
-        engine = await connect_engine(args.engine_address)
-    else:
-        engine = await open_engine(config, args.transport)
+    try:
+        if args.engines > 1 or args.engine or args.registry:
+            engine = await open_fleet(args, config)
+        elif args.engine_address:
+            engine = await connect_engine(args.engine_address)
+        else:
+            engine = await open_engine(config, args.transport)
+    except (ValueError, EngineDeadError) as e:
+        print(f"kvstrata serve: {e}", file=sys.stderr)
+        return 2
     code = 0
     try:
         server = OpenAIServer(engine, model_name=args.served_model_name or engine.model_name,
@@ -70,6 +77,67 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             loop.remove_signal_handler(sig)
     log.info("serve_stopped", exit_code=code)
     return code
+
+
+async def open_fleet(args: argparse.Namespace, config: EngineConfig) -> EngineClient:
+    """``--engines N`` local engine subprocesses and the ``--engine`` addresses
+    (and, with ``--registry``, the engines registered there), behind the
+    KV-cache-aware router."""
+    from kvstrata.fleet import FleetClient, Replica, local_connector, remote_connector
+    from kvstrata.ipc import keyfile
+    from kvstrata.router import RouterConfig
+
+    if args.engines < 1:
+        raise ValueError(f"--engines must be >= 1, got {args.engines}")
+    if args.engine_address:
+        raise ValueError("--engine-address joins one engine; use --engine ADDR (repeatable) for a fleet")
+    credentials = None
+    if any(a.startswith("tcp://") for a in args.engine) or args.registry:
+        if args.credentials is None:
+            raise ValueError("tcp:// engines need their key file: --credentials FILE "
+                             "(the one `kvstrata engine --credentials` wrote)")
+        credentials = keyfile.load(args.credentials).for_client()
+    replicas = []
+    if args.engines > 1 or not (args.engine or args.registry):
+        transport = "ipc" if args.transport == "inproc" else args.transport
+        replicas += [Replica(f"engine-{i}", "local", local_connector(config, transport)) for i in range(args.engines)]
+    for address in args.engine:
+        replicas.append(Replica(address, "remote", remote_connector(address, credentials), address=address))
+    fleet_config = RouterConfig(policy=args.router_policy)
+    if args.registry:
+        from kvstrata.fleet.discovery import follow_registry
+
+        return await follow_registry(args.registry, replicas, fleet_config, credentials)
+    return await FleetClient.start(replicas, fleet_config)
+
+
+# --- engine (one engine for remote routers) ----------------------------------------------
+
+
+async def engine(args: argparse.Namespace, config: EngineConfig) -> int:
+    from kvstrata.ipc import keyfile
+    from kvstrata.ipc.addresses import check_address
+    from kvstrata.ipc.engine_proc import serve_engine
+    from kvstrata.ipc.protocol import Credentials
+
+    try:
+        if args.listen.startswith("tcp://"):
+            if args.credentials is None:
+                raise ValueError("--listen tcp:// needs --credentials FILE (created when missing)")
+            credentials = keyfile.load_or_create(args.credentials)
+        else:
+            credentials = Credentials.new(curve=False)
+        address = check_address(args.listen, allow_remote=credentials.curve)
+    except ValueError as e:
+        print(f"kvstrata engine: {e}", file=sys.stderr)
+        return 2
+    config = msgspec.structs.replace(config, cache=msgspec.structs.replace(config.cache, enable_kv_events=True))
+    registration = None
+    if args.registry:
+        from kvstrata.fleet.discovery import register_engine
+
+        registration = register_engine(args.registry, args.advertise or address, args.engine_id, config)
+    return await serve_engine(config, address, credentials, registration=registration)
 
 
 # --- bench -----------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
     kvstrata run                         the main job: engine subprocess, multi-turn chats, report
     kvstrata serve --port 8000           OpenAI-compatible HTTP server (SSE streaming)
+    kvstrata serve --engines 4           ... over 4 engine subprocesses, KV-cache-aware routing
+    kvstrata engine --listen tcp://0.0.0.0:5555 --credentials FILE
+                                         one engine for a router on another machine
     kvstrata bench --target http ...     load test (same as tools/loadtest.py)
 
 Every command takes the engine config from ``--config FILE.toml``, the
@@ -40,13 +43,43 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--transport", choices=("inproc", "ipc", "tcp"), default="ipc",
                        help="engine in this process, or as a subprocess over ZMQ ipc:// or tcp://")
-    serve.add_argument("--engine-address", default=None, help="connect to a running engine (ipc:// or tcp://)")
+    serve.add_argument("--engine-address", default=None,
+                       help="connect to one running engine over ipc:// (for tcp:// use --engine with --credentials)")
+    fleet = serve.add_argument_group("fleet (several engine replicas behind this server)")
+    fleet.add_argument("--engines", type=int, default=1, metavar="N",
+                       help="start N engine subprocesses on this machine, each with its own device cache and "
+                            "tiers, routed by --router-policy (default 1: one engine, no router)")
+    fleet.add_argument("--engine", action="append", default=[], metavar="ADDR",
+                       help="a running engine to route to (repeatable): tcp://HOST:PORT of "
+                            "`kvstrata engine --listen`, or ipc://PATH")
+    fleet.add_argument("--credentials", default=None, metavar="FILE",
+                       help="the engines' CURVE key file (`kvstrata engine --credentials`), needed for tcp://")
+    fleet.add_argument("--router-policy", choices=("kv", "session", "round-robin"), default="kv",
+                       help="kv: least uncached prefill + load (default); session: by the request's `user`; "
+                            "round-robin")
+    fleet.add_argument("--registry", default=None, metavar="URL",
+                       help="find engines registered in Redis (redis://HOST:PORT or "
+                            "redis-cluster://HOST:PORT,HOST:PORT,...) and follow them as they come and go")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--default-max-tokens", type=int, default=16)
     serve.add_argument("--backlog", type=int, default=2048,
                        help="HTTP listen backlog: connections queued before accept (default 2048; "
                             "the kernel caps it at net.core.somaxconn)")
     add_config_args(serve)
+
+    engine = sub.add_parser("engine", help="run one engine for routers on other machines (tcp://, CURVE keys)")
+    engine.add_argument("--listen", required=True, metavar="tcp://HOST:PORT",
+                        help="where routers connect (ipc://PATH for the same machine)")
+    engine.add_argument("--credentials", default=None, metavar="FILE",
+                        help="CURVE key file for tcp:// (created, mode 0600, when missing); copy it to the "
+                             "routers' machines and pass it to `kvstrata serve --credentials`")
+    engine.add_argument("--registry", default=None, metavar="URL",
+                        help="register in Redis (redis://HOST:PORT or redis-cluster://HOST:PORT,...) "
+                             "with a TTL refreshed by heartbeat, so routers find this engine")
+    engine.add_argument("--advertise", default=None, metavar="tcp://HOST:PORT",
+                        help="the address routers should use (default: --listen)")
+    engine.add_argument("--engine-id", default=None, help="the name in the registry (default HOST:PORT)")
+    add_config_args(engine)
 
     bench = sub.add_parser("bench", help="load test: in-process, ZMQ or HTTP")
     add_load_args(bench)
@@ -72,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "serve":
         return commands.run_async(commands.serve(args, config))
+    if args.command == "engine":
+        return commands.run_async(commands.engine(args, config))
     if args.command == "bench":
         return commands.bench(args, config)
     return commands.run_main_job(args, config)

@@ -70,6 +70,8 @@ class FleetClient:
     router (index, loads, liveness), the input processor, the supervisor
     task, the KV batch decoder and the counters."""
 
+    takes_session_key = True  # the HTTP server passes the OpenAI ``user`` field as ``session_key``
+
     def __init__(self, replicas: Sequence[Replica], router_config: RouterConfig | None = None, *,
                  check_interval_s: float = 0.25, retry_interval_s: float = 1.0, max_attempts: int = 3) -> None:
         names = [r.name for r in replicas]
@@ -99,29 +101,36 @@ class FleetClient:
     # --- construction -----------------------------------------------------------
 
     @classmethod
-    async def start(cls, replicas: Sequence[Replica], router_config: RouterConfig | None = None,
-                    **kwargs: Any) -> FleetClient:
-        """Connect to (or start) every replica at once; serve with those that
-        came up. Raises EngineDeadError naming each failure when none did."""
+    async def start(cls, replicas: Sequence[Replica], router_config: RouterConfig | None = None, *,
+                    grace_s: float = 2.0, **kwargs: Any) -> FleetClient:
+        """Connect to (or start) every replica at once. Returns when every
+        replica has answered or failed once, or ``grace_s`` after the first
+        one came up (the others keep trying in the background: an
+        unreachable address does not hold the server back). Raises
+        EngineDeadError naming each failure when every replica failed."""
         fleet = cls(replicas, router_config, **kwargs)
-        results = await asyncio.gather(*(r.open() for r in fleet.replicas.values()), return_exceptions=True)
-        for replica, res in zip(fleet.replicas.values(), results):
-            if isinstance(res, BaseException):
-                replica.last_error = f"{type(res).__name__}: {res}"
-                log.error("fleet_replica_unreachable", replica=replica.name, address=replica.address,
-                          error=replica.last_error)
+        for replica in fleet.replicas.values():
+            replica.restarting = fleet._loop.create_task(fleet._bring_back(replica))
         try:
-            for replica in fleet.replicas.values():
-                if replica.client is not None:
-                    await fleet._attach(replica)
-            if fleet.router is None or not fleet.router.live_replicas():
-                reasons = "; ".join(f"{r.name}: {r.last_error}" for r in fleet.replicas.values())
-                raise EngineDeadError(f"no engine replica could be reached ({reasons})")
+            first_up = None
+            while True:
+                reps = fleet.replicas.values()
+                tried = all(r.up or r.num_attempts > 0 for r in reps)
+                live = fleet.router is not None and bool(fleet.router.live_replicas())
+                if live:
+                    first_up = first_up or time.monotonic()
+                    if tried or time.monotonic() - first_up >= grace_s:
+                        break
+                elif tried and all(r.num_attempts > 0 and not r.up for r in reps):
+                    reasons = "; ".join(f"{r.name}: {r.last_error}" for r in reps)
+                    raise EngineDeadError(f"no engine replica could be reached ({reasons})")
+                await asyncio.sleep(0.02)
         except BaseException:
             await fleet.aclose()
             raise
         fleet._supervisor = fleet._loop.create_task(fleet._supervise(), name="kvstrata-fleet-supervisor")
-        log.info("fleet_started", replicas=fleet.router.live_replicas(), policy=fleet._router_config.policy)
+        log.info("fleet_started", replicas=fleet.router.live_replicas(), policy=fleet._router_config.policy,
+                 waiting_for=[r.name for r in fleet.replicas.values() if not r.up])
         return fleet
 
     async def _attach(self, replica: Replica) -> bool:
@@ -413,13 +422,16 @@ class FleetClient:
             try:
                 await replica.open()
             except (EngineDeadError, OSError, RuntimeError, ValueError, TimeoutError) as e:
+                replica.num_attempts += 1
                 replica.last_error = f"{type(e).__name__}: {e}"
-                log.warning("fleet_replica_retry_failed", replica=replica.name, address=replica.address,
+                log.warning("fleet_replica_unreachable", replica=replica.name, address=replica.address,
                             error=replica.last_error)
                 await asyncio.sleep(self.retry_interval_s)
                 continue
+            replica.num_attempts += 1
             if await self._attach(replica):
-                self.counters.replica_restarts += 1
+                if replica.num_starts > 1:
+                    self.counters.replica_restarts += 1
                 return
             await asyncio.sleep(self.retry_interval_s)
 

@@ -52,7 +52,7 @@ class Replica:
     (their queued prefill tokens and count, the router's load)."""
 
     __slots__ = ("name", "kind", "address", "connect", "client", "epoch", "queued_prefill", "running",
-                 "last_error", "num_starts", "restarting")
+                 "last_error", "num_starts", "num_attempts", "restarting")
 
     def __init__(self, name: str, kind: str, connect: Connector, address: str | None = None) -> None:
         if kind not in ("local", "remote"):
@@ -66,7 +66,8 @@ class Replica:
         self.queued_prefill = 0
         self.running = 0
         self.last_error: str | None = None
-        self.num_starts = 0
+        self.num_starts = 0  # connections made (a local replica: engines started)
+        self.num_attempts = 0  # connection attempts finished, failed or not
         self.restarting: asyncio.Task[None] | None = None
 
     @property

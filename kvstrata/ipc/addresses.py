@@ -58,15 +58,19 @@ def make_address(transport: str = "ipc", *, port: int = 0) -> EngineAddress:
     raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
 
 
-def check_address(url: str) -> str:
-    """Validate an address given by the user: ipc:// path, or tcp:// on loopback."""
+def check_address(url: str, *, allow_remote: bool = False) -> str:
+    """Validate an address given by the user: ipc:// path, or tcp:// on
+    loopback; any tcp host with ``allow_remote`` (the engine and its clients
+    hold CURVE keys: ``kvstrata engine --listen``)."""
     if url.startswith("ipc://"):
         if len(url) <= len("ipc://"):
             raise ValueError("address: ipc:// needs a socket path")
         return url
     if url.startswith("tcp://"):
         host, _, port = url[len("tcp://"):].rpartition(":")
-        if host not in _LOOPBACK:
+        if not host:
+            raise ValueError(f"address: tcp:// needs HOST:PORT, got {url!r}")
+        if host not in _LOOPBACK and not allow_remote:
             raise ValueError(f"address: tcp host must be loopback (127.0.0.1), got {host!r}")
         if not port.isdigit():
             raise ValueError(f"address: tcp port must be a number, got {port!r}")

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+from typing import Protocol
 
 import msgspec
 import structlog
@@ -32,8 +34,18 @@ from kvstrata.ipc.launcher import ProcessWatch
 log = structlog.get_logger(__name__)
 
 
+class Registration(Protocol):
+    """Announces a serving engine (``kvstrata.fleet.discovery``: a key in
+    Redis with a TTL); started once the engine serves, closed when it stops."""
+
+    async def start(self, epoch: int, pid: int) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 async def serve_engine(config: EngineConfig, address: str, credentials: P.Credentials, *,
-                       parent_pid: int | None = None, max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES) -> int:
+                       parent_pid: int | None = None, max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES,
+                       registration: Registration | None = None) -> int:
     """Bind, start the engine, serve until told to stop. Returns the exit code."""
     loop = asyncio.get_running_loop()
     server = EngineServer(address, msgspec.to_builtins(config), credentials, max_frame_bytes=max_frame_bytes)
@@ -57,7 +69,9 @@ async def serve_engine(config: EngineConfig, address: str, credentials: P.Creden
                 await (feed or events).aclose()
             raise
         server.attach(engine, kv_feed=feed)
-        log.info("engine_ready", address=address, pid=os.getpid())
+        log.info("engine_ready", address=address, pid=os.getpid(), epoch=server.epoch)
+        if registration is not None:
+            await registration.start(server.epoch, os.getpid())
         await server.stopped.wait()
         failed = server.stop_reason.startswith("engine died")
     except Exception as e:
@@ -65,6 +79,9 @@ async def serve_engine(config: EngineConfig, address: str, credentials: P.Creden
         server.stop_reason = f"engine failed: {type(e).__name__}: {e}"
         log.exception("engine_failed")
     finally:
+        if registration is not None:
+            with contextlib.suppress(Exception):  # leaving the registry is best effort: its TTL expires
+                await registration.aclose()
         await server.close(server.stop_reason or "stopped")
         if engine is not None:
             await engine.aclose()

@@ -138,7 +138,7 @@ class MPEngineClient:
         """Connect to a running engine (several clients may share one). Over
         tcp:// ``credentials`` (the owner's ``credentials.for_client()``) are
         required: the engine answers nobody else."""
-        address = check_address(address)
+        address = check_address(address, allow_remote=credentials is not None and credentials.curve)
         if address.startswith("tcp://") and (credentials is None or not credentials.curve):
             raise ValueError(f"connecting to {address} needs the engine's CURVE credentials")
         client = cls(_dealer(address, hwm, credentials=credentials), address, None, None,
