@@ -96,6 +96,8 @@ class FleetClient:
         self._replaying: set[str] = set()
         self._decision_ns: deque[int] = deque(maxlen=4096)
         self._supervisor: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self._directory: Any = None  # a registry EngineDirectory being followed (closed with the fleet)
         self._closed = False
 
     # --- construction -----------------------------------------------------------
@@ -377,13 +379,70 @@ class FleetClient:
             "hash_us_p50": ns[len(ns) // 2] / 1e3 if ns else None,
         }
 
+    # --- membership changes -----------------------------------------------------------
+
+    def add_replica(self, replica: Replica) -> None:
+        """A new replica joins: registered dead with the router until its
+        connection is up (the supervisor brings it up)."""
+        if replica.name in self.replicas:
+            raise ValueError(f"replica {replica.name!r} is already in the fleet")
+        if self.router is not None and len(self.router.index.replicas) >= self._router_config.max_replicas:
+            raise ValueError(f"replica {replica.name!r}: the router's max_replicas "
+                             f"({self._router_config.max_replicas}) are registered")
+        self.replicas[replica.name] = replica
+        self.counters.routed.setdefault(replica.name, 0)
+        if self.router is not None:
+            self.router.reset_replica(replica.name, epoch=0)
+            self.router.mark_dead(replica.name)
+        replica.restarting = self._loop.create_task(self._bring_back(replica))
+        log.info("fleet_replica_added", replica=replica.name, address=replica.address)
+
+    async def remove_replica(self, name: str) -> None:
+        """A replica leaves: nothing more is routed to it, its blocks leave
+        the index, its connection is closed (requests in flight there end
+        with EngineDeadError, or are retried when they had not streamed)."""
+        replica = self.replicas.pop(name, None)
+        if replica is None:
+            return
+        if self.router is not None:
+            self.router.remove_replica(name)
+        await replica.close()
+        log.info("fleet_replica_removed", replica=name, address=replica.address)
+
+    def follow(self, directory: Any, make_replica: Any, *, interval_s: float = 0.5) -> None:
+        """Follow a registry (``fleet.registry.EngineDirectory``): engines that
+        register join, ones whose key expires or is deleted leave, one that
+        re-registers at another address is replaced. ``make_replica(record)``
+        builds the Replica of a record. The directory is closed with the fleet."""
+        self._directory = directory
+
+        async def run() -> None:
+            async for diff in directory.watch(interval_s):
+                for name, record in diff.removed.items():
+                    await self.remove_replica(name)
+                for name, record in {**diff.added, **diff.changed_epoch}.items():
+                    current = self.replicas.get(name)
+                    if current is not None and current.address == record.address:
+                        continue  # the supervisor reconnects it and sees the new epoch
+                    if current is not None:
+                        await self.remove_replica(name)
+                    try:
+                        self.add_replica(make_replica(record))
+                    except ValueError as e:
+                        log.error("fleet_registry_member_refused", replica=name, error=str(e))
+
+        self._follower = self._loop.create_task(run(), name="kvstrata-fleet-registry")
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            await asyncio.gather(self._supervisor, return_exceptions=True)
+        for task in (self._follower, self._supervisor):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._directory is not None:
+            await self._directory.aclose()
         await asyncio.gather(*(r.close() for r in self.replicas.values()), return_exceptions=True)
         log.info("fleet_closed")
 
