@@ -45,6 +45,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (a fleet router subscribes over the engine's socket).
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay (both ways out)
     enable_kv_events: bool = False
 
 

@@ -124,6 +124,18 @@ class TierEventRecorder:
         if key not in self._holders:
             self._info.pop(key, None)
 
+    def snapshot(self) -> list[AnyKVCacheEvent]:
+        """What each medium holds now, one BlockStored per chunk and medium
+        (for a router that lost the stream; the pending events are already
+        reflected)."""
+        out: list[AnyKVCacheEvent] = []
+        for key, held in self._holders.items():
+            info = self._info[key]
+            for medium in sorted({self._medium[t] for t in held}):
+                out.append(BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent,
+                                       token_ids=[], block_size=self.block_size, medium=medium))
+        return out
+
     def take(self) -> list[AnyKVCacheEvent]:
         events, self._events = self._events, []
         return events

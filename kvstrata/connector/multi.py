@@ -175,6 +175,9 @@ class MultiScheduler:
     def take_events(self) -> list[AnyKVCacheEvent]:
         return [e for c in self.children for e in c.take_events()]
 
+    def snapshot_events(self) -> list[AnyKVCacheEvent]:
+        return [e for c in self.children for e in getattr(c, "snapshot_events", list)()]
+
     def stats(self) -> dict[str, float]:
         return {f"multi{i}.{k}": v for i, c in enumerate(self.children) for k, v in c.stats().items()}
 

@@ -183,6 +183,12 @@ class AsyncEngine:
     def tokenizer(self) -> Tokenizer | None:
         return self._core.tokenizer
 
+    def kv_snapshot(self) -> KVEventBatch:
+        """Every cache's content now (``EngineCore.kv_snapshot_events``), on
+        the loop: consistent with the KV events published so far plus the
+        ones the next publish carries (replaying those changes nothing)."""
+        return KVEventBatch(ts=time.time(), events=self._core.kv_snapshot_events())
+
     @property
     def identity(self) -> CacheIdentity:
         """The cache identity every block hash of this engine is rooted in."""

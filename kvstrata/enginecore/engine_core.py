@@ -227,6 +227,13 @@ class EngineCore:
         connector's tiers' (CPU, DISK, REMOTE)."""
         return device_events(self.kv.take_events()) + self.scheduler.connector.take_events()
 
+    def kv_snapshot_events(self) -> list[AnyKVCacheEvent]:
+        """Every cache's content now, as BlockStored events with their media
+        (device GPU, then the connector's tiers when it can tell: an optional
+        ``snapshot_events()`` on the connector's scheduler side)."""
+        tiers = getattr(self.scheduler.connector, "snapshot_events", None)
+        return device_events(self.kv.snapshot_events()) + (tiers() if tiers is not None else [])
+
     def stats(self) -> EngineStats:
         """Counters since start. The prefix-cache counts are the KV cache
         manager's (the one count); resumptions of preempted requests are in

@@ -5,12 +5,15 @@
     async for out in fleet.generate("Hello", SamplingParams(max_tokens=8)): ...
 
 Per request, on the server's loop: tokenize once (the replicas share one
-model: the fleet refuses a replica whose cache identity differs), hash the
+model: the first replica up sets the fleet's cache identity, and a replica
+whose identity differs is refused), hash the
 prompt's blocks as the engines do, ``Router.choose`` (pure), apply the
 decision (the replica's load), and stream from that replica. The router's
 index is fed by every replica's KV events, which arrive over the replica's
 own engine socket (``MPEngineClient.subscribe_kv_events``): each batch is
-numbered, so a gap is seen and replayed from the engine's ring; a replica
+numbered, so a gap is seen and replayed from the engine's ring (or, when the
+ring no longer holds it, rebuilt from a snapshot of the engine's caches,
+``kv_snapshot``, then followed from there); a replica
 that restarted has a new epoch, and its old blocks are dropped from the index
 before any of its new ones count.
 
@@ -62,7 +65,7 @@ class FleetCounters(msgspec.Struct, kw_only=True):
     replica_restarts: int = 0
     kv_batches: int = 0
     kv_replays: int = 0
-    kv_resets: int = 0
+    kv_snapshots: int = 0
 
 
 class FleetClient:
@@ -182,15 +185,19 @@ class FleetClient:
     async def _subscribe(self, replica: Replica, start_seq: int) -> None:
         client = replica.client
         assert client is not None and self.router is not None
-        pos = await client.subscribe_kv_events(partial(self._on_kv_events, replica.name, replica.epoch), start_seq)
-        if pos["oldest_seq"] > start_seq:
-            # The ring no longer holds what we missed: forget this replica's
-            # blocks (never credit what we cannot see) and follow from here.
-            self.counters.kv_resets += 1
-            log.warning("fleet_kv_index_reset", replica=replica.name, wanted_seq=start_seq,
-                        oldest_seq=pos["oldest_seq"])
-            self.router.index.load_snapshot(replica.name, replica.epoch, pos["oldest_seq"],
-                                            KVEventBatch(ts=0.0, events=[]))
+        if start_seq < (await client.kv_position())["oldest_seq"]:
+            # The engine's ring no longer holds what we missed: load a
+            # snapshot of its caches, then follow the stream from there.
+            snap = await client.kv_snapshot()
+            if snap["epoch"] != replica.epoch:
+                raise EngineDeadError(f"replica {replica.name} restarted during the snapshot")
+            self.router.index.load_snapshot(replica.name, replica.epoch, snap["next_seq"],
+                                            self._decode_batch(snap["payload"]))
+            self.counters.kv_snapshots += 1
+            log.info("fleet_kv_snapshot_loaded", replica=replica.name, wanted_seq=start_seq,
+                     next_seq=snap["next_seq"])
+            start_seq = snap["next_seq"]
+        await client.subscribe_kv_events(partial(self._on_kv_events, replica.name, replica.epoch), start_seq)
 
     # --- KV events ----------------------------------------------------------------
 

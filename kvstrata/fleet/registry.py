@@ -173,6 +173,15 @@ _decode = msgspec.msgpack.Decoder(EngineRecord).decode
 _UNREACHABLE = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 
+def _reraise_if_cancelled(error: BaseException) -> None:
+    """redis-py can turn a cancellation that lands inside one of its own
+    timeouts or disconnects into a connection error; a task that was asked
+    to stop must stop, not log and carry on."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from error
+
+
 async def _close(client: Redis | RedisCluster) -> None:
     if isinstance(client, RedisCluster):
         await client.aclose()
@@ -224,6 +233,7 @@ class EngineRegistration:
             try:
                 res = await self._client.eval(_REFRESH, 1, self.key, self._value, self._ttl_ms)
             except _UNREACHABLE as e:
+                _reraise_if_cancelled(e)
                 self.failures += 1
                 log.warning("fleet_registration_refresh_failed", key=self.key, url=self.config.url,
                             error=f"{type(e).__name__}: {e}")
@@ -309,9 +319,9 @@ class EngineDirectory:
             else:
                 values = await client.mget(keys) if keys else []
         except _UNREACHABLE as e:
-            # A cluster client keeps a stale slot map after a failure; start afresh next time.
-            self._client = None
-            await asyncio.gather(_close(client), return_exceptions=True)
+            _reraise_if_cancelled(e)
+            # The client is kept (watch and other callers may be using it):
+            # redis-py reconnects, and a cluster client reloads its slot map.
             raise RegistryUnavailable(self.config.url, e) from e
         out: dict[str, EngineRecord] = {}
         bad: set[str] = set()

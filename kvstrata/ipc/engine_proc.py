@@ -61,7 +61,8 @@ async def serve_engine(config: EngineConfig, address: str, credentials: P.Creden
         from kvstrata.ipc.kv_feed import KVEventFeed
 
         events = await open_kv_events(config)  # the vLLM-compatible publisher, when configured
-        feed = KVEventFeed(epoch=server.epoch, tee=events) if config.cache.enable_kv_events else None
+        feed = (KVEventFeed(epoch=server.epoch, tee=events, buffer_steps=config.cache.kv_events_buffer_steps)
+                if config.cache.enable_kv_events else None)
         try:
             engine = await AsyncEngine.start(config, kv_events=feed or events)
         except BaseException:

@@ -260,6 +260,13 @@ class EngineServer:
             self._send(client.identity, P.UtilityResult(call_id, self._health()))
         elif method == "kv_subscribe":
             self._kv_subscribe(client, call_id, args)
+        elif method == "kv_snapshot":
+            self._kv_snapshot(client, call_id)
+        elif method == "kv_position":
+            feed = self._kv_feed
+            self._send(client.identity, P.UtilityResult(call_id, None if feed is None else {
+                "epoch": feed.epoch, "next_seq": feed.next_seq, "oldest_seq": feed.oldest_seq},
+                None if feed is not None else "KV events are off on this engine (cache.enable_kv_events)"))
         elif method in ("stats", "reset_prefix_cache", "flush_kv"):
             if self._engine is None:
                 self._send(client.identity, P.UtilityResult(call_id, None, "engine not ready"))
@@ -288,6 +295,18 @@ class EngineServer:
         for seq, payload in feed.since(start):
             self._send(client.identity, P.KVEvents(feed.epoch, seq, payload))
         self._kv_subscribers.add(client.identity)
+
+    def _kv_snapshot(self, client: _Client, call_id: int) -> None:
+        """Every cache's content now, with the sequence number of the next
+        batch: a router loads it, then subscribes from ``next_seq``."""
+        feed, engine = self._kv_feed, self._engine
+        if feed is None or engine is None:
+            self._send(client.identity, P.UtilityResult(
+                call_id, None, "KV events are off on this engine (cache.enable_kv_events)"))
+            return
+        payload = self._encoder.encode(engine.kv_snapshot())
+        self._send(client.identity, P.UtilityResult(
+            call_id, {"epoch": feed.epoch, "next_seq": feed.next_seq, "payload": payload}))
 
     def _broadcast_kv(self, seq: int, payload: bytes) -> None:
         if not self._kv_subscribers:

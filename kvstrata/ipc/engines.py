@@ -62,4 +62,5 @@ async def open_kv_events(config: EngineConfig) -> ZmqEventPublisher | None:
         return None
     from kvstrata.ipc.kv_publisher import ZmqEventPublisher
 
-    return await ZmqEventPublisher(endpoint, replay_endpoint=config.cache.kv_events_replay_endpoint).start()
+    return await ZmqEventPublisher(endpoint, replay_endpoint=config.cache.kv_events_replay_endpoint,
+                                   buffer_steps=config.cache.kv_events_buffer_steps).start()

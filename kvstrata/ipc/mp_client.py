@@ -312,6 +312,17 @@ class MPEngineClient:
         self._kv_listener = listener
         return await self._call("kv_subscribe", [start_seq])
 
+    async def kv_position(self) -> dict:
+        """The engine's KV event stream: ``{"epoch", "next_seq", "oldest_seq"}``
+        (the oldest batch its replay ring still holds)."""
+        return await self._call("kv_position")
+
+    async def kv_snapshot(self) -> dict:
+        """Every cache of the engine now: ``{"epoch", "next_seq", "payload"}``
+        (a msgpack KVEventBatch of BlockStored events, consistent with the
+        stream up to ``next_seq - 1``)."""
+        return await self._call("kv_snapshot")
+
     async def shutdown_engine(self) -> None:
         """Ask the engine to stop (every client's requests end with EngineDeadError)."""
         if self._dead is None and not self._closed:

@@ -39,7 +39,7 @@ PROTOCOL_VERSION = 3
 # decodes them). A generous bound: a 1M-token prompt as msgpack ints is ~5 MiB.
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 
-UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_kv", "kv_subscribe")
+UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_kv", "kv_subscribe", "kv_snapshot", "kv_position")
 
 # High-water marks (messages) of the engine's ROUTER and each client's
 # DEALER, both ways. The engine sends one Outputs frame per step and client,

@@ -293,6 +293,19 @@ class BlockPool:
         log.info("prefix_cache_reset")
         return True
 
+    def snapshot_events(self) -> list[AnyKVCacheEvent]:
+        """What the pool caches now, as ``BlockStored`` events (one per group,
+        hashes only: no tokens, no parents), for a router that lost the
+        event stream. The pending events (not yet taken) are already
+        reflected: replaying them after this snapshot changes nothing."""
+        out: list[AnyKVCacheEvent] = []
+        for group_id, hash_map in enumerate(self.hash_maps):
+            hashes = list(dict.fromkeys(h for h, _ in hash_map.items()))
+            if hashes:
+                out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=0,
+                                       group_idx=group_id))
+        return out
+
     def take_events(self) -> list[AnyKVCacheEvent]:
         events = self._events
         self._events = []

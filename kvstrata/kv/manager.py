@@ -293,6 +293,10 @@ class KVCacheManager:
     def take_events(self) -> list[AnyKVCacheEvent]:
         return self.block_pool.take_events()
 
+    def snapshot_events(self) -> list[AnyKVCacheEvent]:
+        """The device cache's content as BlockStored events (``BlockPool.snapshot_events``)."""
+        return self.block_pool.snapshot_events()
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Counters and residency samples since the last call, or None
         without log_stats."""

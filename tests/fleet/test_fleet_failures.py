@@ -53,9 +53,10 @@ async def test_garbage_and_another_model_are_kept_out_while_the_good_replica_ser
     try:
         replicas = [Replica("good", "local", local_connector(tiny())),
                     Replica("garbage", "remote", remote_connector(garbage_addr.url, timeout_s=1.0),
-                            address=garbage_addr.url),
-                    Replica("other-model", "local", local_connector(tiny(seed=7)))]
+                            address=garbage_addr.url)]
         fleet = await FleetClient.start(replicas, retry_interval_s=0.5, grace_s=30.0)
+        # The first replica up sets the fleet's model; another model joining later is refused.
+        fleet.add_replica(Replica("other-model", "local", local_connector(tiny(seed=7))))
         async with asyncio.timeout(120):  # each bad one has failed at least once (engine starts are slow on a busy host)
             while not all(fleet.replicas[n].last_error for n in ("garbage", "other-model")):
                 await asyncio.sleep(0.05)

@@ -55,7 +55,7 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def fleet_engine_config(cluster: RedisClusterProcs) -> EngineConfig:
+def fleet_engine_config(cluster: RedisClusterProcs, buffer_steps: int = 10_000) -> EngineConfig:
     tier = {"type": "redis-cluster", "name": "shared",
             "options": {"startup_nodes": [f"{h}:{p}" for h, p in cluster.startup_nodes],
                         "socket_timeout_s": 0.5, "connect_timeout_s": 0.5,
@@ -64,7 +64,8 @@ def fleet_engine_config(cluster: RedisClusterProcs) -> EngineConfig:
     kvt = KVTransferConfig(connector="offload", options={"store": store, "chunk_size": 2 * BS,
                                                          "enable_events": True})
     return EngineConfig(device="cpu", log_level="WARNING", model=MODEL, kv_transfer=kvt,
-                        cache=CacheConfig(block_size=BS, num_blocks=96, enable_kv_events=True))
+                        cache=CacheConfig(block_size=BS, num_blocks=96, enable_kv_events=True,
+                                          kv_events_buffer_steps=buffer_steps))
 
 
 class Engines:
@@ -241,12 +242,15 @@ async def test_fleet_serves_like_one_engine_and_survives_a_replica_kill(cluster,
         cluster.wait_ok()
 
 
-async def test_a_restarted_router_rebuilds_its_index_and_routes_home(cluster, reference):
+@pytest.mark.parametrize("buffer_steps", [10_000, 2], ids=["replay", "snapshot"])
+async def test_a_restarted_router_rebuilds_its_index_and_routes_home(cluster, reference, buffer_steps):
+    """With the whole stream in the engines' rings the new router replays it;
+    with a ring of 2 batches it loads a snapshot of each engine's caches."""
     cluster.wait_ok()
     for port in cluster.ports:
         with redis.Redis(port=port) as r:
             r.flushall()
-    engines = Engines(fleet_engine_config(cluster), 2)
+    engines = Engines(fleet_engine_config(cluster, buffer_steps), 2)
     try:
         fleet = await open_fleet(engines)
         prompts = [[(11 * k + i) % 250 + 1 for i in range(24)] for k in range(4)]
@@ -258,9 +262,10 @@ async def test_a_restarted_router_rebuilds_its_index_and_routes_home(cluster, re
 
         fleet = await open_fleet(engines)  # a new router: it knows nothing until the replays land
         async with asyncio.timeout(30):
-            while fleet.router.index.counters.batches == 0:
+            while fleet.router.index.counters.batches == 0 and fleet.counters.kv_snapshots < 2:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)
+        assert fleet.counters.kv_snapshots == (2 if buffer_steps == 2 else 0)
         for k, p in enumerate(prompts):
             d = fleet.router.choose(fleet.router.hash_prompt(p), num_tokens=len(p))
             assert d.replica == homes[k] and d.device_hit_tokens >= 20, (k, d)

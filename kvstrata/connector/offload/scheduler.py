@@ -155,6 +155,9 @@ class OffloadScheduler:
     def take_events(self) -> list[AnyKVCacheEvent]:
         return [] if self.events is None else self.events.take()
 
+    def snapshot_events(self) -> list[AnyKVCacheEvent]:
+        return [] if self.events is None else self.events.snapshot()
+
     def stats(self) -> dict[str, float]:
         out = self.metrics.as_dict()
         for ts in self.store.stats().tiers:
