@@ -377,7 +377,7 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
     pool = args.blocks_total if big else args.blocks_total // args.replicas
     div = args.length_divisor
     router = Router(identity, RouterConfig(policy="kv" if big else policy, decode_weight=16.0 / div,
-                                           load_skip_min_tokens=2048.0 / div))
+                                           load_skip_min_tokens=2048.0 / div, affinity=args.affinity))
     replicas = [Replica(f"replica-{i}", pool, identity, args, speed=args.replicas if big else 1.0) for i in range(n)]
     by_name = {r.name: r for r in replicas}
     for r in replicas:
@@ -418,7 +418,7 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                 t2 = time.perf_counter_ns()
                 with_hash.append((t2 - t0) / 1e3)
                 without_hash.append((t2 - t1) / 1e3)
-                router.note_dispatched(d, req.num_tokens)
+                router.note_dispatched(d, req.num_tokens, hashes if args.predict else None)
                 req.predicted_hit = d.device_hit_tokens
                 rep = by_name[d.replica]
                 rep.add(req)
@@ -517,6 +517,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(default), or the first hash id (in the conversation trace: 0 for every request)")
     ap.add_argument("--hash-algo", default="sha256")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--predict", type=int, default=1, choices=(0, 1),
+                    help="credit a replica with a prompt's blocks when the request is sent there (note_dispatched hashes; default 1)")
+    ap.add_argument("--affinity", type=float, default=0.0,
+                    help="RouterConfig.affinity of the kv policy (default: the router's default)")
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR",
                     help="write bench_trace_router.json and bench_trace_router.png there")
     args = ap.parse_args(argv)

@@ -103,7 +103,7 @@ async def open_fleet(args: argparse.Namespace, config: EngineConfig) -> EngineCl
         replicas += [Replica(f"engine-{i}", "local", local_connector(config, transport)) for i in range(args.engines)]
     for address in args.engine:
         replicas.append(Replica(address, "remote", remote_connector(address, credentials), address=address))
-    fleet_config = RouterConfig(policy=args.router_policy)
+    fleet_config = RouterConfig(policy=args.router_policy, affinity=args.router_affinity)
     if args.registry:
         from kvstrata.fleet.discovery import follow_registry
 

@@ -289,7 +289,7 @@ class FleetClient:
                 continue
             tried.append(decision.replica)
             uncached = max(len(ids) - decision.hit_tokens, 0)
-            router.note_dispatched(decision, len(ids))
+            router.note_dispatched(decision, len(ids), hashes)  # credited until its events confirm
             replica.queued_prefill += uncached
             replica.running += 1
             self.counters.routed[replica.name] += 1

@@ -76,6 +76,7 @@ class IndexCounters(msgspec.Struct, kw_only=True):
     stale_epoch: int = 0
     unknown_replica: int = 0
     ignored_events: int = 0  # an unknown medium, or a group other than 0
+    predicted: int = 0  # hashes credited at dispatch, ahead of the engine's events
 
 
 class _Replica:
@@ -210,6 +211,18 @@ class PrefixIndex:
         rep = self._replicas[replica]
         self._apply(rep, batch)
         rep.next_seq = next_seq
+
+    def predict(self, replica: str, hashes: list[bytes]) -> None:
+        """Credit ``replica`` with ``hashes`` on its device ahead of its events:
+        a request was just sent there and its prompt's blocks will be cached
+        once prefilled (a burst of requests sharing a new prefix then follows
+        the first one instead of spreading the prefix over every replica).
+        The engine's own events confirm or remove them; an engine restart
+        (a new epoch) drops them with everything else."""
+        rep = self._replicas.get(replica)
+        if rep is not None and hashes:
+            self._store(rep, 0, hashes)
+            self.counters.predicted += len(hashes)
 
     def _apply(self, rep: _Replica, batch: KVEventBatch) -> None:
         c = self.counters

@@ -47,7 +47,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     registered at once (each hash's int has 4 x max_replicas bits: wider is
     slower). ``replay_window``: the engines'
     replay ring (``ZmqEventPublisher.buffer_steps``): a wider gap needs a
-    snapshot."""
+    snapshot. ``affinity``: how much a cached token outweighs load (kv's
+    cost subtracts ``affinity`` x the saved tokens more, keeping a
+    conversation where its prefix is rather than caching it twice; 0 scores
+    the expected prefill work alone)."""
 
     policy: str = "kv"
     medium_weights: dict[str, float] = msgspec.field(
@@ -58,6 +61,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_weight: float = 16.0
     max_replicas: int = 16
     replay_window: int = 10_000
+    affinity: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -70,6 +74,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not self.load_skip_factor >= 1.0:
             raise ValueError(f"load_skip_factor must be >= 1 (else every replica may be skipped), "
                              f"got {self.load_skip_factor!r}")
+        if self.affinity < 0:
+            raise ValueError(f"affinity must be >= 0, got {self.affinity!r}")
         if self.decode_weight < 0 or self.load_skip_min_tokens < 0:
             raise ValueError("decode_weight and load_skip_min_tokens must be >= 0")
 
@@ -184,9 +190,13 @@ class Router:
             num_tokens = len(request_hashes) * self.block_size
         return choose(request_hashes, session_key, num_tokens)
 
-    def note_dispatched(self, decision: Decision, num_tokens: int) -> None:
+    def note_dispatched(self, decision: Decision, num_tokens: int, hashes: list[BlockHash] | None = None) -> None:
         """Apply a decision: the request's uncached prompt joins the replica's
-        queued prefill, one more request runs there, round-robin moves on."""
+        queued prefill, one more request runs there, round-robin moves on;
+        with ``hashes`` (the prompt's), the replica is credited with them
+        ahead of its events (``PrefixIndex.predict``)."""
+        if hashes:
+            self.index.predict(decision.replica, hashes)
         load = self._loads[decision.replica]
         self._loads[decision.replica] = ReplicaLoad(
             queued_prefill_tokens=load.queued_prefill_tokens + max(num_tokens - decision.hit_tokens, 0),
@@ -214,7 +224,7 @@ class Router:
         index, w = self.index, self.index.width
         hits = index.prefix_blocks(hashes, self._live_mask)
         w0, w1, w2, w3 = self._weights
-        bs, decode_weight = self.block_size, self.config.decode_weight
+        bs, decode_weight, affinity = self.block_size, self.config.decode_weight, self.config.affinity
         live, all_loads = self._live, self._loads
         loads = [all_loads[r].cost(decode_weight) for r, _ in live]
         skip = overloaded(loads, self.config.load_skip_factor, self.config.load_skip_min_tokens)
@@ -229,7 +239,7 @@ class Router:
             d = hits.get(2 * w + slot, 0)
             a = hits.get(3 * w + slot, 0)
             saved = bs * (g * w0 + (c - g) * w1 + (d - c) * w2 + (a - d) * w3)
-            cost = max(num_tokens - saved, 0.0) + load
+            cost = max(num_tokens - saved, 0.0) + load - affinity * saved
             if best_cost is None or cost < best_cost:
                 best_cost, best = cost, [(name, a, g)]
             elif cost == best_cost:

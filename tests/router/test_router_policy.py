@@ -219,3 +219,28 @@ def test_a_restarted_replica_is_credited_nothing_from_its_old_epoch():
 def test_bad_router_config_is_named(cfg, match):
     with pytest.raises(ValueError, match=match):
         RouterConfig(**cfg)
+
+
+def test_a_dispatched_prompt_is_credited_before_its_events_arrive():
+    """A burst sharing a new prefix follows the first request instead of
+    spreading the prefix over every replica (``note_dispatched(hashes=)``)."""
+    router = make_router(names=["r0", "r1"])
+    first = router.choose(CHAIN, num_tokens=len(CHAIN) * BS)
+    router.note_dispatched(first, len(CHAIN) * BS, hashes=CHAIN)
+    router.set_load(first.replica, ReplicaLoad())  # its load aside: only the credit differs
+    again = router.choose(CHAIN, num_tokens=len(CHAIN) * BS)
+    assert again.replica == first.replica and again.device_hit_tokens == len(CHAIN) * BS
+    assert router.index.counters.predicted == len(CHAIN)
+    # the engine's own events confirm (no double count) or remove the credit
+    router.index.ingest(first.replica, 0, KVEventBatch(ts=0.0, events=[
+        BlockStored(block_hashes=CHAIN, parent_block_hash=None, token_ids=[], block_size=BS)]))
+    assert router.index.held(first.replica, GPU) == frozenset(CHAIN)
+
+
+def test_affinity_keeps_a_prefix_home_against_a_little_more_load():
+    for affinity, home_wins in ((0.0, False), (1.0, True)):
+        router = make_router(names=["r0", "r1"], affinity=affinity, load_skip_min_tokens=1e9)
+        store(router, "r0", CHAIN[:4])  # 16 tokens cached on r0
+        router.set_load("r0", ReplicaLoad(queued_prefill_tokens=20))  # costs 32 - 16 + 20 = 36 there
+        d = router.choose(CHAIN, num_tokens=len(CHAIN) * BS)  # 32 on the idle r1
+        assert (d.replica == "r0") == home_wins, (affinity, d)
