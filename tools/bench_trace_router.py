@@ -377,7 +377,8 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
     pool = args.blocks_total if big else args.blocks_total // args.replicas
     div = args.length_divisor
     router = Router(identity, RouterConfig(policy="kv" if big else policy, decode_weight=16.0 / div,
-                                           load_skip_min_tokens=2048.0 / div, affinity=args.affinity))
+                                           load_skip_min_tokens=2048.0 / div, affinity=args.affinity,
+                                           load_skip_factor=args.load_skip_factor))
     replicas = [Replica(f"replica-{i}", pool, identity, args, speed=args.replicas if big else 1.0) for i in range(n)]
     by_name = {r.name: r for r in replicas}
     for r in replicas:
@@ -519,7 +520,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predict", type=int, default=1, choices=(0, 1),
                     help="credit a replica with a prompt's blocks when the request is sent there (note_dispatched hashes; default 1)")
-    ap.add_argument("--affinity", type=float, default=0.0,
+    ap.add_argument("--load-skip-factor", type=float, default=4.0,
+                    help="RouterConfig.load_skip_factor (default 4.0, the router's)")
+    ap.add_argument("--affinity", type=float, default=1.0,
                     help="RouterConfig.affinity of the kv policy (default: the router's default)")
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR",
                     help="write bench_trace_router.json and bench_trace_router.png there")

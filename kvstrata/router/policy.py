@@ -56,12 +56,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     medium_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "REMOTE": 0.5})
     shared_remote: bool = True
-    load_skip_factor: float = 2.0
+    load_skip_factor: float = 4.0
     load_skip_min_tokens: float = 2048.0
     decode_weight: float = 16.0
     max_replicas: int = 16
     replay_window: int = 10_000
-    affinity: float = 0.0
+    affinity: float = 1.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -21,6 +21,7 @@ ALL_POLICIES = ["kv", "session", "round-robin"]
 
 
 def make_router(names=NAMES, **cfg) -> Router:
+    cfg.setdefault("affinity", 0.0)  # costs below are the prefill work alone unless a test says otherwise
     router = Router(IDENTITY, RouterConfig(**cfg))
     for n in names:
         router.reset_replica(n, epoch=1)
