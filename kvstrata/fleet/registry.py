@@ -173,10 +173,11 @@ _decode = msgspec.msgpack.Decoder(EngineRecord).decode
 _UNREACHABLE = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 
-def _reraise_if_cancelled(error: BaseException) -> None:
-    """redis-py can turn a cancellation that lands inside one of its own
-    timeouts or disconnects into a connection error; a task that was asked
-    to stop must stop, not log and carry on."""
+def _reraise_if_cancelled(error: BaseException | None = None) -> None:
+    """A cancellation that lands inside a redis-py command is sometimes
+    swallowed (seen under load: the command returns or fails, and the task's
+    cancel request is still pending); a loop that was asked to stop must
+    stop, not carry on. Called after every Redis call in the loops."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError() from error
@@ -238,6 +239,7 @@ class EngineRegistration:
                 log.warning("fleet_registration_refresh_failed", key=self.key, url=self.config.url,
                             error=f"{type(e).__name__}: {e}")
                 continue
+            _reraise_if_cancelled()
             if res == 2:
                 if not self.taken_over:
                     log.error("fleet_registration_taken_over", key=self.key, engine_id=self.record.engine_id,
@@ -353,6 +355,7 @@ class EngineDirectory:
         while True:
             try:
                 now = await self.members()
+                _reraise_if_cancelled()
             except RegistryUnavailable as e:
                 if not down:
                     log.warning("fleet_registry_unreachable", url=self.config.url, error=str(e))
