@@ -65,6 +65,20 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stall_timeout_s: float = 60.0
 
 
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding (``kvstrata.enginecore.spec_decode``). ``method``
+    None: off; "ngram": prompt lookup (the last ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens found earlier in the request's context
+    propose the ``num_speculative_tokens`` that followed them). Every
+    draft is verified by the model in the next step: greedy output is
+    unchanged, sampled output keeps its distribution."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+
 class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The KV connector (``kvstrata.connector``): ``connector`` is a
     registered name ("offload", "multi", "noop") or a dotted path to a
@@ -99,6 +113,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig | None = None
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     device: str = "auto"
     executor: str = "model"
     log_level: str = "INFO"
@@ -130,6 +145,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _positive("model.num_threads", self.model.num_threads)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        sp = self.speculative
+        if sp.method not in (None, "ngram"):
+            raise ValueError(f"speculative.method must be 'ngram' or unset, got {sp.method!r}")
+        if sp.method is not None:
+            _positive("speculative.num_speculative_tokens", sp.num_speculative_tokens)
+            _positive("speculative.prompt_lookup_min", sp.prompt_lookup_min)
+            if sp.prompt_lookup_max < sp.prompt_lookup_min:
+                raise ValueError(f"speculative.prompt_lookup_max ({sp.prompt_lookup_max}) must be >= "
+                                 f"prompt_lookup_min ({sp.prompt_lookup_min})")
         if self.kv_transfer is not None:
             if not isinstance(self.kv_transfer, KVTransferConfig):
                 raise ValueError("kv_transfer must be a KVTransferConfig table")

@@ -157,6 +157,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True, kw_only=True):
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
     kv_connector_metadata: Any = None
+    # Draft tokens per request, computed after its next token and verified
+    # (speculative decoding); counted in num_scheduled_tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -175,7 +178,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, kw_only=True):
     """Result of one step, indexed like ``req_ids``.
 
     ``sampled_token_ids[i]`` is empty for a request whose prefill chunk did
-    not reach the end of its prompt (nothing is sampled for it this step).
+    not reach the end of its prompt (nothing is sampled for it this step);
+    for a request with drafts it is the accepted drafts then one token of
+    the model's own.
     """
 
     req_ids: list[str]

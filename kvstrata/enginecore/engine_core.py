@@ -38,6 +38,7 @@ from kvstrata.enginecore.request import (
     RequestStatus,
 )
 from kvstrata.enginecore.scheduler import Scheduler
+from kvstrata.enginecore.spec_decode import Proposer, make_proposer
 from kvstrata.types import (
     EngineStats,
     ModelRunnerOutput,
@@ -105,6 +106,7 @@ class EngineCore:
         eos = runner.eos_token_ids or (runner.eos_token_id,)
         self.eos_token_ids: tuple[int, ...] = tuple(t for t in eos if t is not None)
         self.max_waiting = config.scheduler.max_waiting_requests
+        self.proposer: Proposer | None = make_proposer(config.speculative, self.max_model_len)
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0
         # The output being executed, and blocks of requests aborted during it
@@ -174,7 +176,22 @@ class EngineCore:
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         self._in_flight = None
         self.consecutive_failed_steps = 0
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.proposer is not None:
+            self._propose()
+        return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the next step of every decoding request (one whose
+        tokens are all computed but the last sampled one)."""
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == len(r.all_token_ids) - 1]
+        if not decoding:
+            return
+        by_id = self.scheduler.requests
+        for rid, drafts in self.proposer.propose(decoding).items():  # type: ignore[union-attr]
+            req = by_id.get(rid)
+            if req is not None:
+                req.spec_token_ids = drafts
 
     def fail_step(self, scheduler_output: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
         """The model raised on ``scheduler_output``: fail the requests it
@@ -255,6 +272,7 @@ class EngineCore:
             num_prompt_tokens=c.num_prompt_tokens,
             block_residency=kv.block_residency(),
             extra={
+                **(s.spec_counters.as_extra() if self.proposer is not None else {}),
                 "kv.num_blocks": float(kv.num_blocks),
                 "kv.num_free_blocks": float(kv.num_free_blocks),
                 "kv.prefix_cache.requests": float(p.requests),

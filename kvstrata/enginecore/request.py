@@ -87,7 +87,7 @@ class Request:
         "num_cached_tokens", "num_preemptions",
         "status", "stop_reason", "max_tokens", "min_tokens",
         "stop_ids", "eos_token_ids", "seq", "sort_key",
-        "_block_hasher", "_hash_block_size", "hash_boundary",
+        "_block_hasher", "_hash_block_size", "hash_boundary", "spec_token_ids",
     )
 
     def __init__(
@@ -128,6 +128,9 @@ class Request:
         # One membership test per sampled token covers EOS and stop_token_ids.
         self.stop_ids = frozenset(stop_ids)
         self.seq = 0  # admission order, set by the scheduler; breaks ties
+        # Draft tokens for the next step (a proposer's; kvstrata.enginecore.spec_decode):
+        # computed with the next token and verified by the model, never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
         self.sort_key: tuple = (priority, self.arrival_time, 0)
         self.block_hashes: list = []
         self._block_hasher = block_hasher

@@ -56,6 +56,9 @@ class StepInputs:
     logits_indices: torch.Tensor
     sample_states: list[RequestState]
     sample_batch_idx: list[int]
+    # Per sampled request, its draft tokens (speculative decoding; None: one
+    # logits row). A request with d drafts has d + 1 rows in logits_indices.
+    sample_drafts: list[list[int] | None] | None = None
 
 
 class InputBatch:
@@ -134,9 +137,14 @@ class InputBatch:
             self.block_tables[g] = table
         self._free_rows.extend(range(old * 2 - 1, old - 1, -1))
 
-    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+    def prepare(self, num_scheduled_tokens: dict[str, int],
+                spec_tokens: dict[str, list[int]] | None = None) -> StepInputs:
         """Flat inputs for computing tokens [num_computed, num_computed + n) of each
-        scheduled request; a request samples when that reaches its last known token."""
+        scheduled request; a request samples when that reaches its last known token.
+        A request with drafts (``spec_tokens``) computes its next token then
+        the drafts, and has a logits row after each of them."""
+        if spec_tokens:
+            return self._prepare_with_drafts(num_scheduled_tokens, spec_tokens)
         requests = self.requests
         num_reqs = len(num_scheduled_tokens)
         rows = np.empty(num_reqs, dtype=np.int64)
@@ -160,6 +168,46 @@ class InputBatch:
                 sample_states.append(state)
                 sample_idx.append(b)
         return self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx)
+
+    def _prepare_with_drafts(self, num_scheduled_tokens: dict[str, int],
+                             spec_tokens: dict[str, list[int]]) -> StepInputs:
+        requests = self.requests
+        num_reqs = len(num_scheduled_tokens)
+        rows = np.empty(num_reqs, dtype=np.int64)
+        starts = np.empty(num_reqs, dtype=np.int64)
+        counts = np.empty(num_reqs, dtype=np.int64)
+        tokens: list[int] = []
+        sample_states: list[RequestState] = []
+        sample_idx: list[int] = []
+        sample_drafts: list[list[int] | None] = []
+        for b, (req_id, n) in enumerate(num_scheduled_tokens.items()):
+            state = requests[req_id]
+            start = state.num_computed_tokens
+            drafts = spec_tokens.get(req_id)
+            known = len(state.token_ids)
+            rows[b], starts[b], counts[b] = state.row, start, n
+            if drafts:
+                assert start + 1 == known and n == 1 + len(drafts), f"{req_id}: drafts need a decode step"
+                tokens.append(state.token_ids[start])
+                tokens.extend(drafts)
+            else:
+                end = start + n
+                assert end <= known, f"{req_id}: scheduled past its known tokens ({end} > {known})"
+                tokens.extend(state.token_ids[start:end])
+            if start + n >= known:
+                sample_states.append(state)
+                sample_idx.append(b)
+                sample_drafts.append(drafts or None)
+        step = self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx)
+        cu = np.cumsum(counts)
+        idx: list[int] = []
+        for b, drafts in zip(sample_idx, sample_drafts):
+            last = int(cu[b]) - 1
+            d = len(drafts) if drafts else 0
+            idx.extend(range(last - d, last + 1))
+        return StepInputs(req_ids=step.req_ids, input_ids=step.input_ids, positions=step.positions, meta=step.meta,
+                          logits_indices=torch.tensor(idx, dtype=torch.int64, device=self.device),
+                          sample_states=sample_states, sample_batch_idx=sample_idx, sample_drafts=sample_drafts)
 
     def _tensors(
         self,

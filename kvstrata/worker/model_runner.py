@@ -149,7 +149,7 @@ class ModelRunner:
             return self._execute_with_connector(scheduler_output, self.kv_connector)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.empty()
-        step = self.batch.prepare(scheduler_output.num_scheduled_tokens)
+        step = self.batch.prepare(scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens)
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
         return self._sample(scheduler_output, step, hidden, ())
 
@@ -161,7 +161,7 @@ class ModelRunner:
             conn.start_load_kv()
             step = hidden = None
             if so.num_scheduled_tokens:
-                step = self.batch.prepare(so.num_scheduled_tokens)
+                step = self.batch.prepare(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens)
                 hidden = self._forward_layerwise(step, conn)
             conn.wait_for_save()
             sending, recving = conn.get_finished(so.finished_req_ids)
@@ -197,6 +197,8 @@ class ModelRunner:
         """Sample the requests that reached their last known token; a request
         whose loaded KV failed (``invalid_blocks``) samples nothing: the
         scheduler recomputes from its first failed block."""
+        if step.sample_drafts is not None:
+            return self._sample_with_drafts(so, step, hidden, invalid_blocks)
         sample_states, sample_idx = step.sample_states, step.sample_batch_idx
         if invalid_blocks and sample_states:
             keep = [i for i, st in enumerate(sample_states) if not self.batch.holds_any(st, invalid_blocks)]
@@ -222,6 +224,47 @@ class ModelRunner:
         for req_id, n in so.num_scheduled_tokens.items():
             requests[req_id].num_computed_tokens += n
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs_out)
+
+    def _sample_with_drafts(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
+                            invalid_blocks) -> ModelRunnerOutput:
+        """Verify drafts (``Sampler.verify_drafts``): each request gets the
+        drafts kept plus one token; its computed count moves over the kept
+        ones only (the scheduler does the same)."""
+        rows: list[int] = []
+        states: list = []
+        groups: list[tuple[int, list[int] | None]] = []
+        keep: list[int] = []
+        all_idx = step.logits_indices.tolist()
+        pos = 0
+        for i, (state, drafts) in enumerate(zip(step.sample_states, step.sample_drafts or [])):
+            width = 1 + (len(drafts) if drafts else 0)
+            if not (invalid_blocks and self.batch.holds_any(state, invalid_blocks)):
+                keep.append(i)
+                groups.append((len(rows), drafts))
+                rows.extend(all_idx[pos:pos + width])
+                states.extend([state] * width)
+            pos += width
+        sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
+        kept_of: dict[str, int] = {}
+        if rows:
+            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
+            meta = sampling_metadata(states, self.eos_token_ids, self.device)
+            results = self.sampler.verify_drafts(logits, meta, groups)
+            for i, tokens in zip(keep, results, strict=True):
+                state, b = step.sample_states[i], step.sample_batch_idx[i]
+                state.token_ids.extend(tokens)
+                sampled_ids[b] = tokens
+                drafts = (step.sample_drafts or [])[i]
+                if drafts:
+                    kept_of[state.req_id] = len(tokens) - 1
+        requests = self.batch.requests
+        spec = so.scheduled_spec_decode_tokens
+        for req_id, n in so.num_scheduled_tokens.items():
+            drafts = spec.get(req_id)
+            if drafts:
+                n -= len(drafts) - kept_of.get(req_id, 0)
+            requests[req_id].num_computed_tokens += n
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids)
 
     def _update_batch(self, so: SchedulerOutput) -> None:
         batch = self.batch

@@ -77,9 +77,10 @@ class NullModelRunner:
             reqs[req_id][1] = num_computed
         tokens, span = self._tokens, len(self._tokens)
         sampled: list[list[int]] = []
+        spec = so.scheduled_spec_decode_tokens  # drafts: all rejected (its "model" predicts its fixed token)
         for req_id, n in so.num_scheduled_tokens.items():
             counts = reqs[req_id]
-            counts[1] += n
+            counts[1] += n - len(spec.get(req_id, ()))
             if counts[1] >= counts[0]:
                 sampled.append([tokens[counts[0] % span]])
                 counts[0] += 1

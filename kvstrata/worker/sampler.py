@@ -72,6 +72,73 @@ class Sampler:
             logprobs = gather_logprobs(raw_logprobs, sampled, meta.num_logprobs)
         return sampled.tolist(), logprobs
 
+    def verify_drafts(self, logits: torch.Tensor, meta: SamplingMetadata,
+                      groups: list[tuple[int, list[int] | None]]) -> list[list[int]]:
+        """Sample, and verify draft tokens (speculative decoding). ``groups``:
+        per request, its first row and its drafts (None: one row, sampled as
+        usual); a request with d drafts has d + 1 rows, the model's
+        distributions after its token and after each draft. Returns, per
+        request, the drafts kept and then one token of the model's own.
+
+        Greedy rows keep drafts while they equal the argmax. Random rows keep
+        draft j with probability p_j(draft_j) (the proposer's drafts are
+        deterministic: min(1, p/q) with q one-hot); the first rejected one is
+        replaced by a draw from p_j without it (renormalised), and when all
+        are kept the last row's draw is the bonus token: the tokens are
+        distributed exactly as sampling one at a time from the model. Rows
+        must not ask for logprobs, seeds or banned tokens (the proposer gives
+        such requests no drafts)."""
+        if meta.banned_token_ids:
+            logits = logits.clone()
+            for row, ids in meta.banned_token_ids.items():
+                logits[row, ids] = _MASK
+        drawn = self._sample(logits, meta).tolist()
+        probs = None
+        out: list[list[int]] = []
+        temps = meta.temperature.tolist()
+        for first, drafts in groups:
+            if not drafts:
+                out.append([drawn[first]])
+                continue
+            d = len(drafts)
+            if temps[first] == 0.0:
+                best = logits[first:first + d + 1].argmax(dim=-1).tolist()
+                k = 0
+                while k < d and best[k] == drafts[k]:
+                    k += 1
+                out.append([*drafts[:k], best[k]])
+                continue
+            if probs is None:
+                probs = self._probs(logits, meta)
+            p = probs[first:first + d + 1]
+            u = torch.rand(d, dtype=torch.float64, device=p.device, generator=self.generator).tolist()
+            target = p[torch.arange(d, device=p.device), torch.tensor(drafts, device=p.device)].tolist()
+            k = 0
+            while k < d and u[k] < target[k]:
+                k += 1
+            if k == d:
+                out.append([*drafts, drawn[first + d]])
+                continue
+            residual = p[k].clone()
+            residual[drafts[k]] = 0.0
+            if float(residual.sum()) <= 0.0:  # all mass on the draft (cannot be rejected): defensive
+                out.append([*drafts[:k], drawn[first + k]])
+                continue
+            token = int(self._draw(residual.unsqueeze(0), {}).item())
+            out.append([*drafts[:k], token])
+        return out
+
+    def _probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each random row samples from (after temperature,
+        min-p, top-k and top-p); greedy rows get temperature 1 (unused)."""
+        temperature = torch.where(meta.temperature == 0.0, 1.0, meta.temperature)
+        x = logits / temperature.unsqueeze(1)
+        if meta.min_p is not None:
+            x = apply_min_p(x, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
+        return torch.softmax(x, dim=-1)
+
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:

@@ -9,7 +9,8 @@ A tiny random checkpoint of each is saved as safetensors; the whole engine
 and must produce exactly HF ``generate``'s greedy fp32 tokens for a batch of
 concurrent prompts: with prefix caching off, on (a second wave hitting the
 cache), with tiny prefill chunks, and with a pool so small that requests are
-preempted and recomputed.
+preempted and recomputed. Each test runs with speculative decoding off and
+on (n-gram drafts verified by the model: greedy tokens must not change).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import random
 import pytest
 from hf_utils import build_tiny_family, hf_greedy
 
-from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvstrata.enginecore.async_engine import AsyncEngine
 from kvstrata.types import SamplingParams
 
@@ -45,8 +46,13 @@ def oracle(request, tmp_path_factory):
     return str(path), prompts, expected
 
 
+@pytest.fixture(params=[None, "ngram"], ids=["spec-off", "spec-ngram"])
+def spec(request):
+    return request.param
+
+
 @pytest.fixture
-async def start(kv_managers):
+async def start(kv_managers, spec):
     engines: list[AsyncEngine] = []
 
     async def build(path: str, *, num_blocks: int = 256, caching: bool = True, **sched) -> AsyncEngine:
@@ -54,6 +60,7 @@ async def start(kv_managers):
             model=ModelConfig(model=path),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(**sched), device="cpu",
+            speculative=SpeculativeConfig(method=spec, num_speculative_tokens=3, prompt_lookup_min=1),
         )
         engine = await AsyncEngine.start(config)
         engines.append(engine)
@@ -95,11 +102,14 @@ async def test_matches_hf_when_a_second_wave_hits_the_prefix_cache(oracle, start
     assert hits >= 3 * 20  # each wave-2 request reuses the 22-token prefix's 5 full blocks
 
 
-async def test_matches_hf_with_small_prefill_chunks(oracle, start):
+async def test_matches_hf_with_small_prefill_chunks(oracle, start, spec):
     path, prompts, expected = oracle
     engine = await start(path, max_num_batched_tokens=8, long_prefill_token_threshold=5)
     batch = prompts["plain"] + prompts["wave2"]
     assert_matches(expected, batch, await generate_all(engine, batch))
+    if spec:  # drafts were verified (and some kept: tiny random models repeat themselves)
+        extra = (await engine.stats()).extra
+        assert extra["spec.num_draft_tokens"] > 0 and extra["spec.num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("caching", [False, True], ids=["caching-off", "caching-on"])

@@ -14,7 +14,7 @@ class StepPlan:
     parallel lists (the shape CachedRequestData wants), the tokens of every
     scheduled request, and the requests preempted on the way."""
 
-    __slots__ = ("reqs", "prev_computed", "new_blocks", "n", "num_scheduled", "preempted")
+    __slots__ = ("reqs", "prev_computed", "new_blocks", "n", "num_scheduled", "preempted", "spec")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
@@ -23,11 +23,13 @@ class StepPlan:
         self.n: list[int] = []
         self.num_scheduled: dict[str, int] = {}
         self.preempted: list[Request] = []
+        self.spec: dict[str, list[int]] = {}  # draft tokens scheduled with a request's next token
 
     def unschedule(self, req: Request) -> int:
         """Take back ``req``'s place in this step; returns its tokens."""
         j = self.reqs.index(req)
         del self.reqs[j], self.prev_computed[j], self.new_blocks[j], self.n[j]
+        self.spec.pop(req.request_id, None)
         return self.num_scheduled.pop(req.request_id)
 
     def to_output(
@@ -62,4 +64,5 @@ class StepPlan:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=[r.request_id for r in self.preempted],
+            scheduled_spec_decode_tokens=self.spec,
         )

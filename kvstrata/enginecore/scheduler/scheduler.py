@@ -40,6 +40,7 @@ from kvstrata.enginecore.scheduler.stats import SchedulerCounters
 from kvstrata.enginecore.scheduler.stop import append_and_check
 from kvstrata.enginecore.scheduler.transfers import TransferTracker
 from kvstrata.enginecore.scheduler.waiting import Admission, Refusal, admit
+from kvstrata.enginecore.spec_decode import SpecDecodeCounters
 from kvstrata.kv import KVCacheManager
 from kvstrata.types import ModelRunnerOutput, RequestOutput, SchedulerOutput
 
@@ -86,6 +87,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.transfers = TransferTracker(self.block_size, kv_cache_manager.get_block_ids)
         self.counters = SchedulerCounters()
+        self.spec_counters = SpecDecodeCounters()
         self._seq = itertools.count()
 
     # -- admission and removal --------------------------------------------
@@ -194,6 +196,13 @@ class Scheduler:
             if n <= 0:
                 i += 1  # nothing to compute (its sampled token never came back)
                 continue
+            drafts = req.spec_token_ids
+            if drafts:
+                req.spec_token_ids = []
+                if n == 1 and budget > 1:  # a decode: its drafts ride along, within the budget
+                    drafts = drafts[: budget - 1]
+                    plan.spec[req.request_id] = drafts
+                    n += len(drafts)
             new_ids = None
             if n > -nc % bs:
                 # The tokens overflow the block holding the computed ones (the
@@ -264,6 +273,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.spec_token_ids = []
         self.counters.num_preemptions += 1
         self.waiting.prepend(req)
         log.info("request_preempted", request_id=req.request_id, reason="no_free_blocks",
@@ -434,8 +444,11 @@ class Scheduler:
         logprobs = runner_output.logprobs
         max_model_len = self.max_model_len
         num_generated = 0
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for i, rid in enumerate(runner_output.req_ids):
             new_ids = sampled[i]
+            if spec and rid in spec:
+                self._settle_drafts(requests.get(rid), len(spec[rid]), len(new_ids))
             if not new_ids:
                 continue  # a prefill chunk short of the prompt's end
             req = requests.get(rid)
@@ -475,6 +488,17 @@ class Scheduler:
             self.running = remove_all(self.running, stopped)
         self.counters.num_generated_tokens += num_generated
         return outputs
+
+    def _settle_drafts(self, req: Request | None, num_drafts: int, num_sampled: int) -> None:
+        """``num_drafts`` were computed after the request's token; the runner
+        kept ``num_sampled - 1`` of them (and one token of its own). The
+        rejected positions are not computed: the count goes back over them,
+        so their slots are recomputed next, and blocks are registered only
+        up to the committed tokens (never a block holding rejected KV)."""
+        accepted = max(num_sampled - 1, 0)
+        self.spec_counters.record(num_drafts, accepted)
+        if req is not None and req.status is _RUNNING:
+            req.num_computed_tokens -= num_drafts - accepted
 
     def _finish(self, req: Request, status: RequestStatus, new_ids: list[int],
                 logprobs) -> RequestOutput:
