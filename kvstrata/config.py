@@ -63,6 +63,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # /health reports "stalled" (503) when work is queued and no step has
     # computed a token for this long.
     stall_timeout_s: float = 60.0
+    # Schedule step N+1 while step N runs (placeholders for the tokens N will
+    # sample). Off while speculative decoding or a KV connector is on.
+    async_scheduling: bool = True
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -60,7 +60,8 @@ from kvstrata.errors import EngineDeadError
 from kvstrata.kv.events import KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.text.tokenizer import Tokenizer
-from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams, SchedulerOutput
+from kvstrata.types import (EngineHealth, EngineStats, ModelRunnerOutput, RequestOutput, SamplingParams,
+                            SchedulerOutput)
 
 log = structlog.get_logger(__name__)
 
@@ -102,6 +103,15 @@ class AsyncEngine:
         # When the loop last made progress (computed a token, or had no work).
         self._progress_at = time.monotonic()
         self._stall_timeout_s = core.config.scheduler.stall_timeout_s
+        # Overlap scheduling with the model step (see _run). Speculative
+        # decoding proposes drafts from committed tokens only, and the KV
+        # connector's metadata is built per step in order: both keep steps serial.
+        wanted = core.config.scheduler.async_scheduling
+        self.async_scheduling = wanted and core.proposer is None and core.kv_connector is None
+        self.num_overlapped_steps = 0  # steps scheduled while the one before them ran
+        if wanted and not self.async_scheduling:
+            log.info("async_scheduling_off", reason="speculative decoding" if core.proposer is not None
+                     else "a KV connector")
         self._connector: KVConnector | None = None  # a KV connector this engine opened (and closes)
         self._publisher: KVEventSink | None = None  # KV events, when cache.kv_events_endpoint is set
         self._facts = ModelFacts(max_model_len=core.max_model_len, vocab_size=core.vocab_size)
@@ -369,29 +379,66 @@ class AsyncEngine:
                 w.set_result(None)
 
     async def _run(self) -> None:
+        """The engine loop. With async scheduling (``scheduler.async_scheduling``,
+        no speculative decoding, no KV connector) step N+1 is scheduled and
+        handed to the step thread while step N still runs: the scheduler
+        counts a placeholder for each token N will sample, the runner finds
+        that token in its own copy of the request when N+1 starts (one step
+        thread: N+1 starts after N ends), and step N's output is applied
+        while N+1 runs. A request that stopped at N gets nothing from N+1
+        (its output is dropped), and a step that fails takes the one queued
+        behind it down with it (it may have read the failed step's KV)."""
         core = self._core
         loop = asyncio.get_running_loop()
         wake = self._wakeup
+        overlap = self.async_scheduling
         polled = False  # the last step computed no token: a bare poll now waits for a wake-up
+        pending: tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput]] | None = None
         try:
-            while not self._closing:
-                woken = wake.is_set()
-                # Cleared before looking at the state: anything that happens
-                # from here on sets it again, so a sleep below cannot miss it.
-                wake.clear()
-                self._looked_again()
-                if not core.has_work():
-                    await wake.wait()
-                    self._progress_at = time.monotonic()  # idle until now: not a stall
-                    continue
-                so = core.schedule()
-                if not core.should_execute(so) or (polled and not woken and _bare_poll(so)):
-                    await wake.wait()  # only a transfer completing can change anything now
-                    continue
+            while not self._closing or pending is not None:
+                if pending is None:
+                    woken = wake.is_set()
+                    # Cleared before looking at the state: anything that happens
+                    # from here on sets it again, so a sleep below cannot miss it.
+                    wake.clear()
+                    self._looked_again()
+                    if not core.has_work():
+                        await wake.wait()
+                        self._progress_at = time.monotonic()  # idle until now: not a stall
+                        continue
+                    so = core.schedule()
+                    if not core.should_execute(so) or (polled and not woken and _bare_poll(so)):
+                        await wake.wait()  # only a transfer completing can change anything now
+                        continue
+                    fut = loop.run_in_executor(self._executor, core.execute, so)
+                else:
+                    (so, fut), pending = pending, None
+                    self._looked_again()
+                if overlap and so.total_num_scheduled_tokens and not self._closing:
+                    nxt = core.schedule()  # while step N runs
+                    if nxt.total_num_scheduled_tokens or core.should_execute(nxt):
+                        pending = (nxt, loop.run_in_executor(self._executor, core.execute, nxt))
+                        self.num_overlapped_steps += 1
                 try:
-                    out = await loop.run_in_executor(self._executor, core.execute, so)
+                    out = await fut
                 except Exception as exc:
                     self._deliver(core.fail_step(so, exc))
+                    if pending is not None:
+                        # Queued behind the failed step: its requests that the
+                        # failed step also ran are failed already (their output
+                        # is dropped); one admitted with prefix hits may have
+                        # read blocks the failed step was writing: failed too.
+                        nxt, nfut = pending
+                        pending = None
+                        try:
+                            nout = await nfut
+                        except Exception as nexc:
+                            self._deliver(core.fail_step(nxt, nexc, secondary=True))
+                        else:
+                            self._deliver(core.fail_requests(
+                                [d.req_id for d in nxt.scheduled_new_reqs if d.num_computed_tokens],
+                                f"a model step it depended on failed: {type(exc).__name__}: {exc}"))
+                            self._deliver(core.update(nxt, nout))
                     if core.consecutive_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise EngineDeadError(
                             f"{core.consecutive_failed_steps} model steps failed in a row", cause=exc

@@ -109,10 +109,10 @@ class EngineCore:
         self.proposer: Proposer | None = make_proposer(config.speculative, self.max_model_len)
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0
-        # The output being executed, and blocks of requests aborted during it
-        # that the step was writing (suspect if the step fails).
-        self._in_flight: SchedulerOutput | None = None
-        self._aborted_in_flight: list[int] = []
+        # The outputs being executed (two with async scheduling), each with
+        # the blocks of requests aborted meanwhile that it was writing
+        # (suspect if that step fails).
+        self._in_flight: list[tuple[SchedulerOutput, list[int]]] = []
         log.info("engine_core_ready", num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  num_kv_cache_groups=len(self.kv.config.groups), max_model_len=self.max_model_len,
                  prefix_caching=self.kv.enable_caching)
@@ -138,14 +138,18 @@ class EngineCore:
     def abort_requests(self, request_ids) -> list[RequestOutput]:
         """Abort live requests now (blocks freed at once); unknown or
         finished ids are ignored. Returns the final outputs to deliver."""
-        in_flight = self._in_flight
-        if in_flight is not None:
-            scheduled = in_flight.num_scheduled_tokens
+        if self._in_flight:
             reqs = self.scheduler.requests
             for rid in request_ids:
                 req = reqs.get(rid)
-                if rid in scheduled and req is not None and req.status == RequestStatus.RUNNING:
-                    self._aborted_in_flight.extend(self._blocks_written(req, scheduled[rid]))
+                if req is None or req.status != RequestStatus.RUNNING:
+                    continue
+                pending = sum(so.num_scheduled_tokens.get(rid, 0) for so, _ in self._in_flight)
+                if pending:
+                    written = self._blocks_written(req, pending)
+                    for so, suspect in self._in_flight:
+                        if rid in so.num_scheduled_tokens:
+                            suspect.extend(written)
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return [_final_output(r) for r in done]
 
@@ -165,16 +169,24 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; it is in flight until update() or fail_step()."""
         so = self.scheduler.schedule()
-        self._in_flight = so if so.num_scheduled_tokens else None
-        self._aborted_in_flight = []
+        if so.num_scheduled_tokens:
+            self._in_flight.append((so, []))
         return so
+
+    def _landed(self, so: SchedulerOutput) -> list[int]:
+        """``so`` is no longer in flight; the suspect blocks noted for it."""
+        for i, (s, suspect) in enumerate(self._in_flight):
+            if s is so:
+                del self._in_flight[i]
+                return suspect
+        return []
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model (any thread; touches only the runner)."""
         return self.runner.execute_model(scheduler_output)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        self._in_flight = None
+        self._landed(scheduler_output)
         self.consecutive_failed_steps = 0
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.proposer is not None:
@@ -193,15 +205,17 @@ class EngineCore:
             if req is not None:
                 req.spec_token_ids = drafts
 
-    def fail_step(self, scheduler_output: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
+    def fail_step(self, scheduler_output: SchedulerOutput, exc: BaseException, *,
+                  secondary: bool = False) -> list[RequestOutput]:
         """The model raised on ``scheduler_output``: fail the requests it
-        scheduled, uncache the blocks it was writing, keep serving the rest."""
-        self._in_flight = None
-        self.num_failed_steps += 1
-        self.consecutive_failed_steps += 1
+        scheduled, uncache the blocks it was writing, keep serving the rest.
+        ``secondary``: it was queued behind a failed step and failed because
+        of it (async scheduling): not counted as a failure of the model."""
+        suspect = self._landed(scheduler_output)
+        if not secondary:
+            self.num_failed_steps += 1
+            self.consecutive_failed_steps += 1
         s = self.scheduler
-        suspect = self._aborted_in_flight
-        self._aborted_in_flight = []
         failed = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = s.requests.get(rid)
@@ -215,6 +229,18 @@ class EngineCore:
         message = f"model step failed: {type(exc).__name__}: {exc}"
         log.error("step_failed", error=message, num_failed_requests=len(done),
                   consecutive_failures=self.consecutive_failed_steps)
+        return [_final_output(r, error=message) for r in done]
+
+    def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+        """End live requests with an error (their blocks freed and uncached)."""
+        if not request_ids:
+            return []
+        reqs = self.scheduler.requests
+        suspect = [b for rid in request_ids if (r := reqs.get(rid)) is not None and self.kv.has_request(rid)
+                   for g in self.kv.get_block_ids(rid) for b in g]
+        if suspect:
+            self.kv.evict_blocks(suspect)
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
         return [_final_output(r, error=message) for r in done]
 
     def _blocks_written(self, req: Request, num_scheduled: int) -> list[int]:

@@ -88,6 +88,7 @@ class Request:
         "status", "stop_reason", "max_tokens", "min_tokens",
         "stop_ids", "eos_token_ids", "seq", "sort_key",
         "_block_hasher", "_hash_block_size", "hash_boundary", "spec_token_ids",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -131,6 +132,9 @@ class Request:
         # Draft tokens for the next step (a proposer's; kvstrata.enginecore.spec_decode):
         # computed with the next token and verified by the model, never part of all_token_ids.
         self.spec_token_ids: list[int] = []
+        # Tokens a scheduled step will sample for this request that have not
+        # come back yet (async scheduling schedules the next step before they do).
+        self.num_output_placeholders = 0
         self.sort_key: tuple = (priority, self.arrival_time, 0)
         self.block_hashes: list = []
         self._block_hasher = block_hasher

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from conn_helpers import BLOCK, Oracle, RedisServer, build_tiny_llama, redis_available
 
-from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvstrata.enginecore import AsyncEngine, EngineCore
 from kvstrata.enginecore.builder import build_engine_core
 from kvstrata.io import Outstanding
@@ -58,11 +58,12 @@ def built() -> Built:
 @pytest.fixture
 def make_engine(oracle, built):
     async def make(kv_transfer=None, *, num_blocks: int = 64, caching: bool = True, device: str = "cpu",
-                   **sched) -> AsyncEngine:
+                   speculative: SpeculativeConfig | None = None, **sched) -> AsyncEngine:
         config = EngineConfig(
             model=ModelConfig(model=oracle.path),
             cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(**sched), device=device, kv_transfer=kv_transfer,
+            speculative=speculative or SpeculativeConfig(),
         )
         engine = await AsyncEngine.start(config)
         built.engines.append(engine)

@@ -60,8 +60,7 @@ def add(core, rid: str, p: list[int]) -> None:
 
 async def step(core, outputs: dict[str, list[int]]):
     """One engine step, then let the connector's tasks run."""
-    so = core.scheduler.schedule()
-    core._in_flight = so
+    so = core.schedule()
     out = core.execute(so) if core.should_execute(so) else None
     if out is not None:
         for o in core.update(so, out):

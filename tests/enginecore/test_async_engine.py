@@ -159,7 +159,9 @@ async def test_failed_step_errors_its_requests_and_engine_serves_on(start_engine
 
 
 async def test_repeated_step_failures_kill_the_engine(start_engine):
-    engine = await start_engine(FakeRunner(fail_steps={0, 1, 2}), max_num_seqs=1)
+    # serial steps: each failing step is one request's (with async scheduling
+    # a step queued behind a failed one fails with it, uncounted: below)
+    engine = await start_engine(FakeRunner(fail_steps={0, 1, 2}), max_num_seqs=1, async_scheduling=False)
     tasks = [asyncio.create_task(collect(engine, [3 + i, 4])) for i in range(4)]
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert [r[-1].finish_reason for r in results[:3]] == ["error"] * 3
@@ -168,6 +170,20 @@ async def test_repeated_step_failures_kill_the_engine(start_engine):
         await collect(engine, [3, 4])
     with pytest.raises(EngineDeadError):
         await engine.stats()
+
+
+async def test_a_failed_step_with_async_scheduling_fails_its_requests_and_the_engine_serves_on(start_engine):
+    """Step 0 fails while step 1 (its decode, a placeholder token) is queued
+    behind it: the request fails once, the queued step's failure is not
+    counted against the model, and the next requests complete."""
+    engine = await start_engine(FakeRunner(fail_steps={0}), max_num_seqs=1)
+    assert engine.async_scheduling
+    first = await collect(engine, [3, 4])
+    assert first[-1].finish_reason == "error"
+    rest = await asyncio.gather(*(collect(engine, [5 + i, 6], max_tokens=4) for i in range(3)))
+    assert [r[-1].finish_reason for r in rest] == ["length"] * 3
+    assert engine.core.consecutive_failed_steps == 0 and engine.core.num_failed_steps == 1
+    assert all_free(engine)
 
 
 async def test_aclose_ends_pending_streams_and_is_idempotent(start_engine):

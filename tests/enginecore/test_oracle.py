@@ -46,20 +46,30 @@ def oracle(request, tmp_path_factory):
     return str(path), prompts, expected
 
 
-@pytest.fixture(params=[None, "ngram"], ids=["spec-off", "spec-ngram"])
-def spec(request):
+MODES = {"serial": (False, None), "async": (True, None), "spec": (False, "ngram"), "async+spec": (True, "ngram")}
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request):
+    """Async scheduling off / on, speculative decoding off / on (with both
+    configured, steps carrying drafts are not overlapped: see spec_decode)."""
     return request.param
 
 
 @pytest.fixture
-async def start(kv_managers, spec):
+def spec(mode):
+    return MODES[mode][1]
+
+
+@pytest.fixture
+async def start(kv_managers, spec, mode):
     engines: list[AsyncEngine] = []
 
     async def build(path: str, *, num_blocks: int = 256, caching: bool = True, **sched) -> AsyncEngine:
         config = EngineConfig(
             model=ModelConfig(model=path),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
-            scheduler=SchedulerConfig(**sched), device="cpu",
+            scheduler=SchedulerConfig(async_scheduling=MODES[mode][0], **sched), device="cpu",
             speculative=SpeculativeConfig(method=spec, num_speculative_tokens=3, prompt_lookup_min=1),
         )
         engine = await AsyncEngine.start(config)
@@ -84,11 +94,12 @@ def assert_matches(oracle_expected, prompts, got):
         assert tokens == oracle_expected[tuple(p)], f"prompt of {len(p)} tokens diverged from HF"
 
 
-async def test_matches_hf_with_prefix_caching_off(oracle, start):
+async def test_matches_hf_with_prefix_caching_off(oracle, start, mode):
     path, prompts, expected = oracle
     engine = await start(path, caching=False)
     batch = prompts["plain"] + prompts["wave1"]
     assert_matches(expected, batch, await generate_all(engine, batch))
+    assert (engine.num_overlapped_steps > 0) == (mode == "async")
     assert (await engine.stats()).prefix_cache_hits == 0
 
 

@@ -88,6 +88,12 @@ class Scheduler:
         self.transfers = TransferTracker(self.block_size, kv_cache_manager.get_block_ids)
         self.counters = SchedulerCounters()
         self.spec_counters = SpecDecodeCounters()
+        # Steps scheduled and not yet updated (two with async scheduling), by
+        # id() of their SchedulerOutput. A finished request's blocks are freed
+        # at once even if a step in flight still writes them: steps run one at
+        # a time, in order, so that step is done before any later one can use
+        # the blocks again (and a failed step takes the one behind it down too).
+        self._in_flight: dict[int, _StepInFlight] = {}
         self._seq = itertools.count()
 
     # -- admission and removal --------------------------------------------
@@ -188,7 +194,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             nc = req.num_computed_tokens
-            n = len(req.all_token_ids) - nc
+            n = len(req.all_token_ids) + req.num_output_placeholders - nc
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
@@ -199,7 +205,7 @@ class Scheduler:
             drafts = req.spec_token_ids
             if drafts:
                 req.spec_token_ids = []
-                if n == 1 and budget > 1:  # a decode: its drafts ride along, within the budget
+                if n == 1 and budget > 1 and not req.num_output_placeholders:  # a decode: its drafts ride along, within the budget
                     drafts = drafts[: budget - 1]
                     plan.spec[req.request_id] = drafts
                     n += len(drafts)
@@ -274,6 +280,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.spec_token_ids = []
+        req.num_output_placeholders = 0  # what a step in flight samples for it is dropped
         self.counters.num_preemptions += 1
         self.waiting.prepend(req)
         log.info("request_preempted", request_id=req.request_id, reason="no_free_blocks",
@@ -322,11 +329,22 @@ class Scheduler:
         if meta is not None:
             out = msgspec.structs.replace(out, kv_connector_metadata=meta)
         # Advance only now: the output carries the counts before this step.
+        sampling: list[Request] = []
         for r, n in zip(plan.reqs, plan.n):
             r.num_computed_tokens += n
+            if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
+                sampling.append(r)
         num_scheduled = plan.num_scheduled
         for r in new_reqs:
             r.num_computed_tokens += num_scheduled[r.request_id]
+            if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
+                sampling.append(r)
+        # Each request this step samples for expects one token more: its
+        # placeholder until the step's output comes back.
+        for r in sampling:
+            r.num_output_placeholders += 1
+        if num_scheduled:
+            self._in_flight[id(out)] = _StepInFlight(set(num_scheduled), [r.request_id for r in sampling])
         return out
 
     # -- admission ----------------------------------------------------------
@@ -414,6 +432,7 @@ class Scheduler:
         failed): the connector drops its buffers, loads it did not make count
         as failed, delayed frees it cannot confirm happen now, and the runner
         is told again next step what this one should have told it."""
+        self._step_done(scheduler_output)
         sending, recving, invalid = self.connector.step_failed(scheduler_output)
         self.transfers.step_failed()
         self._settle(ModelRunnerOutput(req_ids=[], sampled_token_ids=[], finished_sending=list(sending),
@@ -436,6 +455,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply one step's sampled tokens; returns the outputs to stream."""
+        self._step_done(scheduler_output)
         self._settle(runner_output)
         outputs: list[RequestOutput] = []
         stopped: list[Request] = []
@@ -489,6 +509,22 @@ class Scheduler:
         self.counters.num_generated_tokens += num_generated
         return outputs
 
+    def _step_done(self, so: SchedulerOutput) -> None:
+        """A step in flight came back (its output, or its failure): its
+        requests no longer expect its tokens."""
+        step = self._in_flight.pop(id(so), None)
+        if step is None:
+            return
+        requests = self.requests
+        for rid in step.sampling:
+            req = requests.get(rid)
+            if req is not None and req.num_output_placeholders > 0:
+                req.num_output_placeholders -= 1
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def _settle_drafts(self, req: Request | None, num_drafts: int, num_sampled: int) -> None:
         """``num_drafts`` were computed after the request's token; the runner
         kept ``num_sampled - 1`` of them (and one token of its own). The
@@ -511,6 +547,17 @@ class Scheduler:
             logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
         )
+
+
+class _StepInFlight:
+    """One scheduled step not yet updated: the requests it computes, and
+    those it samples a token for (their placeholders)."""
+
+    __slots__ = ("scheduled", "sampling")
+
+    def __init__(self, scheduled: set[str], sampling: list[str]) -> None:
+        self.scheduled = scheduled
+        self.sampling = sampling
 
 
 def _sort_key(req: Request) -> tuple:
