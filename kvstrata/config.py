@@ -77,7 +77,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     unchanged, sampled output keeps its distribution."""
 
     method: str | None = None
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 2
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
 
