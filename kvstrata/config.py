@@ -74,7 +74,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     ``prompt_lookup_max`` tokens found earlier in the request's context
     propose the ``num_speculative_tokens`` that followed them). Every
     draft is verified by the model in the next step: greedy output is
-    unchanged, sampled output keeps its distribution."""
+    unchanged, sampled output keeps its distribution. Two drafts by default:
+    on a CPU each draft costs about as much as a token, and two keep the
+    cost on text that does not repeat within noise
+    (``tools/bench_decode_modes.py``)."""
 
     method: str | None = None
     num_speculative_tokens: int = 2

@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--cases", nargs="+", default=["async_scheduling", "spec_repetitive", "spec_non_repetitive"])
     args = ap.parse_args(argv)
+    from kvstrata.logs import configure_logging
+
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     report = asyncio.run(main_async(args))
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(report), indent=2).decode() + "\n")
     return report
