@@ -64,8 +64,12 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # computed a token for this long.
     stall_timeout_s: float = 60.0
     # Schedule step N+1 while step N runs (placeholders for the tokens N will
-    # sample). Off while speculative decoding or a KV connector is on.
-    async_scheduling: bool = True
+    # sample). None: on when the model runs on a GPU (the step is then the
+    # device's, and the loop's work hides behind it); off on a CPU, where the
+    # step and the loop share the cores and the GIL and overlap measured no
+    # gain (tools/bench_decode_modes.py). Off while speculative decoding or a
+    # KV connector is on.
+    async_scheduling: bool | None = None
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -117,7 +117,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         [[(i * 37 + k) % 200 + 3 for i in range(60)] * 2 for k in range(args.spec_concurrency)]
     fresh = [[{"role": "user", "content": FRESH[k % len(FRESH)]}] for k in range(args.spec_concurrency)] if chat \
         else [[(i * 7919 + k * 13) % 251 + 3 for i in range(60)] for k in range(args.spec_concurrency)]
-    many = [[(i * 31 + k * 17) % 400 + 3 for i in range(32)] for k in range(args.concurrency)]
+    many = [[(i * 31 + k * 17) % 250 + 3 for i in range(32)] for k in range(args.concurrency)]
     SPEC.update(k=args.num_speculative_tokens, min=args.prompt_lookup_min, max=args.prompt_lookup_max)
     plan = {"async_scheduling": (many, args.decode_tokens, "async"), "spec_repetitive": (copy, args.spec_tokens, "spec"),
             "spec_non_repetitive": (fresh, args.spec_tokens, "spec")}
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--cases", nargs="+", default=["async_scheduling", "spec_repetitive", "spec_non_repetitive"])
     args = ap.parse_args(argv)
-    from kvstrata.logs import configure_logging
-
-    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     report = asyncio.run(main_async(args))
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(report), indent=2).decode() + "\n")
     return report
 
 
 if __name__ == "__main__":
+    from kvstrata.logs import configure_logging
+
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     main()

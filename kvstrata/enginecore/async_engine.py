@@ -107,6 +107,9 @@ class AsyncEngine:
         # decoding proposes drafts from committed tokens only, and the KV
         # connector's metadata is built per step in order: both keep steps serial.
         wanted = core.config.scheduler.async_scheduling
+        if wanted is None:
+            device = getattr(core.runner, "device", None)
+            wanted = getattr(device, "type", str(device)) == "cuda"
         self.async_scheduling = wanted and core.proposer is None and core.kv_connector is None
         self.num_overlapped_steps = 0  # steps scheduled while the one before them ran
         if wanted and not self.async_scheduling:

@@ -176,7 +176,7 @@ async def test_a_failed_step_with_async_scheduling_fails_its_requests_and_the_en
     """Step 0 fails while step 1 (its decode, a placeholder token) is queued
     behind it: the request fails once, the queued step's failure is not
     counted against the model, and the next requests complete."""
-    engine = await start_engine(FakeRunner(fail_steps={0}), max_num_seqs=1)
+    engine = await start_engine(FakeRunner(fail_steps={0}), max_num_seqs=1, async_scheduling=True)
     assert engine.async_scheduling
     first = await collect(engine, [3, 4])
     assert first[-1].finish_reason == "error"

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvstrata.enginecore import AsyncEngine
 from kvstrata.types import SamplingParams
 from kvstrata.worker.model import CheckpointError, load_checkpoint
@@ -52,7 +52,10 @@ def test_dequantized_tensors_equal_transformers(smollm2_gguf, hf):
         assert torch.equal(t, sd[name]), name
 
 
-async def test_greedy_chat_tokens_equal_transformers(smollm2_gguf, hf):
+@pytest.mark.parametrize("mode", ["async", "serial+spec"])
+async def test_greedy_chat_tokens_equal_transformers(smollm2_gguf, hf, mode):
+    """The real default model, with async scheduling (the default) and with
+    n-gram speculative decoding (serial steps): HF's greedy tokens."""
     model, tok = hf
     want = []
     for q in QUESTIONS:
@@ -62,8 +65,10 @@ async def test_greedy_chat_tokens_equal_transformers(smollm2_gguf, hf):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=MAX_TOKENS, pad_token_id=tok.eos_token_id)
         want.append(out[0, ids.shape[1]:].tolist())
+    spec = SpeculativeConfig(method="ngram", prompt_lookup_min=1) if "spec" in mode else SpeculativeConfig()
     cfg = EngineConfig(model=ModelConfig(model=str(smollm2_gguf), max_model_len=512), device="cpu",
-                       cache=CacheConfig(num_blocks=256), log_level="WARNING")
+                       cache=CacheConfig(num_blocks=256), log_level="WARNING", speculative=spec,
+                       scheduler=SchedulerConfig(async_scheduling=mode == "async"))
     engine = await AsyncEngine.start(cfg)
     try:
         async def one(q):
