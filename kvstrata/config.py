@@ -57,7 +57,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Caps one request's prefill chunk per step when others compete for the
     # budget (0: no cap); a request alone in the engine gets the whole budget.
     long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
+    policy: str = "fcfs"  # "fcfs", "priority", or "cache-aware" (more cached tokens first, with aging)
+    # cache-aware: a request passed over this many times, or waiting this
+    # long, is served in arrival order before the others of its priority
+    cache_aware_max_skips: int = 64
+    cache_aware_max_wait_s: float = 30.0
     max_waiting_requests: int = 4096
     enable_chunked_prefill: bool = True
     # /health reports "stalled" (503) when work is queued and no step has
@@ -145,8 +149,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"scheduler.stall_timeout_s must be > 0, got {s.stall_timeout_s}")
         if s.long_prefill_token_threshold < 0:
             raise ValueError("scheduler.long_prefill_token_threshold must be >= 0")
-        if s.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduler.policy must be 'fcfs' or 'priority', got {s.policy!r}")
+        if s.cache_aware_max_skips < 0 or not s.cache_aware_max_wait_s > 0:
+            raise ValueError("scheduler.cache_aware_max_skips must be >= 0 and cache_aware_max_wait_s > 0")
+        if s.policy not in ("fcfs", "priority", "cache-aware"):
+            raise ValueError(f"scheduler.policy must be 'fcfs', 'priority' or 'cache-aware', got {s.policy!r}")
         if self.model.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"model.dtype must be float32, float16, bfloat16 or auto, got {self.model.dtype!r}")
         if self.model.max_model_len is not None:

@@ -299,6 +299,8 @@ class EngineCore:
             block_residency=kv.block_residency(),
             extra={
                 **(s.spec_counters.as_extra() if self.proposer is not None else {}),
+                **({"scheduler.cache_aware.max_skips_observed": float(s.waiting.max_skips_seen)}
+                   if hasattr(s.waiting, "max_skips_seen") else {}),
                 "kv.num_blocks": float(kv.num_blocks),
                 "kv.num_free_blocks": float(kv.num_free_blocks),
                 "kv.prefix_cache.requests": float(p.requests),

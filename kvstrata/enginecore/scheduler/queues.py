@@ -10,8 +10,9 @@ at the place its key gives it.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from kvstrata.enginecore.request import Request
@@ -110,7 +111,104 @@ class PriorityQueue:
         return iter([r for _, r in sorted(self._heap, key=lambda e: e[0])])
 
 
-QUEUES: dict[str, type] = {"fcfs": FCFSQueue, "priority": PriorityQueue}
+class CacheAwareQueue:
+    """``cache-aware``: among waiting requests of the best priority, the one
+    with the most cached prompt tokens goes first (``scorer(request)``: the
+    device prefix hit, as ``KVCacheManager.get_computed_blocks`` sees it;
+    the scheduler sets it), ties by arrival. A starvation bound: each time a
+    request is served ahead of an earlier arrival, that earlier request
+    counts one skip; one skipped ``max_skips`` times, or waiting longer than
+    ``max_wait_s``, is *aged* and served before every non-aged request of
+    its priority, aged ones in arrival order. So no request waits more than
+    ``max_skips`` admissions (or ``max_wait_s``) past its FCFS turn, and
+    priorities still win. Only the first ``window`` requests in arrival
+    order are scored (a hit walk each), so a long queue costs a bounded scan.
+
+    Owns: the waiting requests in arrival order, their skip counts and
+    enqueue times, the last pick."""
+
+    __slots__ = ("_q", "_skips", "_since", "scorer", "max_skips", "max_wait_s", "window", "_pick",
+                 "max_skips_seen", "clock")
+
+    def __init__(self, *, max_skips: int = 64, max_wait_s: float = 30.0, window: int = 64) -> None:
+        self._q: list[Request] = []
+        self._skips: dict[int, int] = {}
+        self._since: dict[int, float] = {}
+        self.scorer: Callable[[Request], int] = lambda r: 0
+        self.max_skips = max_skips
+        self.max_wait_s = max_wait_s
+        self.window = window
+        self._pick: Request | None = None
+        self.max_skips_seen = 0  # the largest skip count any request reached (the bound actually observed)
+        self.clock = time.monotonic
+
+    def add(self, request: Request) -> None:
+        self._q.append(request)
+        self._skips[id(request)] = 0
+        self._since[id(request)] = self.clock()
+        self._pick = None
+
+    def _choose(self) -> Request:
+        now = self.clock()
+        best, best_key = None, None
+        for r in self._q[: self.window]:
+            aged = self._skips[id(r)] >= self.max_skips or now - self._since[id(r)] >= self.max_wait_s
+            key = (r.priority, 0 if aged else 1, 0 if aged else -self.scorer(r), r.sort_key)
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        assert best is not None
+        return best
+
+    def peek(self) -> Request:
+        if self._pick is None or self._pick not in self._q:
+            self._pick = self._choose()
+        return self._pick
+
+    def pop(self) -> Request:
+        r = self.peek()
+        self._pick = None
+        i = self._q.index(r)
+        del self._q[i]
+        skips = self._skips
+        for earlier in self._q[:i]:  # arrived before it, served after it: one skip each
+            if r.priority >= earlier.priority:  # passed by a better priority (a lower value): not a skip
+                n = skips[id(earlier)] + 1
+                skips[id(earlier)] = n
+                if n > self.max_skips_seen:
+                    self.max_skips_seen = n
+        del skips[id(r)]
+        del self._since[id(r)]
+        return r
+
+    def prepend(self, request: Request) -> None:
+        """Back at the front (preempted, or skipped this pass): its arrival
+        order and skip count are kept."""
+        self._q.insert(0, request)
+        self._skips.setdefault(id(request), 0)
+        self._since.setdefault(id(request), self.clock())
+        self._pick = None
+
+    def prepend_all(self, requests: list[Request]) -> None:
+        for r in reversed(requests):
+            self.prepend(r)
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+        self._skips.pop(id(request), None)
+        self._since.pop(id(request), None)
+        self._pick = None
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._q))
+
+
+QUEUES: dict[str, type] = {"fcfs": FCFSQueue, "priority": PriorityQueue, "cache-aware": CacheAwareQueue}
 
 
 def make_waiting_queue(policy: str) -> WaitingQueue:

@@ -83,6 +83,11 @@ class Scheduler:
         self.policy = config.policy
         self.requests: dict[str, Request] = {}
         self.waiting = make_waiting_queue(config.policy)
+        if config.policy == "cache-aware":
+            w = self.waiting
+            w.max_skips, w.max_wait_s = config.cache_aware_max_skips, config.cache_aware_max_wait_s
+            if enable_prefix_caching:
+                w.scorer = lambda r: kv_cache_manager.get_computed_blocks(r)[1]
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.transfers = TransferTracker(self.block_size, kv_cache_manager.get_block_ids)
