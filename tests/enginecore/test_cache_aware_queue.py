@@ -98,3 +98,24 @@ def test_the_engine_admits_the_cached_request_first(make_core):
             core.update(so, core.execute(so))
     assert order[:2] == ["c1", "c2"] and sorted(order[2:]) == ["u1", "u2"]
     assert core.stats().extra["scheduler.cache_aware.max_skips_observed"] == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 200)), max_size=80), max_skips=st.integers(0, 5))
+def test_the_bound_holds_when_requests_go_back_to_the_front(ops, max_skips):
+    """Admissions mixed with requests put back at the front (a preemption,
+    or one parked for a load): the skip bound still holds."""
+    scores: dict[str, int] = {}
+    q = queue(scores, max_skips=max_skips, max_wait_s=1e9)
+    for i, (op, score) in enumerate(ops):
+        if op == 0 or not q:
+            r = req(i)
+            scores[r.request_id] = score
+            q.add(r)
+        elif op == 1:
+            q.pop()
+        else:
+            q.prepend(q.pop())
+    while q:
+        q.pop()
+    assert q.max_skips_seen <= max_skips

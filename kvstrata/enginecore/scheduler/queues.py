@@ -151,9 +151,11 @@ class CacheAwareQueue:
     def _choose(self) -> Request:
         now = self.clock()
         best, best_key = None, None
-        for r in self._q[: self.window]:
+        # FCFS order is the list order (a preempted request goes back to the
+        # front): aged requests and ties follow it, as the skip count does.
+        for i, r in enumerate(self._q[: self.window]):
             aged = self._skips[id(r)] >= self.max_skips or now - self._since[id(r)] >= self.max_wait_s
-            key = (r.priority, 0 if aged else 1, 0 if aged else -self.scorer(r), r.sort_key)
+            key = (r.priority, 0 if aged else 1, 0 if aged else -self.scorer(r), i)
             if best_key is None or key < best_key:
                 best, best_key = r, key
         assert best is not None
