@@ -21,7 +21,7 @@ from kvstrata.ipc import keyfile
 from kvstrata.ipc.addresses import free_port
 from kvstrata.router import RouterConfig
 from kvstrata.types import SamplingParams
-from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs
+from tests.io.redis_cluster import RedisClusterProcs, started_cluster
 
 pytestmark = pytest.mark.redis
 
@@ -31,14 +31,7 @@ TINY = ["--model", "random", "--cache.block-size", "4", "--cache.num-blocks", "6
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    if REDIS_BIN is None or REDIS_CLI is None:
-        if os.environ.get("KVSTRATA_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server/redis-cli not found and KVSTRATA_REQUIRE_REDIS=1")
-        pytest.skip("needs redis-server and redis-cli")
-    c = RedisClusterProcs(tmp_path_factory.mktemp("registry-cluster"))
-    c.start()
-    yield c
-    c.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("registry-cluster"))
 
 
 def _url(cluster: RedisClusterProcs) -> str:

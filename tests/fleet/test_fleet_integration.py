@@ -34,7 +34,7 @@ from kvstrata.ipc.launcher import spawn_engine
 from kvstrata.ipc.protocol import Credentials
 from kvstrata.router import GPU, RouterConfig
 from kvstrata.types import SamplingParams
-from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs
+from tests.io.redis_cluster import RedisClusterProcs, started_cluster
 
 pytestmark = pytest.mark.redis
 
@@ -45,14 +45,7 @@ MODEL = ModelConfig(num_threads=1, max_model_len=256)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    if REDIS_BIN is None or REDIS_CLI is None:
-        if os.environ.get("KVSTRATA_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server/redis-cli not found and KVSTRATA_REQUIRE_REDIS=1")
-        pytest.skip("needs redis-server and redis-cli")
-    c = RedisClusterProcs(tmp_path_factory.mktemp("fleet-cluster"))
-    c.start()
-    yield c
-    c.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("fleet-cluster"))
 
 
 def fleet_engine_config(cluster: RedisClusterProcs, buffer_steps: int = 10_000) -> EngineConfig:

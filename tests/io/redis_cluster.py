@@ -137,3 +137,27 @@ class RedisClusterProcs:
                 if int(lo) <= slot <= int(hi or lo):
                     return port
         raise RuntimeError(f"no master owns slot {slot}")
+
+
+def require_cluster_binaries() -> None:
+    """Skip a test without redis-server / redis-cli; fail it instead under
+    KVSTRATA_REQUIRE_REDIS=1 (CI: the Redis tests must run)."""
+    import os
+
+    import pytest
+
+    if REDIS_BIN is None or REDIS_CLI is None:
+        if os.environ.get("KVSTRATA_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server / redis-cli not found and KVSTRATA_REQUIRE_REDIS=1")
+        pytest.skip("needs redis-server and redis-cli")
+
+
+def started_cluster(workdir: Path):
+    """A started cluster for a module fixture (``yield from``), stopped after."""
+    require_cluster_binaries()
+    c = RedisClusterProcs(workdir)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()

@@ -16,7 +16,7 @@ from io_helpers import IDENT, get_ids, key, put_all
 from kvstrata.connector.events import REMOTE, medium_of
 from kvstrata.io import TierSpec
 from kvstrata.io.config import RedisClusterOptions
-from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs
+from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs, started_cluster
 
 pytestmark = pytest.mark.redis
 
@@ -33,11 +33,7 @@ def _cluster_or_skip() -> None:
 
 @pytest.fixture(scope="module")
 def module_cluster(tmp_path_factory):
-    _cluster_or_skip()
-    c = RedisClusterProcs(tmp_path_factory.mktemp("cluster"))
-    c.start()
-    yield c
-    c.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("cluster"))
 
 
 @pytest.fixture
