@@ -419,7 +419,7 @@ class AsyncEngine:
                     self._looked_again()
                 if overlap and so.total_num_scheduled_tokens and not self._closing:
                     nxt = core.schedule()  # while step N runs
-                    if nxt.total_num_scheduled_tokens or core.should_execute(nxt):
+                    if core.should_execute(nxt):
                         pending = (nxt, loop.run_in_executor(self._executor, core.execute, nxt))
                         self.num_overlapped_steps += 1
                 try:

@@ -154,7 +154,8 @@ def build_kv_cache_manager(cache: CacheConfig, layer_specs: LayerSpecs, *, max_m
     return KVCacheManager(
         KVCacheConfig(num_blocks=resolve_num_blocks(cache, layer_specs), groups=groups),
         max_model_len=max_model_len, enable_caching=cache.enable_prefix_caching, log_stats=True,
-        enable_events=cache.kv_events_endpoint is not None or cache.enable_kv_events, metrics_sample_rate=cache.metrics_sample_rate,
+        enable_events=cache.kv_events_endpoint is not None or cache.enable_kv_events,
+        metrics_sample_rate=cache.metrics_sample_rate,
         hash_block_size=cache.block_size,
     )
 

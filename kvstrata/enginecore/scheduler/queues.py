@@ -162,7 +162,7 @@ class CacheAwareQueue:
         return best
 
     def peek(self) -> Request:
-        if self._pick is None or self._pick not in self._q:
+        if self._pick is None:  # every change of the queue clears it
             self._pick = self._choose()
         return self._pick
 

@@ -94,11 +94,12 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.spec_counters = SpecDecodeCounters()
         # Steps scheduled and not yet updated (two with async scheduling), by
-        # id() of their SchedulerOutput. A finished request's blocks are freed
-        # at once even if a step in flight still writes them: steps run one at
-        # a time, in order, so that step is done before any later one can use
-        # the blocks again (and a failed step takes the one behind it down too).
-        self._in_flight: dict[int, _StepInFlight] = {}
+        # id() of their SchedulerOutput: the requests each samples a token for
+        # (their placeholders). A finished request's blocks are freed at once
+        # even if a step in flight still writes them: steps run one at a time,
+        # in order, so that step is done before any later one can use the
+        # blocks again (and a failed step takes the one behind it down too).
+        self._in_flight: dict[int, list[Request]] = {}
         self._seq = itertools.count()
 
     # -- admission and removal --------------------------------------------
@@ -210,7 +211,8 @@ class Scheduler:
             drafts = req.spec_token_ids
             if drafts:
                 req.spec_token_ids = []
-                if n == 1 and budget > 1 and not req.num_output_placeholders:  # a decode: its drafts ride along, within the budget
+                # a decode with no token in flight: its drafts ride along, within the budget
+                if n == 1 and budget > 1 and not req.num_output_placeholders:
                     drafts = drafts[: budget - 1]
                     plan.spec[req.request_id] = drafts
                     n += len(drafts)
@@ -348,8 +350,8 @@ class Scheduler:
         # placeholder until the step's output comes back.
         for r in sampling:
             r.num_output_placeholders += 1
-        if num_scheduled:
-            self._in_flight[id(out)] = _StepInFlight(set(num_scheduled), [r.request_id for r in sampling])
+        if sampling:
+            self._in_flight[id(out)] = sampling
         return out
 
     # -- admission ----------------------------------------------------------
@@ -517,18 +519,9 @@ class Scheduler:
     def _step_done(self, so: SchedulerOutput) -> None:
         """A step in flight came back (its output, or its failure): its
         requests no longer expect its tokens."""
-        step = self._in_flight.pop(id(so), None)
-        if step is None:
-            return
-        requests = self.requests
-        for rid in step.sampling:
-            req = requests.get(rid)
-            if req is not None and req.num_output_placeholders > 0:
+        for req in self._in_flight.pop(id(so), ()):
+            if req.num_output_placeholders > 0:  # 0: preempted (or finished) since
                 req.num_output_placeholders -= 1
-
-    @property
-    def num_steps_in_flight(self) -> int:
-        return len(self._in_flight)
 
     def _settle_drafts(self, req: Request | None, num_drafts: int, num_sampled: int) -> None:
         """``num_drafts`` were computed after the request's token; the runner
@@ -552,17 +545,6 @@ class Scheduler:
             logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
         )
-
-
-class _StepInFlight:
-    """One scheduled step not yet updated: the requests it computes, and
-    those it samples a token for (their placeholders)."""
-
-    __slots__ = ("scheduled", "sampling")
-
-    def __init__(self, scheduled: set[str], sampling: list[str]) -> None:
-        self.scheduled = scheduled
-        self.sampling = sampling
 
 
 def _sort_key(req: Request) -> tuple:
