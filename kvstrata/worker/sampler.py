@@ -92,8 +92,12 @@ class Sampler:
             logits = logits.clone()
             for row, ids in meta.banned_token_ids.items():
                 logits[row, ids] = _MASK
-        drawn = self._sample(logits, meta).tolist()
-        probs = None
+        greedy = logits.argmax(dim=-1)
+        probs = None if meta.all_greedy else self._probs(logits, meta)
+        drawn_t = greedy if probs is None else self._draw(probs, meta.generators)
+        if probs is not None and not meta.all_random:
+            drawn_t = torch.where(meta.temperature == 0.0, greedy, drawn_t)
+        drawn, best = drawn_t.tolist(), greedy.tolist()
         out: list[list[int]] = []
         temps = meta.temperature.tolist()
         for first, drafts in groups:
@@ -102,14 +106,12 @@ class Sampler:
                 continue
             d = len(drafts)
             if temps[first] == 0.0:
-                best = logits[first:first + d + 1].argmax(dim=-1).tolist()
                 k = 0
-                while k < d and best[k] == drafts[k]:
+                while k < d and best[first + k] == drafts[k]:
                     k += 1
-                out.append([*drafts[:k], best[k]])
+                out.append([*drafts[:k], best[first + k]])
                 continue
-            if probs is None:
-                probs = self._probs(logits, meta)
+            assert probs is not None
             p = probs[first:first + d + 1]
             u = torch.rand(d, dtype=torch.float64, device=p.device, generator=self.generator).tolist()
             target = p[torch.arange(d, device=p.device), torch.tensor(drafts, device=p.device)].tolist()
@@ -130,8 +132,11 @@ class Sampler:
 
     def _probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The distribution each random row samples from (after temperature,
-        min-p, top-k and top-p); greedy rows get temperature 1 (unused)."""
-        temperature = torch.where(meta.temperature == 0.0, 1.0, meta.temperature)
+        min-p, top-k and top-p); greedy rows get temperature 1 (their draw is
+        discarded)."""
+        temperature = meta.temperature
+        if not meta.all_random:
+            temperature = torch.where(temperature == 0.0, 1.0, temperature)
         x = logits / temperature.unsqueeze(1)
         if meta.min_p is not None:
             x = apply_min_p(x, meta.min_p)
@@ -143,16 +148,7 @@ class Sampler:
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy
-        temperature = meta.temperature
-        if not meta.all_random:
-            # Greedy rows get temperature 1 here; their draw is discarded below.
-            temperature = torch.where(temperature == 0.0, 1.0, temperature)
-        x = logits / temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            x = apply_min_p(x, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
-        drawn = self._draw(torch.softmax(x, dim=-1), meta.generators)
+        drawn = self._draw(self._probs(logits, meta), meta.generators)
         if greedy is None:
             return drawn
         return torch.where(meta.temperature == 0.0, greedy, drawn)
