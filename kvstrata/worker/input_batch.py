@@ -143,8 +143,6 @@ class InputBatch:
         scheduled request; a request samples when that reaches its last known token.
         A request with drafts (``spec_tokens``) computes its next token then
         the drafts, and has a logits row after each of them."""
-        if spec_tokens:
-            return self._prepare_with_drafts(num_scheduled_tokens, spec_tokens)
         requests = self.requests
         num_reqs = len(num_scheduled_tokens)
         rows = np.empty(num_reqs, dtype=np.int64)
@@ -153,61 +151,31 @@ class InputBatch:
         tokens: list[int] = []
         sample_states: list[RequestState] = []
         sample_idx: list[int] = []
+        sample_drafts: list[list[int] | None] | None = [] if spec_tokens else None
         for b, (req_id, n) in enumerate(num_scheduled_tokens.items()):
             state = requests[req_id]
             start = state.num_computed_tokens
             end = start + n
             known = len(state.token_ids)
-            assert end <= known, f"{req_id}: scheduled past its known tokens ({end} > {known})"
             rows[b], starts[b], counts[b] = state.row, start, n
-            if n == 1:
-                tokens.append(state.token_ids[start])
-            else:
-                tokens.extend(state.token_ids[start:end])
-            if end == known:
-                sample_states.append(state)
-                sample_idx.append(b)
-        return self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx)
-
-    def _prepare_with_drafts(self, num_scheduled_tokens: dict[str, int],
-                             spec_tokens: dict[str, list[int]]) -> StepInputs:
-        requests = self.requests
-        num_reqs = len(num_scheduled_tokens)
-        rows = np.empty(num_reqs, dtype=np.int64)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        counts = np.empty(num_reqs, dtype=np.int64)
-        tokens: list[int] = []
-        sample_states: list[RequestState] = []
-        sample_idx: list[int] = []
-        sample_drafts: list[list[int] | None] = []
-        for b, (req_id, n) in enumerate(num_scheduled_tokens.items()):
-            state = requests[req_id]
-            start = state.num_computed_tokens
-            drafts = spec_tokens.get(req_id)
-            known = len(state.token_ids)
-            rows[b], starts[b], counts[b] = state.row, start, n
+            drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts:
                 assert start + 1 == known and n == 1 + len(drafts), f"{req_id}: drafts need a decode step"
                 tokens.append(state.token_ids[start])
                 tokens.extend(drafts)
             else:
-                end = start + n
                 assert end <= known, f"{req_id}: scheduled past its known tokens ({end} > {known})"
-                tokens.extend(state.token_ids[start:end])
-            if start + n >= known:
+                if n == 1:
+                    tokens.append(state.token_ids[start])
+                else:
+                    tokens.extend(state.token_ids[start:end])
+            if drafts or end == known:
                 sample_states.append(state)
                 sample_idx.append(b)
-                sample_drafts.append(drafts or None)
-        step = self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx)
-        cu = np.cumsum(counts)
-        idx: list[int] = []
-        for b, drafts in zip(sample_idx, sample_drafts):
-            last = int(cu[b]) - 1
-            d = len(drafts) if drafts else 0
-            idx.extend(range(last - d, last + 1))
-        return StepInputs(req_ids=step.req_ids, input_ids=step.input_ids, positions=step.positions, meta=step.meta,
-                          logits_indices=torch.tensor(idx, dtype=torch.int64, device=self.device),
-                          sample_states=sample_states, sample_batch_idx=sample_idx, sample_drafts=sample_drafts)
+                if sample_drafts is not None:
+                    sample_drafts.append(drafts or None)
+        return self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx,
+                             sample_drafts)
 
     def _tensors(
         self,
@@ -218,6 +186,7 @@ class InputBatch:
         tokens: list[int],
         sample_states: list[RequestState],
         sample_idx: list[int],
+        sample_drafts: list[list[int] | None] | None = None,
     ) -> StepInputs:
         bs = self.block_size
         cu = np.cumsum(counts)
@@ -243,7 +212,12 @@ class InputBatch:
         if self.num_groups > 1:
             assert self.layer_groups is not None
             meta = [metas[g] for g in self.layer_groups]
-        logits_indices = torch.from_numpy(cu[sample_idx] - 1).to(dev)
+        last = cu[sample_idx] - 1
+        if sample_drafts is None:
+            logits_indices = torch.from_numpy(last).to(dev)
+        else:  # a request with d drafts: a row after its token and after each draft
+            idx = [i for end, d in zip(last.tolist(), sample_drafts) for i in range(end - len(d or ()), end + 1)]
+            logits_indices = torch.tensor(idx, dtype=torch.int64, device=dev)
         return StepInputs(
             req_ids=req_ids,
             input_ids=torch.tensor(tokens, dtype=torch.int64, device=dev),
@@ -252,6 +226,7 @@ class InputBatch:
             logits_indices=logits_indices,
             sample_states=sample_states,
             sample_batch_idx=sample_idx,
+            sample_drafts=sample_drafts,
         )
 
 
