@@ -39,10 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import os
-import socket
-import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine
@@ -53,14 +50,14 @@ import msgspec
 import structlog
 import zmq
 import zmq.utils.monitor
-import zmq.utils.z85
 
 from kvstrata.config_io import redact_secrets
 from kvstrata.enginecore.processing import validate_request
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
-from kvstrata.ipc.kv_feed import KVEventFeed, new_epoch
+from kvstrata.ipc.access import curve_server, peer_uid
+from kvstrata.ipc.kv_feed import KV_EVENTS_OFF, KVEventFeed, new_epoch
 from kvstrata.ipc.zmq_io import ZmqReader
 from kvstrata.types import RequestOutput
 
@@ -147,7 +144,7 @@ class EngineServer:
                          (zmq.LINGER, 0), (zmq.MAXMSGSIZE, 4 * max_frame_bytes)):
             self._sock.setsockopt(opt, val)
         if address.startswith("tcp://"):
-            self._auth = _curve_server(self._sock, credentials)
+            self._auth = curve_server(self._sock, credentials)
         # ipc://: besides the 0700 directory, each client's connection is
         # checked (SO_PEERCRED on its fd) before its first message is handled.
         self._check_peer_uid = address.startswith("ipc://")
@@ -258,15 +255,8 @@ class EngineServer:
                 self._send(client.identity, P.UtilityResult(call_id, self._info()))
         elif method == "health":
             self._send(client.identity, P.UtilityResult(call_id, self._health()))
-        elif method == "kv_subscribe":
-            self._kv_subscribe(client, call_id, args)
-        elif method == "kv_snapshot":
-            self._kv_snapshot(client, call_id)
-        elif method == "kv_position":
-            feed = self._kv_feed
-            self._send(client.identity, P.UtilityResult(call_id, None if feed is None else {
-                "epoch": feed.epoch, "next_seq": feed.next_seq, "oldest_seq": feed.oldest_seq},
-                None if feed is not None else "KV events are off on this engine (cache.enable_kv_events)"))
+        elif method in ("kv_subscribe", "kv_snapshot", "kv_position"):
+            self._kv_call(client, call_id, method, args)
         elif method in ("stats", "reset_prefix_cache", "flush_kv"):
             if self._engine is None:
                 self._send(client.identity, P.UtilityResult(call_id, None, "engine not ready"))
@@ -276,57 +266,51 @@ class EngineServer:
             self._protocol_error(client, f"unknown utility method {method!r} (known: {', '.join(P.UTILITY_METHODS)})")
             self._send(client.identity, P.UtilityResult(call_id, None, f"unknown utility method {method!r}"))
 
-    def _kv_subscribe(self, client: _Client, call_id: int, args: list[Any]) -> None:
-        """Answer with the feed's position, then send the buffered batches
-        from ``args[0]`` (default 0), then every later one as it comes: all
-        on this loop, so none is missed or sent twice."""
-        feed = self._kv_feed
-        if feed is None:
-            self._send(client.identity, P.UtilityResult(
-                call_id, None, "KV events are off on this engine (cache.enable_kv_events)"))
+    def _kv_call(self, client: _Client, call_id: int, method: str, args: list[Any]) -> None:
+        """The engine's KV events for its clients (``kvstrata.ipc.kv_feed``).
+        ``kv_position``: the feed's ``{epoch, next_seq, oldest_seq}``;
+        ``kv_snapshot``: that plus every cache's content now (``payload``, a
+        msgpack KVEventBatch consistent with the stream up to ``next_seq - 1``);
+        ``kv_subscribe [start_seq]``: the position, then the buffered batches
+        from ``start_seq``, then every later one as it comes, all on this
+        loop, so none is missed or sent twice."""
+        feed, engine, ident = self._kv_feed, self._engine, client.identity
+        if feed is None or engine is None:
+            self._send(ident, P.UtilityResult(call_id, None, KV_EVENTS_OFF))
+            return
+        if method == "kv_position":
+            self._send(ident, P.UtilityResult(call_id, feed.position()))
+            return
+        if method == "kv_snapshot":
+            payload = self._encoder.encode(engine.kv_snapshot())
+            self._send(ident, P.UtilityResult(call_id, {**feed.position(), "payload": payload}))
             return
         start = args[0] if args else 0
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             self._protocol_error(client, f"kv_subscribe: start_seq must be an integer >= 0, got {start!r}")
-            self._send(client.identity, P.UtilityResult(call_id, None, "kv_subscribe: bad start_seq"))
+            self._send(ident, P.UtilityResult(call_id, None, "kv_subscribe: bad start_seq"))
             return
-        self._send(client.identity, P.UtilityResult(call_id, {
-            "epoch": feed.epoch, "next_seq": feed.next_seq, "oldest_seq": feed.oldest_seq}))
+        self._send(ident, P.UtilityResult(call_id, feed.position()))
         for seq, payload in feed.since(start):
-            self._send(client.identity, P.KVEvents(feed.epoch, seq, payload))
-        self._kv_subscribers.add(client.identity)
-
-    def _kv_snapshot(self, client: _Client, call_id: int) -> None:
-        """Every cache's content now, with the sequence number of the next
-        batch: a router loads it, then subscribes from ``next_seq``."""
-        feed, engine = self._kv_feed, self._engine
-        if feed is None or engine is None:
-            self._send(client.identity, P.UtilityResult(
-                call_id, None, "KV events are off on this engine (cache.enable_kv_events)"))
-            return
-        payload = self._encoder.encode(engine.kv_snapshot())
-        self._send(client.identity, P.UtilityResult(
-            call_id, {"epoch": feed.epoch, "next_seq": feed.next_seq, "payload": payload}))
+            self._send(ident, P.KVEvents(feed.epoch, seq, payload))
+        self._kv_subscribers.add(ident)
 
     def _broadcast_kv(self, seq: int, payload: bytes) -> None:
         if not self._kv_subscribers:
             return
         assert self._kv_feed is not None
-        frame = self._encoder.encode(P.KVEvents(self._kv_feed.epoch, seq, payload))
+        frame = self._encoder.encode(P.KVEvents(self._kv_feed.epoch, seq, payload))  # once for all
         for identity in list(self._kv_subscribers):
-            client = self._clients.get(identity)
-            if client is None:
-                self._kv_subscribers.discard(identity)
-            elif client.backlog:
-                self._hold(client, frame)
+            if identity in self._clients:
+                self._send_encoded(identity, frame)
             else:
-                self._send_frame(identity, frame, client)
+                self._kv_subscribers.discard(identity)
 
     def _new_client(self, identity: bytes, fd: int) -> _Client:
         self._monitor_reader.drain_now()  # an old disconnect of this fd goes first
         client = self._clients[identity] = self._by_fd[fd] = _Client(identity, fd)
         if self._check_peer_uid:
-            uid = _peer_uid(fd)
+            uid = peer_uid(fd)
             if uid != self._uid:
                 client.refused = True
                 log.warning("engine_client_refused", reason="peer runs as another user", peer_uid=uid)
@@ -453,7 +437,9 @@ class EngineServer:
                 self._send(client.identity, P.Outputs(batch))
 
     def _send(self, identity: bytes, msg: P.Outbound) -> None:
-        frame = self._encoder.encode(msg)
+        self._send_encoded(identity, self._encoder.encode(msg))
+
+    def _send_encoded(self, identity: bytes, frame: bytes) -> None:
         client = self._clients.get(identity)
         if client is not None and client.backlog:
             self._hold(client, frame)  # behind what is already waiting: order is kept
@@ -577,47 +563,6 @@ def client_view(config_builtins: Any) -> Any:
     if isinstance(kv, dict) and "options" in kv:
         kv["options"] = {}
     return view
-
-
-def _peer_uid(fd: int) -> int:
-    """The uid of the process at the other end of a unix socket (-1: unknown)."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                               struct.calcsize("3i")))
-            return uid
-    except OSError:
-        return -1
-
-
-def _curve_server(sock: zmq.Socket, credentials: P.Credentials) -> Any:
-    """Make ``sock`` a CURVE server that admits only the owner's client key
-    (a ZAP handler thread decides); a peer without it gets nothing at all,
-    not even a handshake answer."""
-    from zmq.auth.thread import ThreadAuthenticator
-
-    if not credentials.curve or credentials.client_public is None:
-        raise ValueError("an engine on tcp:// needs CURVE keys in its credentials")
-    allowed = credentials.client_public.encode()
-
-    class _OwnerKeys:
-        def callback(self, domain: str, key: bytes) -> bool:
-            ok = hmac.compare_digest(zmq.utils.z85.encode(key) if len(key) == 32 else key, allowed)
-            if not ok:
-                log.warning("engine_client_refused", reason="unknown CURVE key")
-            return ok
-
-    auth = ThreadAuthenticator(zmq.Context.instance(), log=_zap_log)
-    auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_OwnerKeys())
-    sock.curve_server = True
-    sock.curve_secretkey = credentials.server_secret.encode()  # type: ignore[union-attr]
-    sock.curve_publickey = credentials.server_public.encode()  # type: ignore[union-attr]
-    return auth
-
-
-_zap_log = logging.getLogger("kvstrata.ipc.zap")
-_zap_log.setLevel(logging.WARNING)
 
 
 def _cancel_stall_timer(client: _Client) -> None:

@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # the engine (torch) is imported after the server binds
     from kvstrata.enginecore.async_engine import KVEventSink
 
 
+KV_EVENTS_OFF = "KV events are off on this engine (cache.enable_kv_events)"
+
+
 def new_epoch() -> int:
     """A random, non-zero 63-bit epoch (one per engine start)."""
     return secrets.randbits(63) | 1
@@ -54,19 +57,22 @@ class KVEventFeed:
         self._encode = msgspec.msgpack.Encoder().encode
         self._tee = tee
         self.listener: Callable[[int, bytes], None] | None = None
-        self.num_batches = 0
 
     @property
     def oldest_seq(self) -> int:
         """The first sequence number still in the ring (``next_seq`` when empty)."""
         return self._ring[0][0] if self._ring else self.next_seq
 
+    def position(self) -> dict[str, int]:
+        """Where the stream is: this engine start's epoch, the next batch's
+        number, and the oldest one the replay ring still holds."""
+        return {"epoch": self.epoch, "next_seq": self.next_seq, "oldest_seq": self.oldest_seq}
+
     def publish(self, batch: KVEventBatch) -> bool:
         seq = self.next_seq
         self.next_seq += 1
         payload = self._encode(batch)
         self._ring.append((seq, payload))
-        self.num_batches += 1
         if self.listener is not None:
             self.listener(seq, payload)
         if self._tee is not None:
