@@ -247,7 +247,9 @@ class ModelRunner:
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         kept_of: dict[str, int] = {}
         if rows:
-            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
+            idx = (step.logits_indices if len(keep) == len(step.sample_states)  # none dropped: the rows as built
+                   else torch.tensor(rows, device=hidden.device))
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
             meta = sampling_metadata(states, self.eos_token_ids, self.device)
             results = self.sampler.verify_drafts(logits, meta, groups)
             for i, tokens in zip(keep, results, strict=True):
