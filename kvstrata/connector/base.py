@@ -118,6 +118,13 @@ class KVConnectorScheduler(Protocol):
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]: ...
 
+    def load_point(self, request: ConnectorRequest) -> int | None:
+        """Asked after ``get_num_new_matched_tokens`` answered 0 or None: the
+        token up to which the scheduler computes ``request`` before asking
+        again (the connector loads the stored tokens after it meanwhile:
+        compute the front while the back loads); None: no such point."""
+        ...
+
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: BlockIds, num_external_tokens: int
     ) -> None: ...
@@ -204,6 +211,9 @@ class NoOpConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
+
+    def load_point(self, request: ConnectorRequest) -> int | None:
+        return None
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:

@@ -42,7 +42,11 @@ class TransferMetrics:
     # request's last lookup asked the store about: the denominator of every
     # tier's hit rate, whose numerator is that tier's hit_tokens.
     COUNTERS = ("lookups", "query_tokens", "lookup_hit_chunks", "requests_with_hits", "load_chunks",
-                "load_failed_tokens", "saved_chunks", "dropped_saves", "skipped_saves", "async_loads", "sync_loads")
+                "load_failed_tokens", "saved_chunks", "dropped_saves", "skipped_saves", "async_loads", "sync_loads",
+                # load or compute (costs.py): hits read from a lower tier loaded whole,
+                # split (front computed while the back loads), computed whole; splits
+                # whose computing reached the end of the hit before the fetch landed
+                "split_load_only", "split_loads", "split_compute_only", "split_fetch_outrun")
 
     def __init__(self, tier_names: list[str], keep: int = 1024) -> None:
         self.tiers = list(tier_names)
@@ -89,4 +93,5 @@ class TransferMetrics:
             out[f"{prefix}.{tier}.saved_s_est"] = self.saved_s[tier]
         if self.s_per_token is not None:
             out[f"{prefix}.recompute_s_per_token"] = self.s_per_token
+            out[f"{prefix}.prefill_tokens_per_s"] = 1.0 / self.s_per_token
         return out

@@ -124,6 +124,10 @@ class MultiScheduler:
                 return n, load_async
         return 0, False
 
+    def load_point(self, request: ConnectorRequest) -> int | None:
+        points = [p for child in self.children if (p := child.load_point(request)) is not None]
+        return min(points) if points else None
+
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
         chosen = self._loader.pop(request.request_id, -1)

@@ -88,7 +88,7 @@ class Request:
         "status", "stop_reason", "max_tokens", "min_tokens",
         "stop_ids", "eos_token_ids", "seq", "sort_key",
         "_block_hasher", "_hash_block_size", "hash_boundary", "spec_token_ids",
-        "num_output_placeholders",
+        "num_output_placeholders", "load_at",
     )
 
     def __init__(
@@ -135,6 +135,9 @@ class Request:
         # Tokens a scheduled step will sample for this request that have not
         # come back yet (async scheduling schedules the next step before they do).
         self.num_output_placeholders = 0
+        # Load or compute: the connector loads the stored tokens from here
+        # while the scheduler computes up to it (its ``load_point``); None: no split.
+        self.load_at: int | None = None
         self.sort_key: tuple = (priority, self.arrival_time, 0)
         self.block_hashes: list = []
         self._block_hasher = block_hasher

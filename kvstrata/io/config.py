@@ -62,6 +62,9 @@ class TierSpec(msgspec.Struct, **_STRUCT):
     name: str | None = None
     write: Literal["through", "back"] = "through"
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Caps the tier's read bandwidth (bytes/s; None: no cap): a slower
+    # medium for benchmarks, or a link the tier shares.
+    read_bandwidth_bps: float | None = None
 
 
 class HealthConfig(msgspec.Struct, **_STRUCT):
@@ -225,6 +228,8 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
             if name in names or name == "cpu":
                 raise ValueError(f"tiers[{i}].name {name!r} is used twice (or is 'cpu')")
             names.add(name)
+            if spec.read_bandwidth_bps is not None:
+                check_float(f"tiers[{i}].read_bandwidth_bps", spec.read_bandwidth_bps)
 
 
 def decode_options(options: dict[str, Any], cls: type[msgspec.Struct], prefix: str) -> Any:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+import time
 from functools import partial
 
 import structlog
@@ -45,6 +46,7 @@ from kvstrata.io.backends.cpu import CPUTier, _succeeded
 from kvstrata.io.config import StoreConfig
 from kvstrata.io.keys import ChunkKey, ChunkKeyer, StoreIdentity
 from kvstrata.io.memory import MemoryObj, dtype_from_name, release_all
+from kvstrata.io.rates import ReadRate, ReadThrottle
 from kvstrata.io.registry import TierRegistry
 from kvstrata.io.sources import L1_SOURCE, Pin, Sources, aguard, guard, submit_put
 from kvstrata.io.stats import Outstanding, StoreStats
@@ -73,6 +75,10 @@ class StorageManager:
         self._pins: dict[ChunkKey, list[int]] = {}
         self._flushing: dict[ChunkKey, MemoryObj] = {}
         self._sources = Sources(self.l1, self.tiers, self._flushing)
+        # Per lower tier (index = source - 1): measured reads, and the cap its spec sets.
+        self._rates = [ReadRate() for _ in self.tiers]
+        caps = [spec.read_bandwidth_bps for spec in config.tiers] if len(config.tiers) == len(self.tiers) else []
+        self._throttles = [ReadThrottle(c) if c else None for c in caps] or [None] * len(self.tiers)
         self._lookups = self._lookup_chunks = self._lookup_hits = 0
         self._on_write: Callable[[], None] | None = None
         self._closed = False
@@ -309,9 +315,11 @@ class StorageManager:
             if obj is not None:
                 src[i], objs[i], waits[i] = L1_SOURCE, obj, in_flight(keys[i])
         stop = n
+        batch: dict[int, list[float]] = {}  # source -> [bytes read, when its last read ended]
+        t0 = time.perf_counter()
         for i in range(n):
             if objs[i] is None:
-                filled = self._promote(keys[i], src[i], metas[i]) if src[i] > L1_SOURCE else None
+                filled = self._promote(keys[i], src[i], metas[i], batch) if src[i] > L1_SOURCE else None
                 if filled is None:
                     stop = i
                     break
@@ -330,12 +338,18 @@ class StorageManager:
             release_all(got)
             raise
         release_all(got[served:])
+        for s, (nbytes, end) in batch.items():
+            if nbytes:
+                self._rates[s - 1].observe_batch(end - t0, int(nbytes))
         self._sources.count(keys, src, served)
         self.l1.touch(keys[:served])
         return got[:served]
 
-    def _promote(self, key: ChunkKey, src: int, meta: ObjectMeta | None) -> tuple[MemoryObj, asyncio.Future] | None:
-        """Allocate in L1, index it in flight, and read the tier into it."""
+    def _promote(self, key: ChunkKey, src: int, meta: ObjectMeta | None,
+                 batch: dict[int, list[float]]) -> tuple[MemoryObj, asyncio.Future] | None:
+        """Allocate in L1, index it in flight, and read the tier into it
+        (held until its turn ends on a capped tier); the read is measured,
+        and added to ``batch`` when it delivers."""
         tier = self._sources.tier(src)
         try:
             assert meta is not None
@@ -351,8 +365,34 @@ class StorageManager:
             fill.set_result(False)
             obj.release()
             return None
-        read.add_done_callback(lambda r: fill.done() or fill.set_result(_succeeded(r)))
+        rate, throttle, t_start = self._rates[src - 1], self._throttles[src - 1], time.perf_counter()
+        turn_end = throttle.reserve(obj.nbytes, t_start) if throttle is not None else 0.0
+
+        def finish(ok: bool) -> None:
+            if fill.done():
+                return
+            end = time.perf_counter()
+            rate.observe_read(end - t_start, obj.nbytes, ok)
+            if ok:
+                acc = batch.setdefault(src, [0, 0.0])
+                acc[0] += obj.nbytes
+                acc[1] = max(acc[1], end)
+            fill.set_result(ok)
+
+        def read_done(r: asyncio.Future) -> None:
+            ok = _succeeded(r)
+            wait = turn_end - time.perf_counter()
+            if ok and wait > 0:
+                asyncio.get_running_loop().call_later(wait, finish, ok)
+            else:
+                finish(ok)
+
+        read.add_done_callback(read_done)
         return obj, fill
+
+    def read_rates(self) -> dict[str, ReadRate]:
+        """Each lower tier's measured reads, by tier name."""
+        return {t.name: r for t, r in zip(self.tiers, self._rates, strict=True)}
 
     # --- maintenance ---------------------------------------------------
     def remove(self, key: ChunkKey) -> None:
@@ -399,3 +439,13 @@ class StorageManager:
                 await aguard(t, "aclose", t.aclose(), None)
             self._pins.clear()
             self.l1.clear()
+
+    def l1_victim(self, nbytes: int) -> ChunkKey | None:
+        """The key L1 would evict first to make room for ``nbytes`` now; None
+        when the bytes fit without evicting, or nothing is evictable. Read
+        only (an admission policy compares it with what it would admit)."""
+        l1 = self.l1
+        if l1.allocator.capacity - l1.allocator.used_bytes >= nbytes:
+            return None
+        victims = l1.policy.victims(1, l1._evictable)
+        return victims[0] if victims else None

@@ -18,6 +18,16 @@ shorter partial chunk (the tail a finished request saved). Then:
   L1) and hand the chunks to the worker as a bulk load before the forward;
   the request waits in WAITING_FOR_REMOTE_KVS until the worker reports it.
 
+Load or compute (``costs.choose_split``, option ``load_split``): when some
+chunks must be read from a lower tier, the first ``k`` chunks may be
+recomputed while the fetch reads the others into L1. The request is then
+admitted with no external tokens and a ``load_point`` at the first fetched
+chunk; when its computed tokens reach it, ``match`` answers the fetched
+chunks (loaded within the step, layer by layer). If the fetch has not
+landed by then, the request computes one more chunk and asks again (the
+compute and the load meet where both are done); once nothing would be left
+to load, the fetch is dropped.
+
 ``prefetch`` starts the lookup or promotion when a request arrives, so it is
 usually done by the time the scheduler reaches the request. A task that ends
 (a lookup answered, a fetch landed) wakes the engine.
@@ -37,6 +47,7 @@ from kvstrata.connector.events import TierEventRecorder
 from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
 from kvstrata.connector.metrics import TransferMetrics
 from kvstrata.connector.offload.chunks import ChunkGeometry
+from kvstrata.connector.offload.costs import ChunkCost, Split, choose_split, forced_split
 from kvstrata.connector.offload.lending import Lender, Lent
 from kvstrata.connector.offload.options import OffloadOptions
 from kvstrata.connector.offload.tracker import LoadPlan, LoadTracker
@@ -74,8 +85,10 @@ class LoadPlanner:
     retried if the step fails). Loop only."""
 
     def __init__(self, store: StorageManager, geometry: ChunkGeometry, keyer: ChunkKeyer, opts: OffloadOptions,
-                 lender: Lender, metrics: TransferMetrics, events: TierEventRecorder | None, wakeup: Wakeup) -> None:
+                 lender: Lender, metrics: TransferMetrics, events: TierEventRecorder | None, wakeup: Wakeup,
+                 *, bytes_per_token: int = 0) -> None:
         self.store = store
+        self.bytes_per_token = bytes_per_token  # a chunk's bytes per token, for the read-time estimate
         self.geo = geometry
         self.keyer = keyer
         self.opts = opts
@@ -111,19 +124,37 @@ class LoadPlanner:
         t = self._track(request)
         if t.plan is None:
             self._prefetched.add(request.request_id)
-            self._make_plan(t, 0)
+            # No split yet: the device hit, which decides where computing starts, is not known.
+            self._make_plan(t, 0, split=False)
 
     def match(self, request: ConnectorRequest, num_computed_tokens: int) -> Match:
         t = self._track(request)
         self._prefetched.discard(t.req_id)
         cs = self.geo.chunk_size
         start = num_computed_tokens // cs
+        if t.split_at is None and t.fetch is not None and not t.fetch.done() and t.plan is not None \
+                and not t.plan.is_async and t.plan.start <= start:
+            # A prefetch's promotion in flight: maybe compute the front meanwhile.
+            answer = self._split_promotion(t, start)
+            if answer is not None:
+                return answer
+        if t.split_at is not None:
+            assert t.plan is not None and t.fetch is not None
+            if start < t.split_at:  # still computing the front
+                return Match(0, False, self._stored_until(t.plan))
+            if not t.fetch.done():
+                return Match(None)  # not landed: the scheduler asks load_point
+            t.split_at = None  # landed: the rest loads from where the computing got to
         if t.plan is None or t.lookup is not None or (t.fetch is not None and not t.plan.is_async):
             if not self._make_plan(t, t.plan.start if t.plan is not None else start):
                 return Match(None)
+        if t.split_at is not None:  # just decided: compute up to it first
+            return Match(0, False, self._stored_until(t.plan))
         if t.plan is not None and t.plan.start != start and not self._rebase(t, start):
             if not self._make_plan(t, start):
                 return Match(None)
+            if t.split_at is not None:
+                return Match(0, False, self._stored_until(t.plan))
         plan = t.plan
         assert plan is not None
         stored_until = start + sum(1 for k in plan.keys if k.num_tokens == cs)
@@ -134,6 +165,29 @@ class LoadPlanner:
             t.drop_plan(self.store)
             return Match(0, False, stored_until)
         return Match(ext, plan.is_async, stored_until)
+
+    def _stored_until(self, plan: LoadPlan | None) -> int:
+        if plan is None:
+            return 0
+        return plan.start + sum(1 for k in plan.keys if k.num_tokens == self.geo.chunk_size)
+
+    def load_point(self, request: ConnectorRequest) -> int | None:
+        """Where ``request`` (computing the front of a split hit) asks again:
+        the first fetched chunk, or, if its computed tokens are there and the
+        fetch has not landed, one chunk further; None: no split (any more)."""
+        t = self._loads.get(request.request_id)
+        if t is None or t.split_at is None or t.plan is None:
+            return None
+        cs, plan = self.geo.chunk_size, t.plan
+        nc = request.num_computed_tokens
+        if nc < t.split_at * cs:
+            return t.split_at * cs
+        nxt = (nc // cs + 1) * cs
+        if nxt >= min(plan.token_end, request.num_tokens - 1):
+            self.metrics.count("split_fetch_outrun")  # computing got past the hit first
+            t.drop_plan(self.store)
+            return None
+        return nxt
 
     def _rebase(self, t: LoadTracker, start: int) -> bool:
         """Fit a settled plan made from an earlier chunk (a prefetch, before the
@@ -150,7 +204,7 @@ class LoadPlanner:
         plan.start = start
         return True
 
-    def _make_plan(self, t: LoadTracker, start: int) -> bool:
+    def _make_plan(self, t: LoadTracker, start: int, *, split: bool = True) -> bool:
         """Advance ``t``'s plan; False while a lookup or a promotion is in flight."""
         if t.plan is None:
             self.metrics.count("lookups")
@@ -186,7 +240,7 @@ class LoadPlanner:
         self.metrics.count("lookup_hit_chunks", len(plan.keys))
         if not plan.keys:
             return True
-        return self._hold(t, plan)
+        return self._hold(t, plan, split=split)
 
     def _probe_partial(self, request: ConnectorRequest, c: int, missing: ChunkKey) -> tuple[ChunkKey, int] | None:
         """The longest partial chunk ``c`` that L1 or a local tier holds (a
@@ -204,21 +258,78 @@ class LoadPlanner:
                 return key, srcs[0]
         return None
 
-    def _hold(self, t: LoadTracker, plan: LoadPlan) -> bool:
+    def _hold(self, t: LoadTracker, plan: LoadPlan, *, split: bool) -> bool:
         """Keep the found chunks from eviction: references to chunks ready in
-        L1, else pins, and start the promotion a synchronous load needs."""
+        L1, else pins, and start the promotion a synchronous load needs (or,
+        for a split, the fetch of the chunks after the computed front)."""
         mode = self.opts.load_mode
         if mode != "async" and all(s == L1_SOURCE for s in plan.srcs):
             plan.objs = self.store.take_ready(plan.keys)
             plan.cut(len(plan.objs), self.geo.chunk_size)
             return True
+        if split:
+            k = self._split(plan).compute
+            if k >= len(plan.keys):
+                self.metrics.count("split_compute_only")
+                plan.cut(0, self.geo.chunk_size)
+                return True
+            if k > 0:
+                self.metrics.count("split_loads")
+                keys, srcs = plan.keys[k:], plan.srcs[k:]
+                pins = self.store.pin(keys, srcs)
+                plan.start, plan.keys, plan.srcs = plan.start + k, keys, srcs
+                t.split_at = plan.start
+                t.fetch = self._spawn(self._fetch(t, list(keys), pins))
+                return True
+            self.metrics.count("split_load_only")
         pins = self.store.pin(plan.keys, plan.srcs)
         if mode == "sync" or (mode == "auto" and all(self.store.is_local(s) for s in plan.srcs)):
             t.fetch = self._spawn(self._fetch(t, list(plan.keys), pins))
+            if split:
+                t.split_at = plan.start  # decided: load it all (no second decision while it reads)
             return False
         plan.pins = pins
         plan.is_async = True
         return True
+
+    def _split_promotion(self, t: LoadTracker, start: int) -> Match | None:
+        """The plan's chunks are being promoted (a prefetch started it) and
+        the request computes from chunk ``start``: decide the split there,
+        once; the promotion is the fetch (the chunks computed meanwhile are
+        dropped when it lands). Returns the answer when the whole hit is
+        recomputed, else None (``t.split_at`` set: ``start`` to wait for it all)."""
+        plan = t.plan
+        assert plan is not None
+        skip = start - plan.start
+        if skip >= len(plan.keys):
+            return None
+        stored_until = self._stored_until(plan)
+        k = self._split(LoadPlan(start, plan.keys[skip:], plan.srcs[skip:], plan.token_end)).compute
+        if k >= len(plan.keys) - skip:
+            self.metrics.count("split_compute_only")
+            t.drop_plan(self.store)
+            t.plan = LoadPlan(start, [], [], start * self.geo.chunk_size)
+            return Match(0, False, stored_until)
+        self.metrics.count("split_loads" if k else "split_load_only")
+        t.split_at = start + k
+        return None
+
+    def _split(self, plan: LoadPlan) -> Split:
+        """How many of the plan's leading chunks to compute rather than load."""
+        opts, n = self.opts, len(plan.keys)
+        if opts.load_split_fraction is not None:
+            return forced_split(n, opts.load_split_fraction)
+        if opts.load_split == "load":
+            return Split(0, None, "load")
+        if opts.load_split == "compute":
+            return Split(n, None, "compute")
+        rates = self.store.read_rates()
+        names = [None if s == L1_SOURCE else self.store.source_name(s) for s in plan.srcs]
+        chunks = [ChunkCost(k.num_tokens, k.num_tokens * self.bytes_per_token, name)
+                  for k, name in zip(plan.keys, names, strict=True)]
+        return choose_split(chunks, self.metrics.s_per_token,
+                            lambda tier, nbytes: rates[tier].predict(nbytes),
+                            lambda tier: rates[tier].failure_rate)
 
     async def _fetch(self, t: LoadTracker, keys: list[ChunkKey], pins: list[Pin]) -> None:
         """The leading chunks, promoted into L1 and referenced, into
@@ -253,7 +364,8 @@ class LoadPlanner:
             return
         plan = t.plan
         if plan is None or num_external_tokens <= 0:
-            t.drop_plan(self.store)
+            if t.split_at is None:  # a split keeps its fetch while the front is computed
+                t.drop_plan(self.store)
             return
         cs, geo = self.geo.chunk_size, self.geo
         t.load_limit = t.load_skip + num_external_tokens

@@ -26,6 +26,14 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``enable_events`` publishes BlockStored/BlockRemoved for every tier.
     ``max_prefetch``: how many arriving requests may have their chunks looked
     up or promoted before the scheduler reaches them (0: none).
+
+    ``load_split`` decides, per request, how much of a hit that must be read
+    from a lower tier is loaded and how much recomputed, the two overlapping
+    (the front computed while the back loads, ``costs.py``): "cost" from the
+    measured rates (prefill tokens/s, each tier's read bandwidth and
+    latency), "load" loads it all, "compute" recomputes it all.
+    ``load_split_fraction`` forces the share of the hit's chunks computed
+    first (tests, benchmarks).
     """
 
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
@@ -38,6 +46,8 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     load_timeout_s: float = 10.0
     enable_events: bool = False
     max_prefetch: int = 8
+    load_split: Literal["cost", "load", "compute"] = "cost"
+    load_split_fraction: float | None = None
 
     def validate(self, prefix: str = "kv_transfer.options") -> None:
         self.store.validate()
@@ -45,6 +55,11 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         check_int(f"{prefix}.max_prefetch", self.max_prefetch, 0)
         check_float(f"{prefix}.lookup_timeout_s", self.lookup_timeout_s)
         check_float(f"{prefix}.load_timeout_s", self.load_timeout_s)
+        if self.load_split not in ("cost", "load", "compute"):
+            raise ValueError(f"{prefix}.load_split must be 'cost', 'load' or 'compute', got {self.load_split!r}")
+        f = self.load_split_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
+            raise ValueError(f"{prefix}.load_split_fraction must be a number in [0, 1], got {f!r}")
         if self.load_mode not in ("auto", "async", "sync"):
             raise ValueError(f"{prefix}.load_mode must be 'auto', 'async' or 'sync', got {self.load_mode!r}")
 

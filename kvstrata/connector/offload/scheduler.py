@@ -57,7 +57,9 @@ class OffloadScheduler:
         self.metrics = metrics
         self.keyer = keyer = store.keyer(_store_identity(spec, opts.chunk_size))  # this engine's chunk keys
         geometry = ChunkGeometry(keyer.fingerprint, spec.block_size, opts.chunk_size)
-        self.loads = LoadPlanner(store, geometry, keyer, opts, lender, metrics, events, wakeup or Wakeup())
+        bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_size * getattr(torch, spec.dtype).itemsize
+        self.loads = LoadPlanner(store, geometry, keyer, opts, lender, metrics, events, wakeup or Wakeup(),
+                                 bytes_per_token=bytes_per_token)
         self.saves = SavePlanner(store, geometry, lender, metrics, events, num_layers=spec.num_layers,
                                  num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                                  dtype=getattr(torch, spec.dtype), save_decode=opts.save_decode)
@@ -85,6 +87,9 @@ class OffloadScheduler:
         if self.save_enabled:
             self.saves.track(request, m.stored_until)
         return m.tokens, m.load_async
+
+    def load_point(self, request: ConnectorRequest) -> int | None:
+        return self.loads.load_point(request) if self.load_enabled else None
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
@@ -164,6 +169,8 @@ class OffloadScheduler:
             for field in _STORE_FIELDS:
                 out[f"store.{ts.name}.{field}"] = float(getattr(ts, field))
             out[f"store.{ts.name}.available"] = float(ts.available)
+        for name, rate in self.store.read_rates().items():
+            out.update(rate.as_dict(f"store.{name}"))
         return out
 
     def has_pending_work(self) -> bool:

@@ -57,7 +57,7 @@ class LoadTracker:
     Owned by the LoadPlanner; loop only."""
 
     __slots__ = ("request", "plan", "lookup", "fetch", "fetched", "load_blocks", "load_skip", "load_limit",
-                 "handover", "hit_tokens", "hit_tier", "load_s", "query_tokens")
+                 "handover", "hit_tokens", "hit_tier", "load_s", "query_tokens", "split_at")
 
     def __init__(self, request: ConnectorRequest) -> None:
         self.request = request
@@ -73,6 +73,9 @@ class LoadTracker:
         self.hit_tier: dict[str, int] = {}
         self.load_s = 0.0
         self.query_tokens = 0  # tokens its last lookup asked the store about (booked at finish, with the hit)
+        # Load or compute (``costs.choose_split``): the chunks before this one
+        # are computed while the fetch reads the plan's chunks; None: no split.
+        self.split_at: int | None = None
 
     @property
     def req_id(self) -> str:
@@ -88,6 +91,7 @@ class LoadTracker:
             if task is not None and not task.done():
                 task.cancel()
         self.lookup = self.fetch = None
+        self.split_at = None
         if self.fetched is not None:
             release_all(self.fetched)
             self.fetched = None

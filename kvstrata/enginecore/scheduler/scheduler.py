@@ -201,6 +201,9 @@ class Scheduler:
             req = running[i]
             nc = req.num_computed_tokens
             n = len(req.all_token_ids) + req.num_output_placeholders - nc
+            ext = 0
+            if req.load_at is not None:
+                ext, n = self._split_load(req, nc, n)
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
@@ -217,17 +220,19 @@ class Scheduler:
                     plan.spec[req.request_id] = drafts
                     n += len(drafts)
             new_ids = None
-            if n > -nc % bs:
+            if ext or n > -nc % bs:
                 # The tokens overflow the block holding the computed ones (the
                 # request holds at least up to it; only the KV manager knows
                 # if more): ask it, preempting while the pool is full.
-                blocks, i, returned = self._allocate_running(req, n, i, plan)
+                blocks, i, returned = self._allocate_running(req, n, i, plan, ext)
                 budget += returned
                 if blocks is None:
                     break
                 ids = blocks.get_block_ids()
                 if any(ids):
                     new_ids = ids
+                if ext:
+                    nc = self._start_split_load(req, ext)
             # Else the tokens fit in the last block: no KV manager call.
             # A block that fills up now is registered in the prefix cache by
             # the next allocate_slots (next step), or when the request is
@@ -245,7 +250,33 @@ class Scheduler:
             budget = self._schedule_waiting(budget, new_reqs, num_scheduled, threshold)
         return self._make_output(new_reqs, plan, self.max_num_batched_tokens - budget)
 
-    def _allocate_running(self, req: Request, n: int, i: int, plan: StepPlan):
+    def _split_load(self, req: Request, nc: int, n: int) -> tuple[int, int]:
+        """For ``req`` computing the front of a split hit (``load_at``): the
+        tokens to load now and the tokens to compute this step. Before
+        ``load_at`` it computes up to it; there, the connector answers the
+        loaded tokens, or (not landed yet) a further point to compute to."""
+        if nc < req.load_at:  # type: ignore[operator]
+            return 0, min(n, req.load_at - nc)  # type: ignore[operator]
+        ext, _ = self.connector.get_num_new_matched_tokens(req, nc)  # split loads are synchronous
+        if ext is None:
+            req.load_at = self.connector.load_point(req)
+            if req.load_at is not None:
+                n = min(n, req.load_at - nc)
+            return 0, n
+        req.load_at = None
+        ext = max(0, min(ext, len(req.all_token_ids) - 1 - nc))
+        return ext, n - ext
+
+    def _start_split_load(self, req: Request, ext: int) -> int:
+        """``req`` got the blocks for ``ext`` loaded tokens: the connector
+        fills them within the step; returns its computed tokens."""
+        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), ext)
+        self.transfers.start_sync_load(req)
+        self.counters.external_cache_hits += ext
+        req.num_computed_tokens += ext
+        return req.num_computed_tokens
+
+    def _allocate_running(self, req: Request, n: int, i: int, plan: StepPlan, ext: int = 0):
         """allocate_slots for running ``req`` (at index ``i``), preempting the
         running request with the largest sort key (lowest priority under the
         priority policy, then latest arrival) until it fits or ``req`` itself
@@ -254,7 +285,8 @@ class Scheduler:
         running = self.running
         returned = 0
         while True:
-            blocks = self.kv.allocate_slots(req, n)
+            blocks = (self.kv.allocate_slots(req, n, num_external_computed_tokens=ext, delay_cache_blocks=True)
+                      if ext else self.kv.allocate_slots(req, n))
             if blocks is not None:
                 return blocks, i, returned
             if self._reclaim_from_waiting(req):
@@ -285,6 +317,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.load_at = None
         req.num_preemptions += 1
         req.spec_token_ids = []
         req.num_output_placeholders = 0  # what a step in flight samples for it is dropped
@@ -322,6 +355,7 @@ class Scheduler:
         kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.load_at = None
         victim.num_preemptions += 1
         self.counters.num_preemptions += 1
         log.info("request_preempted", request_id=victim.request_id, reason="waiting_blocks_reclaimed",
@@ -394,6 +428,7 @@ class Scheduler:
         if a.first_lookup:  # device hits are counted by the KV cache manager
             self.counters.external_cache_hits += a.num_external
         req.num_computed_tokens = a.num_computed
+        req.load_at = a.load_at
         if a.load_async:
             req.status = _WAITING_FOR_REMOTE_KVS
             self.transfers.start_async_load(req.request_id)

@@ -28,16 +28,17 @@ class Admission:
     async load fills the external ones). ``first_lookup``: the hits were
     looked up now (the request held no blocks)."""
 
-    __slots__ = ("num_computed", "num_new", "num_local", "num_external", "load_async", "first_lookup")
+    __slots__ = ("num_computed", "num_new", "num_local", "num_external", "load_async", "first_lookup", "load_at")
 
     def __init__(self, num_computed: int, num_new: int, num_local: int, num_external: int,
-                 load_async: bool, first_lookup: bool) -> None:
+                 load_async: bool, first_lookup: bool, load_at: int | None = None) -> None:
         self.num_computed = num_computed
         self.num_new = num_new
         self.num_local = num_local
         self.num_external = num_external
         self.load_async = load_async
         self.first_lookup = first_lookup
+        self.load_at = load_at  # compute up to here, then ask the connector again (its load_point)
 
 
 class Refusal(enum.Enum):
@@ -75,12 +76,17 @@ def admit(
         ext = max(0, min(ext, num_tokens - 1 - n_local))
         load_async = load_async and ext > 0
         num_computed = n_local + ext
+        # Nothing to load now: the connector may load the back while the front is computed.
+        load_at = connector.load_point(req) if ext == 0 else None
     else:
         num_computed = req.num_computed_tokens
+        load_at = req.load_at
     if load_async:
         n = 0
     else:
         n = num_tokens - num_computed
+        if load_at is not None and num_computed < load_at:
+            n = min(n, load_at - num_computed)
         if 0 < long_prefill_threshold < n:
             n = long_prefill_threshold
         if n > budget:
@@ -98,4 +104,4 @@ def admit(
     if blocks is None:
         return Refusal.NO_FIT  # no room even after eviction
     connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), ext)
-    return Admission(num_computed, n, n_local, ext, load_async, first_lookup)
+    return Admission(num_computed, n, n_local, ext, load_async, first_lookup, load_at)
