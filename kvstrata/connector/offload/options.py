@@ -46,6 +46,11 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     load_timeout_s: float = 10.0
     enable_events: bool = False
     max_prefetch: int = 8
+    save_admission: Literal["all", "seen", "tinylfu"] = "seen"
+    admission_min_seen: int = 2
+    admission_continuation: float = 0.5
+    admission_capacity: int | None = None
+    admission_sample_factor: int = 10
     load_split: Literal["cost", "load", "compute"] = "cost"
     load_split_fraction: float | None = None
 
@@ -60,6 +65,14 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         f = self.load_split_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
             raise ValueError(f"{prefix}.load_split_fraction must be a number in [0, 1], got {f!r}")
+        if self.save_admission not in ("all", "seen", "tinylfu"):
+            raise ValueError(f"{prefix}.save_admission must be 'all', 'seen' or 'tinylfu', got {self.save_admission!r}")
+        check_int(f"{prefix}.admission_min_seen", self.admission_min_seen, 1)
+        check_int(f"{prefix}.admission_sample_factor", self.admission_sample_factor)
+        if self.admission_capacity is not None:
+            check_int(f"{prefix}.admission_capacity", self.admission_capacity)
+        if not isinstance(self.admission_continuation, (int, float)) or not 0.0 < self.admission_continuation <= 1.0:
+            raise ValueError(f"{prefix}.admission_continuation must be in (0, 1], got {self.admission_continuation!r}")
         if self.load_mode not in ("auto", "async", "sync"):
             raise ValueError(f"{prefix}.load_mode must be 'auto', 'async' or 'sync', got {self.load_mode!r}")
 

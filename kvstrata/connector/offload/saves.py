@@ -20,9 +20,38 @@ A save buffer is allocated from L1 when the step's metadata is built
 is skipped and counted, it is a cache). A chunk some tier already holds is
 not saved again. The blocks come from the KV cache manager's block tables
 (``bind``), never from a copy.
+
+Admission (``save_admission``; ``kvstrata.io.admission``). A save pays back
+only if a later request reads the chunk; a one-off prompt's chunks never do,
+and through a small L1 they evict the chunks that would. Each request, at its
+first lookup, records its prompt's full chunks (and its partial chunk, with
+``save_partial_chunks``) in a TinyLFU frequency sketch, once per request.
+Then, before a chunk is given an L1 buffer:
+
+    "all"       save it (no sketch)
+    "seen"      save it if at least ``min_seen`` requests asked for it
+                (this one included), or if its request is a *continuation*
+    "tinylfu"   as "seen" while L1 has free room; when the save would evict
+                L1's next victim, only if the chunk's frequency beats the
+                victim's (a continuation's chunk counts as ``min_seen``)
+
+A *continuation* is a request whose recurring prefix (the leading chunks
+that reach ``min_seen``) covers at least ``admission_continuation`` of its
+prompt's chunks: the next turn of a conversation (its history recurs, its
+new message and reply are what the turn after it reads), not a one-off
+prompt behind a short shared system prompt. Its chunks are saved, prompt
+tail and reply alike (the finish save). The first turn of a conversation
+looks like a one-off and is not saved: the second turn recomputes what the
+device no longer holds, and saves; from the third turn on the history hits.
+
+A chunk not admitted is not saved (a miss later, recomputed), and neither is
+any later chunk of the same request (a lookup stops at the first missing
+chunk, so they could never be read). ``stats()`` counts the decisions.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,35 +61,43 @@ from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
 from kvstrata.connector.metrics import TransferMetrics
 from kvstrata.connector.offload.chunks import ChunkGeometry
 from kvstrata.connector.offload.lending import Lender, Lent
+from kvstrata.connector.offload.options import OffloadOptions
 from kvstrata.io import L1_SOURCE, ChunkKey, StorageManager
+from kvstrata.io.admission import AdmissionPolicy
 from kvstrata.types import SchedulerOutput
 
 _Chunks = list[tuple[int, ChunkKey, int]]  # (chunk index, key, tokens)
 
 
 class _Saving:
-    __slots__ = ("request", "next_save")
+    """``inherit``: the frequency a continuation lends its chunks (0: none);
+    ``gap``: a chunk of it was not admitted (none after it is saved)."""
 
-    def __init__(self, request: ConnectorRequest, next_save: int) -> None:
+    __slots__ = ("request", "next_save", "inherit", "gap")
+
+    def __init__(self, request: ConnectorRequest, next_save: int, inherit: int = 0) -> None:
         self.request = request
         self.next_save = next_save
+        self.inherit = inherit
+        self.gap = False
 
 
 class _Bulk:
-    __slots__ = ("request", "chunks", "block_ids", "finishing")
+    __slots__ = ("saving", "chunks", "block_ids", "finishing")
 
-    def __init__(self, request: ConnectorRequest, chunks: _Chunks, block_ids: list[int], finishing: bool) -> None:
-        self.request, self.chunks, self.block_ids, self.finishing = request, chunks, block_ids, finishing
+    def __init__(self, saving: _Saving, chunks: _Chunks, block_ids: list[int], finishing: bool) -> None:
+        self.saving, self.chunks, self.block_ids, self.finishing = saving, chunks, block_ids, finishing
 
 
 class SavePlanner:
     """Owns: each tracked request's save progress, the bulk saves queued for
-    the next step, and the finished requests whose blocks wait for this
-    step's bulk saves. Loop only."""
+    the next step, the finished requests whose blocks wait for this
+    step's bulk saves, the admission policy (its frequency sketch) and the
+    admission counters. Loop only."""
 
     def __init__(self, store: StorageManager, geometry: ChunkGeometry, lender: Lender, metrics: TransferMetrics,
                  events: TierEventRecorder | None, *, num_layers: int, num_kv_heads: int, head_size: int,
-                 dtype: torch.dtype, save_decode: bool) -> None:
+                 dtype: torch.dtype, save_decode: bool, options: OffloadOptions | None = None) -> None:
         self.store = store
         self.geo = geometry
         self.lender = lender
@@ -73,6 +110,38 @@ class SavePlanner:
         self._saving: dict[str, _Saving] = {}
         self._bulk: list[_Bulk] = []
         self._step_finishing: list[str] = []
+        self._options: OffloadOptions | None = None
+        self._admission: AdmissionPolicy | None = None
+        self._victims = False
+        self._continuation = 1.0
+        self._admitted = self._rejected = 0
+        if options is not None:
+            self.set_admission(options)
+
+    def set_admission(self, options: OffloadOptions) -> None:
+        """Decide saves by ``options.save_admission`` from now on (the same
+        options again change nothing; others start a fresh sketch)."""
+        if options == self._options:
+            return
+        self._options = options
+        self._victims = options.save_admission == "tinylfu"
+        self._continuation = options.admission_continuation
+        if options.save_admission == "all":
+            self._admission = None
+            return
+        capacity = options.admission_capacity
+        if capacity is None:
+            layers, heads, size = self.dims
+            chunk_bytes = layers * 2 * self.geo.chunk_size * heads * size * self.dtype.itemsize
+            capacity = max(1024, self.store.config.cpu.capacity_bytes // chunk_bytes)
+        self._admission = AdmissionPolicy(capacity, min_seen=options.admission_min_seen,
+                                          sample_factor=options.admission_sample_factor)
+
+    def stats(self) -> dict[str, float]:
+        """Admission decisions since the start (every save asked for is
+        admitted under "all")."""
+        return {"connector.save_admission_admitted": float(self._admitted),
+                "connector.save_admission_rejected": float(self._rejected)}
 
     def bind(self, tables: BlockTables) -> None:
         self._tables = tables
@@ -85,15 +154,36 @@ class SavePlanner:
         """The request (re)starts: chunks before ``stored_until`` need no save."""
         s = self._saving.get(request.request_id)
         if s is None:
-            self._saving[request.request_id] = _Saving(request, stored_until)
+            inherit = self._observe(request) if self._admission is not None else 0
+            self._saving[request.request_id] = _Saving(request, stored_until, inherit)
         else:
-            s.next_save = stored_until
+            s.next_save, s.gap = stored_until, False
+
+    def _observe(self, request: ConnectorRequest) -> int:
+        """Record the request's prompt chunks (once per request); returns the
+        frequency its chunks inherit: ``min_seen`` for a continuation, else 0."""
+        adm = self._admission
+        assert adm is not None
+        geo, bh = self.geo, request.block_hashes
+        n_full = len(bh) // geo.bpc
+        keys = [geo.key(bh, c, geo.chunk_size) for c in range(n_full)]
+        for key in keys:
+            adm.record(key)
+        if self.store.config.save_partial_chunks and len(bh) % geo.bpc:
+            adm.record(geo.key(bh, n_full, (len(bh) - n_full * geo.bpc) * geo.block_size))
+        recurring = 0
+        for key in keys:
+            if adm.estimate(key) < adm.min_seen:
+                break
+            recurring += 1
+        return adm.min_seen if recurring and recurring >= self._continuation * n_full else 0
 
     def rewind(self, req_id: str, chunk: int) -> None:
         """Chunks from ``chunk`` on were not loaded after all: the request saves them."""
         s = self._saving.get(req_id)
         if s is not None:
             s.next_save = min(s.next_save, chunk)
+            s.gap = False
 
     def preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         s = self._saving.get(request.request_id)
@@ -121,7 +211,7 @@ class SavePlanner:
         s.next_save = max(s.next_save, n_full)
         if not chunks:
             return False
-        self._bulk.append(_Bulk(s.request, chunks, list(block_ids), finishing))
+        self._bulk.append(_Bulk(s, chunks, list(block_ids), finishing))
         return True
 
     # -- the step ------------------------------------------------------------------
@@ -129,8 +219,8 @@ class SavePlanner:
         """The queued bulk saves, lent buffers and all, and the finished
         requests whose blocks wait for them."""
         bulk, self._bulk = self._bulk, []
-        out = [rt for b in bulk if (rt := self._lend(b.request, b.chunks, b.block_ids))]
-        self._step_finishing = [b.request.request_id for b in bulk if b.finishing]
+        out = [rt for b in bulk if (rt := self._lend(b.saving, b.chunks, b.block_ids))]
+        self._step_finishing = [b.saving.request.request_id for b in bulk if b.finishing]
         return out, list(self._step_finishing)
 
     def layer_saves(self, so: SchedulerOutput) -> list[RequestTransfer]:
@@ -161,12 +251,14 @@ class SavePlanner:
         c_end = min(c_end, len(bh) // geo.bpc)
         chunks = [(c, geo.key(bh, c, geo.chunk_size), geo.chunk_size) for c in range(s.next_save, c_end)]
         s.next_save = max(s.next_save, c_end)
-        rt = self._lend(req, chunks, self._tables.get_block_ids(rid)[0])
+        rt = self._lend(s, chunks, self._tables.get_block_ids(rid)[0])
         if rt is not None:
             out.append(rt)
 
-    def _lend(self, req: ConnectorRequest, chunks: _Chunks, block_ids: list[int]) -> RequestTransfer | None:
+    def _lend(self, s: _Saving, chunks: _Chunks, block_ids: list[int]) -> RequestTransfer | None:
+        req = s.request
         transfers = []
+        layers, heads, size = self.dims
         for c, key, n in chunks:
             if self.store.holds(key):
                 self.metrics.count("skipped_saves")
@@ -174,8 +266,10 @@ class SavePlanner:
             blocks = self.geo.blocks(block_ids, c, n)
             if len(blocks) * self.geo.block_size < n:
                 continue  # the request no longer holds these blocks
-            layers, heads, size = self.dims
-            obj = self.store.allocate((layers, 2, n, heads, size), self.dtype, "kv")
+            shape = (layers, 2, n, heads, size)
+            if not self._admit(s, key, shape):
+                continue
+            obj = self.store.allocate(shape, self.dtype, "kv")
             if obj is None:
                 self.metrics.count("dropped_saves")
                 continue
@@ -183,6 +277,25 @@ class SavePlanner:
             handle = self.lender.lend(Lent(obj, key, req.request_id, info))
             transfers.append(ChunkTransfer(handle, blocks, 0, n))
         return RequestTransfer(req.request_id, transfers) if transfers else None
+
+    def _admit(self, s: _Saving, key: ChunkKey, shape: tuple[int, ...]) -> bool:
+        adm = self._admission
+        if adm is None:
+            self._admitted += 1
+            return True
+        if s.gap:
+            ok = False
+        else:
+            victim = None
+            if self._victims:
+                victim = self.store.l1_victim(math.prod(shape) * self.dtype.itemsize)
+            ok = adm.admit(key, victim, inherited=s.inherit)
+            s.gap = not ok
+        if ok:
+            self._admitted += 1
+        else:
+            self._rejected += 1
+        return ok
 
     def put(self, saved: list[Lent]) -> None:
         """Put the buffers the worker saved into the store."""
