@@ -40,6 +40,47 @@ def _check_int(name: str, value: object, lo: int, *, note: str = "") -> None:
         raise ValueError(f"{name} must be an integer in [{low}, 2**63){note}, got {value!r}")
 
 
+DEFAULT_BLEND_RATIO = 0.15
+MAX_BLEND_SEGMENTS = 64
+
+
+class BlendSpec(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """CacheBlend for one request: ``segments`` are ``[start, end)`` token
+    spans of the prompt (sorted, not overlapping, before its last token)
+    whose KV is reused from each segment's own stored KV wherever it sits
+    (positions re-rotated), with ``recompute_ratio`` of their tokens
+    recomputed (those whose KV deviates most from a full prefill) to restore
+    attention across segments. 0: plain concatenation; 1: a full prefill."""
+
+    segments: list[tuple[int, int]]
+    recompute_ratio: float = DEFAULT_BLEND_RATIO
+
+    def validate(self) -> None:
+        r = self.recompute_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"blend.recompute_ratio must be in [0, 1], got {r!r}")
+        if not self.segments:
+            raise ValueError("blend.segments must hold at least one segment")
+        if len(self.segments) > MAX_BLEND_SEGMENTS:
+            raise ValueError(f"blend.segments must hold at most {MAX_BLEND_SEGMENTS} segments, got {len(self.segments)}")
+        prev = 0
+        for i, span in enumerate(self.segments):
+            start, end = span
+            if type(start) is not int or type(end) is not int or not 0 <= start < end:
+                raise ValueError(f"blend.segments[{i}] must be [start, end) with 0 <= start < end, got {list(span)}")
+            if start < prev:
+                raise ValueError(f"blend.segments[{i}] starts at {start}, before the previous one ends ({prev}): "
+                                 "segments must be sorted and must not overlap")
+            prev = end
+
+    def check_prompt(self, num_tokens: int) -> None:
+        """The spans fit a prompt of ``num_tokens`` (its last token is never a segment's)."""
+        end = self.segments[-1][1]
+        if end > num_tokens - 1:
+            raise ValueError(f"blend.segments end at token {end}, but the prompt has {num_tokens} tokens "
+                             "and its last token must come after every segment")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """How to pick each next token and when to stop.
 
@@ -60,6 +101,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # CacheBlend (non-prefix KV reuse) for this request; None: prefix reuse only.
+    blend: BlendSpec | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range.
@@ -70,6 +113,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
         ids) so that one request cannot make stop matching expensive for all.
         """
         _check_int("max_tokens", self.max_tokens, 1)
+        if self.blend is not None:
+            self.blend.validate()
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:

@@ -4,6 +4,8 @@ Requests are decoded with one typed decoder each; a wrong type or a missing
 field is a ``RequestValidationError`` naming the field (the server answers 400
 with ``error.param`` set). Unknown fields are ignored, as OpenAI clients send
 many. Only n=1 and unbatched prompts are supported; asking for more is a 400.
+``blend`` (a kvstrata extension, ``BlendRequest``) asks for CacheBlend: the
+prompt is then tokenized here, segment by segment (``apply_blend``).
 
 Only the shape of the JSON is checked here. Values (ranges, token ids,
 lengths) are checked once, by the engine client's input processor
@@ -18,7 +20,8 @@ from typing import Any
 
 import msgspec
 
-from kvstrata.types import Logprobs, SamplingParams
+from kvstrata.text.segments import SegmentError, segments_in, split_on
+from kvstrata.types import DEFAULT_BLEND_RATIO, BlendSpec, Logprobs, SamplingParams
 
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
 
@@ -33,6 +36,20 @@ class RequestValidationError(ValueError):
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+
+
+class BlendRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """CacheBlend for one request (kvstrata extension): the passages whose KV
+    is reused wherever they sit, as ``segments`` (texts found in the prompt,
+    in order), a ``separator`` splitting the prompt (the pieces between its
+    first and last occurrence), or ``spans`` (``[start, end)`` token spans of
+    a token-id prompt); ``recompute_ratio`` in [0, 1] (default: the
+    engine's, ``kvstrata.types.DEFAULT_BLEND_RATIO``)."""
+
+    segments: list[str] | None = None
+    separator: str | None = None
+    spans: list[tuple[int, int]] | None = None
+    recompute_ratio: float | None = None
 
 
 class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,6 +73,7 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     request_id: str | None = None
     user: str | None = None
+    blend: BlendRequest | None = None
 
 
 class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
@@ -114,6 +132,49 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int = 16,
         seed=req.seed, max_tokens=default_max_tokens if mt is None else mt,
         min_tokens=req.min_tokens, stop_token_ids=list(req.stop_token_ids), stop=stop,
         ignore_eos=req.ignore_eos, logprobs=logprobs)
+
+
+def apply_blend(req: _SamplingFields, prompt: str | list[int], params: SamplingParams,
+                tokenizer: Any, *, add_special: bool = True) -> tuple[str | list[int], SamplingParams]:
+    """With ``req.blend``: the prompt as token ids tokenized piece by piece
+    (``kvstrata.text.segments``; ``add_special``: with the tokenizer's
+    special tokens, as a text prompt is) and the params carrying the BlendSpec."""
+    b = req.blend
+    if b is None:
+        return prompt, params
+    given = [name for name in ("segments", "separator", "spans") if getattr(b, name) is not None]
+    if len(given) != 1:
+        raise RequestValidationError("blend: give exactly one of segments, separator or spans, got "
+                                     f"{given or 'none'}", "blend")
+    ratio = DEFAULT_BLEND_RATIO if b.recompute_ratio is None else b.recompute_ratio
+    if not 0.0 <= ratio <= 1.0:
+        raise RequestValidationError(f"blend.recompute_ratio: must be in [0, 1], got {ratio!r}",
+                                     "blend.recompute_ratio")
+    if b.spans is not None:
+        if not isinstance(prompt, list):
+            raise RequestValidationError("blend.spans: needs a prompt of token ids (for text, give "
+                                         "blend.segments or blend.separator)", "blend.spans")
+        ids, spans = prompt, [(int(s), int(e)) for s, e in b.spans]
+    else:
+        if not isinstance(prompt, str):
+            raise RequestValidationError(f"blend.{given[0]}: needs a text prompt (for token ids, give blend.spans)",
+                                         f"blend.{given[0]}")
+        if tokenizer is None:
+            raise RequestValidationError("blend: this engine has no tokenizer; give token ids and blend.spans",
+                                         "blend")
+        try:
+            ids, spans = (segments_in(tokenizer, prompt, b.segments, add_special=add_special)
+                          if b.segments is not None
+                          else split_on(tokenizer, prompt, b.separator or "", add_special=add_special))
+        except SegmentError as e:
+            raise RequestValidationError(str(e), e.field) from None
+    spec = BlendSpec(segments=spans, recompute_ratio=float(ratio))
+    try:
+        spec.validate()
+    except ValueError as e:
+        msg = str(e)
+        raise RequestValidationError(msg, msg.split(" ", 1)[0]) from None
+    return ids, msgspec.structs.replace(params, blend=spec)
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

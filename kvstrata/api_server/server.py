@@ -29,7 +29,7 @@ from aiohttp import web
 
 from kvstrata.enginecore.client import EngineClient
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
-from kvstrata.text.chat import chat_prompt
+from kvstrata.text.chat import chat_prompt, chat_text
 from kvstrata.types import RequestOutput, SamplingParams
 from kvstrata.api_server import openai_types as T
 from kvstrata.api_server.metrics import ServerMetrics, render_metrics
@@ -55,8 +55,17 @@ def _model_not_found(name: str) -> web.Response:
 def _chat_prompt(tokenizer: Any, messages: list[T.ChatMessage]) -> str | list[int]:
     """The model's chat template (token ids), or the plain format; bad
     messages (or a template refusing them) are a 400 naming the field."""
+    return _rendered(chat_prompt, tokenizer, messages)
+
+
+def _chat_text(tokenizer: Any, messages: list[T.ChatMessage]) -> tuple[str, bool]:
+    """The rendered chat prompt as text (for blend segments found in it)."""
+    return _rendered(chat_text, tokenizer, messages)
+
+
+def _rendered(render: Any, tokenizer: Any, messages: list[T.ChatMessage]) -> Any:
     try:
-        return chat_prompt(tokenizer, messages)
+        return render(tokenizer, messages)
     except ValueError as e:
         msg = str(e)
         param = msg.split(":", 1)[0] if msg.startswith("messages") else "messages"
@@ -114,6 +123,7 @@ class OpenAIServer:
             req = T.decode_request(await request.read(), T.CompletionRequest)
             params = T.sampling_params(req, default_max_tokens=self.default_max_tokens)
             prompt = T.completion_prompt(req)
+            prompt, params = T.apply_blend(req, prompt, params, self.engine.tokenizer)
         except T.RequestValidationError as e:
             self.metrics.count_request("invalid")
             return _error(400, str(e), "invalid_request_error", e.param)
@@ -128,7 +138,12 @@ class OpenAIServer:
             req = T.decode_request(await request.read(), T.ChatCompletionRequest)
             mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = T.sampling_params(req, default_max_tokens=self.default_max_tokens, max_tokens=mt)
-            prompt = _chat_prompt(self.engine.tokenizer, req.messages)
+            if req.blend is not None and req.blend.spans is None:  # segments of the rendered text
+                text, special = _chat_text(self.engine.tokenizer, req.messages)
+                prompt, params = T.apply_blend(req, text, params, self.engine.tokenizer, add_special=special)
+            else:
+                prompt = _chat_prompt(self.engine.tokenizer, req.messages)
+                prompt, params = T.apply_blend(req, prompt, params, self.engine.tokenizer)
         except T.RequestValidationError as e:
             self.metrics.count_request("invalid")
             return _error(400, str(e), "invalid_request_error", e.param)

@@ -45,6 +45,24 @@ class RequestTransfer(msgspec.Struct, frozen=True, array_like=True, gc=False):
     failed_block_ids: list[int] = []
 
 
+class BlendLoad(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """CacheBlend for one request (``connector/offload/segments.py``): its
+    tokens ``[0, end)``, the segment spans, per segment the lent handle of
+    its stored KV (-1: none, compute it on its own) and of the buffer to save
+    it into (-1: no save), the blocks covering ``[0, end)``, the share of
+    segment tokens to recompute, and ``skip``: the leading tokens the device
+    already holds (not written)."""
+
+    req_id: str
+    token_ids: list[int]
+    segments: list[tuple[int, int]]
+    cached: list[int]
+    saves: list[int]
+    block_ids: list[int]
+    recompute_ratio: float
+    skip: int = 0
+
+
 class OffloadMetadata(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One step's transfers; ``num_tokens`` is the step's computed tokens
     (the worker times the forward pass per token for the metrics)."""
@@ -56,11 +74,12 @@ class OffloadMetadata(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     bulk_saves: list[RequestTransfer] = []
     layer_saves: list[RequestTransfer] = []
     finishing: list[str] = []
+    blend_loads: list[BlendLoad] = []
 
     @property
     def is_empty(self) -> bool:
         return not (self.layer_loads or self.bulk_loads or self.bulk_saves or self.layer_saves
-                    or self.finishing)
+                    or self.finishing or self.blend_loads)
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -46,7 +46,9 @@ class TransferMetrics:
                 # load or compute (costs.py): hits read from a lower tier loaded whole,
                 # split (front computed while the back loads), computed whole; splits
                 # whose computing reached the end of the hit before the fetch landed
-                "split_load_only", "split_loads", "split_compute_only", "split_fetch_outrun")
+                "split_load_only", "split_loads", "split_compute_only", "split_fetch_outrun",
+                # CacheBlend: requests blended, their segments found in the store or computed
+                "blend_requests", "blend_segment_hits", "blend_segment_misses", "blend_failed")
 
     def __init__(self, tier_names: list[str], keep: int = 1024) -> None:
         self.tiers = list(tier_names)

@@ -27,10 +27,11 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+import msgspec
 import structlog
 
 from kvstrata.config import EngineConfig
-from kvstrata.errors import EngineOverloadedError
+from kvstrata.errors import EngineOverloadedError, RequestError
 from kvstrata.enginecore.request import (
     FINISH_REASONS,
     EngineRequest,
@@ -125,12 +126,20 @@ class EngineCore:
         (the id is live)."""
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise EngineOverloadedError(self.max_waiting)
+        salt = req.cache_salt
+        blend = req.sampling_params.blend
+        if blend is not None:
+            if not getattr(self.runner, "can_blend", False):
+                raise RequestError("blend", "this engine cannot blend: CacheBlend needs the offload connector "
+                                            "(kv_transfer) and a Llama-family model")
+            # Blended KV differs from a prefill's: its blocks are hit only by the same blend.
+            salt = f"{salt or ''}\x00blend:{msgspec.json.encode(blend).decode()}"
         hasher = self.block_hasher
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=req.arrival_time or time.monotonic(),
-            priority=req.priority, cache_salt=req.cache_salt, lora_name=req.lora_name,
+            priority=req.priority, cache_salt=salt, lora_name=req.lora_name,
             block_hasher=hasher, hash_block_size=0 if hasher is None else hasher.block_size,
         )
         self.scheduler.add_request(request)

@@ -76,6 +76,11 @@ def validate_request(req: EngineRequest, facts: ModelFacts) -> None:
     except (ValueError, TypeError) as exc:
         message = str(exc)
         raise RequestError(message.split(" ", 1)[0], message) from None
+    if params.blend is not None:
+        try:
+            params.blend.check_prompt(len(ids))
+        except ValueError as exc:
+            raise RequestError("blend.segments", str(exc)) from None
     if type(req.priority) is not int or not -(2**63) <= req.priority < 2**63:
         raise RequestError("priority", f"must be an integer that fits in 64 bits, got {req.priority!r}")
     for name in ("cache_salt", "lora_name"):

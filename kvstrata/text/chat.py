@@ -134,3 +134,13 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Any]) -> str | list[int]:
     if template is None:
         return plain_chat(msgs)
     return tokenizer.encode(template.render(msgs, add_generation_prompt=True), add_special_tokens=False)
+
+
+def chat_text(tokenizer: Any, messages: Sequence[Any]) -> tuple[str, bool]:
+    """The rendered prompt for ``messages`` as text, and whether tokenizing
+    it adds the tokenizer's special tokens (no when the template wrote them)."""
+    msgs = message_dicts(messages)
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        return plain_chat(msgs), True
+    return template.render(msgs, add_generation_prompt=True), False

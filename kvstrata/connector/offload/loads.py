@@ -216,7 +216,7 @@ class LoadPlanner:
                     keys, srcs = [*keys[:len(srcs)], part[0]], [*srcs, part[1]]
             t.plan = LoadPlan(start, keys, srcs, 0)
             if not definite:
-                t.lookup = self._spawn(_within(self.store.locate(keys[len(srcs):]), self.opts.lookup_timeout_s,
+                t.lookup = self.spawn(_within(self.store.locate(keys[len(srcs):]), self.opts.lookup_timeout_s,
                                                [], "store_lookup_timeout"))
                 return False
         plan, cs = t.plan, self.geo.chunk_size
@@ -279,12 +279,12 @@ class LoadPlanner:
                 pins = self.store.pin(keys, srcs)
                 plan.start, plan.keys, plan.srcs = plan.start + k, keys, srcs
                 t.split_at = plan.start
-                t.fetch = self._spawn(self._fetch(t, list(keys), pins))
+                t.fetch = self.spawn(self._fetch(t, list(keys), pins))
                 return True
             self.metrics.count("split_load_only")
         pins = self.store.pin(plan.keys, plan.srcs)
         if mode == "sync" or (mode == "auto" and all(self.store.is_local(s) for s in plan.srcs)):
-            t.fetch = self._spawn(self._fetch(t, list(plan.keys), pins))
+            t.fetch = self.spawn(self._fetch(t, list(plan.keys), pins))
             if split:
                 t.split_at = plan.start  # decided: load it all (no second decision while it reads)
             return False
@@ -376,7 +376,7 @@ class LoadPlanner:
         if plan.is_async:
             pins, plan.pins = plan.pins, []
             t.handover = "bulk"
-            t.fetch = self._spawn(self._fetch(t, plan.keys[:needed], pins))
+            t.fetch = self.spawn(self._fetch(t, plan.keys[:needed], pins))
             self.metrics.count("async_loads")
         else:
             release_all(plan.objs[needed:])
@@ -474,7 +474,7 @@ class LoadPlanner:
     def has_pending(self) -> bool:
         return bool(self._tasks) or any(t.handover == "layer" for t in self._loads.values())
 
-    def _spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+    def spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)

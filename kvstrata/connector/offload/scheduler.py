@@ -27,6 +27,7 @@ from kvstrata.connector.offload.lending import Lender
 from kvstrata.connector.offload.loads import LoadPlanner, Match
 from kvstrata.connector.offload.options import OffloadOptions
 from kvstrata.connector.offload.saves import SavePlanner
+from kvstrata.connector.offload.segments import SegmentPlanner
 from kvstrata.connector.offload.tracker import LoadTracker
 from kvstrata.connector.wakeup import Wakeup
 from kvstrata.io import L1_SOURCE, StorageManager, StoreIdentity
@@ -63,6 +64,10 @@ class OffloadScheduler:
         self.saves = SavePlanner(store, geometry, lender, metrics, events, num_layers=spec.num_layers,
                                  num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                                  dtype=getattr(torch, spec.dtype), save_decode=opts.save_decode)
+        self.segments = SegmentPlanner(store, keyer.fingerprint, lender, metrics, self.loads.spawn,
+                                       block_size=spec.block_size, num_layers=spec.num_layers,
+                                       num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                       dtype=getattr(torch, spec.dtype))
         self._step = itertools.count(1)
 
     def bind_block_tables(self, tables: BlockTables) -> None:
@@ -70,7 +75,7 @@ class OffloadScheduler:
 
     def tracked(self) -> set[str]:
         """The requests either planner still holds state for."""
-        return {*self.loads.tracked(), *self.saves.tracked()}
+        return {*self.loads.tracked(), *self.saves.tracked(), *self.segments.tracked()}
 
     # -- lookup and allocation ---------------------------------------------------------
     def prefetch(self, request: ConnectorRequest) -> None:
@@ -79,6 +84,11 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.load_enabled:
+            blend, ext = self.segments.match(request, num_computed_tokens)
+            if blend:  # CacheBlend: its segments' own KV, blended within the step
+                if ext is not None and self.save_enabled:
+                    self.saves.track(request, 0)
+                return ext, False
             m = self.loads.match(request, num_computed_tokens)
             if m.tokens is None:
                 return None, False
@@ -94,6 +104,7 @@ class OffloadScheduler:
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
         self.loads.allocated(request, block_ids, num_external_tokens)
+        self.segments.allocated(request, block_ids, num_external_tokens)
 
     # -- the step --------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata | None:
@@ -107,6 +118,7 @@ class OffloadScheduler:
         meta = OffloadMetadata(step=step, layer_loads=[h.transfer for h in layer_loads],
                                bulk_loads=[h.transfer for h in bulk_loads], bulk_saves=bulk_saves,
                                layer_saves=layer_saves, finishing=finishing,
+                               blend_loads=self.segments.hand_over(),
                                num_tokens=scheduler_output.total_num_scheduled_tokens)
         return None if meta.is_empty else meta
 
@@ -134,10 +146,12 @@ class OffloadScheduler:
     # -- lifecycle of requests ---------------------------------------------------------
     def request_preempted(self, request: ConnectorRequest, block_ids: BlockIds) -> None:
         self.loads.preempted(request.request_id)
+        self.segments.finish(request.request_id)
         if self.save_enabled and self.opts.save_on_preempt:
             self.saves.preempted(request, block_ids[0])
 
     def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, KVParams | None]:
+        self.segments.finish(request.request_id)
         load = self.loads.finish(request.request_id)
         if load is not None:
             self._book(load)
@@ -174,9 +188,11 @@ class OffloadScheduler:
         return out
 
     def has_pending_work(self) -> bool:
-        return self.loads.has_pending() or self.saves.has_pending() or len(self.lender) > 0
+        return (self.loads.has_pending() or self.saves.has_pending() or self.segments.has_pending()
+                or len(self.lender) > 0)
 
     async def aclose(self) -> None:
+        self.segments.close()
         await self.loads.aclose()
         self.saves.close()
         self.lender.release_all()

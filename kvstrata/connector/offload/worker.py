@@ -7,7 +7,9 @@ on CUDA, inline on CPU)::
     start_load_kv      bulk saves (finished / preempted requests: their blocks
                        may be handed to others this very step, so they are read
                        first and compute waits for them), bulk loads (requests in
-                       WAITING_FOR_REMOTE_KVS), then layer 0 of the layer loads
+                       WAITING_FOR_REMOTE_KVS), blends (CacheBlend: the model
+                       side's ``blender`` builds the KV of a request's segments,
+                       written into its blocks), then layer 0 of the layer loads
     layer i:  wait_for_layer_load(i)   issue layer i+1's loads, wait for layer i's
               forward of layer i
               save_kv_layer(i)         gather layer i of the chunks that filled up
@@ -21,13 +23,14 @@ save is dropped. Never touches the store or any loop-owned state.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import structlog
 import torch
 
 from kvstrata.connector.base import ConnectorMetadata, ConnectorSpec, KVCaches
-from kvstrata.connector.metadata import ChunkTransfer, OffloadMetadata, RequestTransfer, WorkerReport
+from kvstrata.connector.metadata import BlendLoad, ChunkTransfer, OffloadMetadata, RequestTransfer, WorkerReport
 from kvstrata.kernels import KVStreams
 
 log = structlog.get_logger(__name__)
@@ -40,6 +43,13 @@ class _Xfer:
         self.handle, self.buf, self.slots, self.req_id, self.block_ids = handle, buf, slots, req_id, block_ids
 
 
+# (token ids, segment spans, each segment's stored KV or None, recompute ratio)
+#   -> (the KV of every token, (layers, 2, tokens, kv heads, head size); each
+#       segment's KV computed on its own where none was stored, else None)
+Blender = Callable[[list[int], Sequence[tuple[int, int]], list[torch.Tensor | None], float],
+                   tuple[torch.Tensor, list[torch.Tensor | None]]]
+
+
 class OffloadWorker:
     """Owns: the KV streams, the bound metadata and this step's transfers and
     results. Reads the lent buffers; the step thread only."""
@@ -50,6 +60,7 @@ class OffloadWorker:
         self.buffers = buffers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.streams: KVStreams | None = None
+        self.blender: Blender | None = None  # set by the model side (kvstrata.worker.blend); None: cannot blend
         self._arange = np.arange(spec.block_size, dtype=np.int64)
         self._reset(None)
 
@@ -99,6 +110,8 @@ class OffloadWorker:
         self._save_s += t1 - t0
         for rt in meta.bulk_loads:
             self._bulk_load(rt)
+        for bl in meta.blend_loads:
+            self._blend(bl)
         for rt in meta.layer_loads:
             self._invalid.update(rt.failed_block_ids)
             self._layer_loads.extend(self._xfer(ch, rt.req_id) for ch in rt.chunks)
@@ -140,6 +153,34 @@ class OffloadWorker:
                 self._load_failed(x)
         self._recving.add(rt.req_id)
         self._load_s[rt.req_id] = self._load_s.get(rt.req_id, 0.0) + time.perf_counter() - t0
+
+    def _blend(self, bl: BlendLoad) -> None:
+        """Build the request's KV for tokens [0, end) from its segments and
+        write it into its blocks; on any failure its blocks are reported
+        (the scheduler recomputes them)."""
+        t0 = time.perf_counter()
+        end = len(bl.token_ids)
+        try:
+            if self.blender is None:
+                raise RuntimeError("no blender: this model cannot blend")
+            cached = [self.buffers[h] if h >= 0 else None for h in bl.cached]
+            kv, fresh = self.blender(bl.token_ids, bl.segments, cached, bl.recompute_ratio)
+            blocks = np.asarray(bl.block_ids, dtype=np.int64)
+            slots = (blocks[:, None] * self.block_size + self._arange).reshape(-1)[bl.skip:end]
+            self.streams.load_all(kv[:, :, bl.skip:].contiguous(), self.kv_caches,
+                                  torch.from_numpy(np.ascontiguousarray(slots)))
+            self._loaded.extend(h for h in bl.cached if h >= 0)
+            for h, seg in zip(bl.saves, fresh, strict=True):
+                if h >= 0 and seg is not None:
+                    self.buffers[h].copy_(seg)
+                    self._saved.append(h)
+                elif h >= 0:
+                    self._failed.add(h)
+        except Exception:
+            log.exception("kv_blend_failed", request_id=bl.req_id)
+            self._failed.update(h for h in (*bl.cached, *bl.saves) if h >= 0)
+            self._invalid.update(bl.block_ids[bl.skip // self.block_size:])
+        self._load_s[bl.req_id] = self._load_s.get(bl.req_id, 0.0) + time.perf_counter() - t0
 
     def _load_failed(self, x: _Xfer) -> None:
         self._failed.add(x.handle)
