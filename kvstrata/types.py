@@ -40,7 +40,7 @@ def _check_int(name: str, value: object, lo: int, *, note: str = "") -> None:
         raise ValueError(f"{name} must be an integer in [{low}, 2**63){note}, got {value!r}")
 
 
-DEFAULT_BLEND_RATIO = 0.15
+DEFAULT_BLEND_RATIO = 0.3  # SmolLM2 RAG set (tools/bench_blend.py): KL 0.043 vs 0.087 at 0.15, 1.9x faster than a prefill
 MAX_BLEND_SEGMENTS = 64
 
 

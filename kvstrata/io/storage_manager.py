@@ -48,7 +48,7 @@ from kvstrata.io.keys import ChunkKey, ChunkKeyer, StoreIdentity
 from kvstrata.io.memory import MemoryObj, dtype_from_name, release_all
 from kvstrata.io.rates import ReadRate, ReadThrottle
 from kvstrata.io.registry import TierRegistry
-from kvstrata.io.sources import L1_SOURCE, Pin, Sources, aguard, guard, submit_put
+from kvstrata.io.sources import L1_SOURCE, LOCAL_KINDS, Pin, Sources, aguard, guard, submit_put
 from kvstrata.io.stats import Outstanding, StoreStats
 
 log = structlog.get_logger(__name__)
@@ -72,7 +72,9 @@ class StorageManager:
         self.tiers: list[LowerTier] = list(tiers)
         self._through = [t for t in self.tiers if not t.write_back]
         self._back = [t for t in self.tiers if t.write_back]
+        self._through_shared = [t for t in self._through if t.kind not in LOCAL_KINDS]
         self._pins: dict[ChunkKey, list[int]] = {}
+        self._l1_only: set[ChunkKey] = set()  # put with lower=False, still in L1
         self._flushing: dict[ChunkKey, MemoryObj] = {}
         self._sources = Sources(self.l1, self.tiers, self._flushing)
         # Per lower tier (index = source - 1): measured reads, and the cap its spec sets.
@@ -136,19 +138,28 @@ class StorageManager:
                          layout: str = "raw") -> list[MemoryObj] | None:
         return self.l1.batched_allocate(n, shape, dtype, layout)
 
-    def put(self, key: ChunkKey, obj: MemoryObj, *, ready: Awaitable | None = None) -> bool:
+    def put(self, key: ChunkKey, obj: MemoryObj, *, ready: Awaitable | None = None, lower: bool = True) -> bool:
         """Store ``obj`` under ``key``; never waits. ``ready`` (e.g. a future
         set when a device-to-host copy completes) keeps the entry in flight
         until done: readers wait for it, lower tiers are written after it.
-        The caller keeps its own reference. False if already stored."""
+        ``lower=False`` keeps it off the local lower tiers (disk: no
+        write-through now, no write-back when evicted), a chunk not yet worth
+        their I/O; shared tiers (Redis, a shared filesystem) still get it,
+        for other engines. The caller keeps its own reference. False if
+        already stored."""
         if self._closed or not self.l1.put(key, obj, ready):
             return False
-        if self._through:
+        if lower:
+            self._l1_only.discard(key)
+        else:
+            self._l1_only.add(key)
+        through = self._through if lower else self._through_shared
+        if through:
             fut = self.l1.in_flight(key)
             if fut is None:
-                self._write_through(key, obj)
+                self._write_through(key, obj, through)
             else:
-                fut.add_done_callback(lambda f: _succeeded(f) and self._write_through(key, obj))
+                fut.add_done_callback(lambda f: _succeeded(f) and self._write_through(key, obj, through))
         return True
 
     def batched_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
@@ -156,10 +167,10 @@ class StorageManager:
             raise ValueError(f"keys and objs differ in length ({len(keys)} != {len(objs)})")
         return sum(self.put(k, o) for k, o in zip(keys, objs))
 
-    def _write_through(self, key: ChunkKey, obj: MemoryObj) -> None:
+    def _write_through(self, key: ChunkKey, obj: MemoryObj, tiers: list[LowerTier]) -> None:
         if self._closed or obj.ref_count == 0:
             return
-        for t in self._through:
+        for t in tiers:
             self._watch(submit_put(t, key, obj))
 
     def _watch(self, write: asyncio.Future | None) -> asyncio.Future | None:
@@ -179,9 +190,13 @@ class StorageManager:
     def _on_l1_evict(self, key: ChunkKey, obj: MemoryObj) -> None:
         """Write-back: hand the evicted object to the write-back tiers; it
         stays readable here until they are done."""
-        if not self._back or self._closed:
+        back = self._back
+        if key in self._l1_only:
+            self._l1_only.discard(key)
+            back = [t for t in back if t.kind not in LOCAL_KINDS]
+        if not back or self._closed:
             return
-        futs = [f for t in self._back if (f := self._watch(submit_put(t, key, obj))) is not None]
+        futs = [f for t in back if (f := self._watch(submit_put(t, key, obj))) is not None]
         if not futs:
             return
         obj.ref_up()
@@ -285,7 +300,25 @@ class StorageManager:
         first that is not): a synchronous hit, nothing to wait for. Like a
         pin, a reference keeps the bytes from eviction; ``release()`` each.
         Neither counted as a hit nor refreshed in the eviction order."""
-        return self._sources.take_ready(keys)
+        objs = self._sources.take_ready(keys)
+        if self._l1_only:
+            for key, obj in zip(keys, objs):
+                self._proven(key, obj)
+        return objs
+
+    def _proven(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """A chunk kept off the local tiers (``put(lower=False)``) was read:
+        it is worth their I/O now."""
+        if key in self._l1_only:
+            self._l1_only.discard(key)
+            local = [t for t in self._through if t.kind in LOCAL_KINDS]
+            if not local:
+                return
+            fut = self.l1.in_flight(key)
+            if fut is None:
+                self._write_through(key, obj, local)
+            else:
+                fut.add_done_callback(lambda f: _succeeded(f) and self._write_through(key, obj, local))
 
     def pin(self, keys: Sequence[ChunkKey], srcs: Sequence[int]) -> list[Pin]:
         """Pin each key in the source that ``srcs`` names, where that tier can
@@ -314,6 +347,8 @@ class StorageManager:
             obj = take(keys[i]) or self._sources.take(keys[i])  # L1, else held for a write-back
             if obj is not None:
                 src[i], objs[i], waits[i] = L1_SOURCE, obj, in_flight(keys[i])
+                if self._l1_only:
+                    self._proven(keys[i], obj)
         stop = n
         batch: dict[int, list[float]] = {}  # source -> [bytes read, when its last read ended]
         t0 = time.perf_counter()
@@ -398,6 +433,7 @@ class StorageManager:
     def remove(self, key: ChunkKey) -> None:
         """Forget ``key`` everywhere it is not pinned or in use."""
         self.l1.remove(key)
+        self._l1_only.discard(key)
         for t in self.tiers:
             guard(t, "submit_remove", partial(t.submit_remove, key), False)
 
@@ -438,6 +474,7 @@ class StorageManager:
             for t in self.tiers:
                 await aguard(t, "aclose", t.aclose(), None)
             self._pins.clear()
+            self._l1_only.clear()
             self.l1.clear()
 
     def l1_victim(self, nbytes: int) -> ChunkKey | None:

@@ -133,19 +133,21 @@ def blend_prefill(
         raise ValueError(f"deviation must be one of {sorted(DEVIATIONS)}, got {deviation!r}")
     which = DEVIATIONS[deviation]
     dtype = model.dtype
-    kv = torch.empty(cfg.num_hidden_layers, 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
-    covered = torch.zeros(n, dtype=torch.bool)
+    device = model.model.embed_tokens.weight.device  # the engine's device (CPU in tests, CUDA when served)
+    kv = torch.empty(cfg.num_hidden_layers, 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+    covered = torch.zeros(n, dtype=torch.bool, device=device)
     for (start, end), seg in zip(segments, cached, strict=True):
-        kv[:, 0, start:end] = rerotate(seg.kv[:, 0].to(dtype), start, model.rotary)
-        kv[:, 1, start:end] = seg.kv[:, 1]
+        seg_kv = seg.kv.to(device=device, dtype=dtype)
+        kv[:, 0, start:end] = rerotate(seg_kv[:, 0], start, model.rotary)
+        kv[:, 1, start:end] = seg_kv[:, 1]
         covered[start:end] = True
     covered[n - 1] = False  # the last token's logits are the answer: always computed
 
-    positions = torch.arange(n)
+    positions = torch.arange(n, device=device)
     active = positions  # the positions whose rows x holds; all of them until select_layer
     cos, sin = model.rotary.cos_sin(positions, dtype)
-    selected = torch.empty(0, dtype=torch.long)
-    x = model.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long))
+    selected = torch.empty(0, dtype=torch.long, device=device)
+    x = model.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=device))
     for i, layer in enumerate(model.model.layers):
         attn: LlamaAttention = layer.self_attn
         q, k, v = _qkv(attn, layer.input_layernorm(x), cos[active], sin[active])
@@ -218,7 +220,7 @@ def _attend(attn: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     k/v [N, Hkv, D] (position = row): causal, sliding window if the layer has
     one. Returns [T, Hq * D]."""
     ctx = int(q_pos[-1]) + 1
-    keys = torch.arange(ctx)
+    keys = torch.arange(ctx, device=q_pos.device)
     mask = keys[None, :] <= q_pos[:, None]
     if attn.sliding_window is not None:
         mask &= keys[None, :] > q_pos[:, None] - attn.sliding_window
@@ -234,7 +236,7 @@ def _most_deviating(fresh: torch.Tensor, cached: torch.Tensor, covered: torch.Te
     pos = covered.nonzero().squeeze(1)
     count = min(len(pos), int(math.floor(ratio * len(pos) + 0.5)))
     if count == 0:
-        return torch.empty(0, dtype=torch.long)
+        return torch.empty(0, dtype=torch.long, device=covered.device)
     dev = (fresh[pos].float() - cached[pos].float()).flatten(1).norm(dim=1)
     return pos[dev.topk(count).indices].sort().values
 

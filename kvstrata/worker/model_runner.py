@@ -139,6 +139,23 @@ class ModelRunner:
         self.kv_connector = worker
         if self.kv_caches is not None:
             worker.register_kv_caches(self.kv_caches, self.device)
+        if self.can_blend:
+            from kvstrata.connector.offload.worker import OffloadWorker
+            from kvstrata.worker.segment_blender import SegmentBlender
+
+            for w in getattr(worker, "children", [worker]):
+                if isinstance(w, OffloadWorker):
+                    w.blender = SegmentBlender(self.model)
+
+    @property
+    def can_blend(self) -> bool:
+        """CacheBlend runs here: a Llama-family model under an offload connector."""
+        from kvstrata.connector.offload.worker import OffloadWorker
+        from kvstrata.worker.model.llama import LlamaForCausalLM
+
+        w = self.kv_connector
+        return isinstance(self.model, LlamaForCausalLM) and any(
+            isinstance(c, OffloadWorker) for c in getattr(w, "children", [w]) if c is not None)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Compute every scheduled token, sample for requests that reach their end."""

@@ -99,6 +99,8 @@ def offload_config(*, cpu_chunks: int = 64, chunk_size: int = CHUNK, tiers: tupl
     """An offload connector over an L1 of ``cpu_chunks`` chunks (of ``chunk_bytes``) and ``tiers``."""
     store = {"cpu": {"capacity_bytes": max(4096, cpu_chunks * chunk_bytes), "pin_memory": False},
              "tiers": list(tiers), "save_partial_chunks": save_partial, "close_timeout_s": 5.0}
+    # Tier mechanics are tested saving every chunk; admission has its own tests.
+    opts.setdefault("save_admission", "all")
     return KVTransferConfig(connector="offload", role=role,
                             options={"store": store, "chunk_size": chunk_size, **opts})
 

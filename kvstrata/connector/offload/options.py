@@ -46,7 +46,7 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     load_timeout_s: float = 10.0
     enable_events: bool = False
     max_prefetch: int = 8
-    save_admission: Literal["all", "seen", "tinylfu"] = "seen"
+    save_admission: Literal["all", "seen", "tinylfu"] = "tinylfu"
     admission_min_seen: int = 2
     admission_continuation: float = 0.5
     admission_capacity: int | None = None

@@ -28,21 +28,32 @@ first lookup, records its prompt's full chunks (and its partial chunk, with
 ``save_partial_chunks``) in a TinyLFU frequency sketch, once per request.
 Then, before a chunk is given an L1 buffer:
 
-    "all"       save it (no sketch)
+    "all"       save it, into L1 and every lower tier (no sketch)
     "seen"      save it if at least ``min_seen`` requests asked for it
                 (this one included), or if its request is a *continuation*
-    "tinylfu"   as "seen" while L1 has free room; when the save would evict
-                L1's next victim, only if the chunk's frequency beats the
-                victim's (a continuation's chunk counts as ``min_seen``)
+    "tinylfu"   while L1 has free room, save it (a copy into memory that
+                evicts nothing); when the save would evict L1's next victim,
+                only if the chunk's frequency beats the victim's (a
+                continuation's chunk counts as ``min_seen``). Either way the
+                lower tiers (disk, remote) get only the chunks that reach
+                ``min_seen``: a chunk not yet seen twice lives in L1 only
+                (``StorageManager.put(lower=False)``), so one-off traffic
+                costs no disk or network writes and evicts nothing hot
+
+The default, "tinylfu", keeps what saving everything gains when reuse is
+high (a conversation's next turn finds the last turn in L1) and drops its
+costs when it is low (lower-tier writes, L1 pollution).
 
 A *continuation* is a request whose recurring prefix (the leading chunks
 that reach ``min_seen``) covers at least ``admission_continuation`` of its
 prompt's chunks: the next turn of a conversation (its history recurs, its
 new message and reply are what the turn after it reads), not a one-off
 prompt behind a short shared system prompt. Its chunks are saved, prompt
-tail and reply alike (the finish save). The first turn of a conversation
-looks like a one-off and is not saved: the second turn recomputes what the
-device no longer holds, and saves; from the third turn on the history hits.
+tail and reply alike (the finish save). Under "seen" the first turn of a
+conversation looks like a one-off and is not saved: the second turn
+recomputes what the device no longer holds, and saves; from the third turn
+on the history hits. Under "tinylfu" the first turn is saved into L1 while
+it has room.
 
 A chunk not admitted is not saved (a miss later, recomputed), and neither is
 any later chunk of the same request (a lookup stops at the first missing
@@ -115,6 +126,7 @@ class SavePlanner:
         self._victims = False
         self._continuation = 1.0
         self._admitted = self._rejected = 0
+        self._l1_only: set[ChunkKey] = set()  # admitted into L1 only (tinylfu, room, not yet seen twice)
         if options is not None:
             self.set_admission(options)
 
@@ -289,6 +301,11 @@ class SavePlanner:
             victim = None
             if self._victims:
                 victim = self.store.l1_victim(math.prod(shape) * self.dtype.itemsize)
+                if victim is None:  # room: a copy that evicts nothing; the lower tiers wait for proof
+                    if max(adm.estimate(key), s.inherit) < adm.min_seen:
+                        self._l1_only.add(key)
+                    self._admitted += 1
+                    return True
             ok = adm.admit(key, victim, inherited=s.inherit)
             s.gap = not ok
         if ok:
@@ -305,7 +322,8 @@ class SavePlanner:
             key = entry.key
             if events is not None and entry.info is not None:
                 events.describe(key, entry.info)
-            self.store.put(key, entry.obj)
+            self.store.put(key, entry.obj, lower=key not in self._l1_only)
+            self._l1_only.discard(key)
             entry.obj.release()
             self.metrics.count("saved_chunks")
             if events is not None:

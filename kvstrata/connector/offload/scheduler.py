@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import structlog
 import torch
 
@@ -63,7 +64,10 @@ class OffloadScheduler:
                                  bytes_per_token=bytes_per_token)
         self.saves = SavePlanner(store, geometry, lender, metrics, events, num_layers=spec.num_layers,
                                  num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                                 dtype=getattr(torch, spec.dtype), save_decode=opts.save_decode)
+                                 dtype=getattr(torch, spec.dtype), save_decode=opts.save_decode,
+                                 # a producer saves for its consumer: everything
+                                 options=msgspec.structs.replace(opts, save_admission="all")
+                                 if role == "producer" else opts)
         self.segments = SegmentPlanner(store, keyer.fingerprint, lender, metrics, self.loads.spawn,
                                        block_size=spec.block_size, num_layers=spec.num_layers,
                                        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
@@ -183,6 +187,7 @@ class OffloadScheduler:
             for field in _STORE_FIELDS:
                 out[f"store.{ts.name}.{field}"] = float(getattr(ts, field))
             out[f"store.{ts.name}.available"] = float(ts.available)
+        out.update(self.saves.stats())
         for name, rate in self.store.read_rates().items():
             out.update(rate.as_dict(f"store.{name}"))
         return out
