@@ -425,6 +425,11 @@ class StorageManager:
         read.add_done_callback(read_done)
         return obj, fill
 
+    @property
+    def has_shared_tiers(self) -> bool:
+        """Some lower tier is shared with other engines (Redis, a shared filesystem)."""
+        return any(t.kind not in LOCAL_KINDS for t in self.tiers)
+
     def read_rates(self) -> dict[str, ReadRate]:
         """Each lower tier's measured reads, by tier name."""
         return {t.name: r for t, r in zip(self.tiers, self._rates, strict=True)}

@@ -38,7 +38,9 @@ Then, before a chunk is given an L1 buffer:
                 lower tiers (disk, remote) get only the chunks that reach
                 ``min_seen``: a chunk not yet seen twice lives in L1 only
                 (``StorageManager.put(lower=False)``), so one-off traffic
-                costs no disk or network writes and evicts nothing hot
+                costs no disk writes and evicts nothing hot. With a tier
+                shared by other engines (Redis, fs) no chunk is refused for
+                an L1 victim: this engine's sketch cannot see their demand
 
 The default, "tinylfu", keeps what saving everything gains when reuse is
 high (a conversation's next turn finds the last turn in L1) and drops its
@@ -123,7 +125,7 @@ class SavePlanner:
         self._step_finishing: list[str] = []
         self._options: OffloadOptions | None = None
         self._admission: AdmissionPolicy | None = None
-        self._victims = False
+        self._victims = self._tinylfu = False
         self._continuation = 1.0
         self._admitted = self._rejected = 0
         self._l1_only: set[ChunkKey] = set()  # admitted into L1 only (tinylfu, room, not yet seen twice)
@@ -136,7 +138,11 @@ class SavePlanner:
         if options == self._options:
             return
         self._options = options
-        self._victims = options.save_admission == "tinylfu"
+        # With a tier shared by other engines, what is saved serves them too (this
+        # engine's sketch cannot see their demand): no chunk is refused for an L1
+        # victim; the local tiers are still kept for chunks seen twice.
+        self._tinylfu = options.save_admission == "tinylfu"
+        self._victims = self._tinylfu and not self.store.has_shared_tiers
         self._continuation = options.admission_continuation
         if options.save_admission == "all":
             self._admission = None
@@ -299,9 +305,9 @@ class SavePlanner:
             ok = False
         else:
             victim = None
-            if self._victims:
-                victim = self.store.l1_victim(math.prod(shape) * self.dtype.itemsize)
-                if victim is None:  # room: a copy that evicts nothing; the lower tiers wait for proof
+            if self._tinylfu:
+                victim = self.store.l1_victim(math.prod(shape) * self.dtype.itemsize) if self._victims else None
+                if victim is None:  # room (or shared tiers): the local lower tiers wait for proof
                     if max(adm.estimate(key), s.inherit) < adm.min_seen:
                         self._l1_only.add(key)
                     self._admitted += 1
