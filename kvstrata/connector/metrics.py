@@ -2,9 +2,13 @@
 from the store, the time loading them took, and the time that saved against
 recomputing them.
 
-The recompute estimate is the model's measured prefill cost per token (an
-exponential average over steps that computed at least ``MIN_TOKENS`` tokens,
-taken from the worker's reports) times the hit tokens, minus the load time.
+The recompute estimate is the model's measured prefill cost per token
+times the hit tokens, minus the load time. The cost of a step is fitted
+online as ``step_s + s_per_token * tokens`` (exponentially weighted least
+squares over the worker's reports of every step that computed tokens): the
+slope is the marginal cost of a token, the intercept what any step costs
+(launches, sampling, the loop), which the load-or-compute split pays once
+more when it computes a request's front in a step of its own.
 Counters are kept per event and read as a flat dict (``EngineStats.extra``).
 """
 
@@ -14,8 +18,42 @@ from collections import deque
 
 import msgspec
 
-MIN_TOKENS = 32
-_ALPHA = 0.2
+_ALPHA = 0.2  # weight of the newest step in the fit (alone: 1 / _ALPHA steps of memory)
+
+
+class StepCostFit:
+    """Owns: exponentially weighted sums of (tokens, seconds) of recent
+    steps; ``fit()`` gives (seconds per step, seconds per token)."""
+
+    __slots__ = ("n", "st", "ss", "stt", "sts")
+
+    def __init__(self) -> None:
+        self.n = self.st = self.ss = self.stt = self.sts = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        keep = 1.0 - _ALPHA
+        t = float(tokens)
+        self.n = self.n * keep + 1.0
+        self.st = self.st * keep + t
+        self.ss = self.ss * keep + seconds
+        self.stt = self.stt * keep + t * t
+        self.sts = self.sts * keep + t * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(intercept, slope); None before any step. Steps all of one size
+        give no slope apart from the intercept: then all of it is per token."""
+        if self.n <= 0 or self.st <= 0:
+            return None
+        var = self.n * self.stt - self.st * self.st
+        if var <= 1e-9 * self.n * self.stt:
+            return 0.0, self.ss / self.st
+        slope = (self.n * self.sts - self.st * self.ss) / var
+        intercept = (self.ss - slope * self.st) / self.n
+        if slope <= 0:
+            return 0.0, self.ss / self.st
+        if intercept < 0:
+            return 0.0, self.sts / self.stt
+        return intercept, slope
 
 
 class RequestTransferStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,8 +73,8 @@ class TransferMetrics:
     """Owns: the connector's counters, the per-tier totals, the recompute
     cost estimate and the last ``keep`` per-request records. Loop only."""
 
-    __slots__ = ("tiers", "hit_tokens", "load_s", "saved_s", "s_per_token", "requests",
-                 "counters")
+    __slots__ = ("tiers", "hit_tokens", "load_s", "saved_s", "s_per_token", "step_s", "requests",
+                 "counters", "_fit")
 
     # query_tokens: prompt tokens past the device hit that a finished
     # request's last lookup asked the store about: the denominator of every
@@ -55,7 +93,9 @@ class TransferMetrics:
         self.hit_tokens = dict.fromkeys(self.tiers, 0)
         self.load_s = dict.fromkeys(self.tiers, 0.0)
         self.saved_s = dict.fromkeys(self.tiers, 0.0)
-        self.s_per_token: float | None = None
+        self.s_per_token: float | None = None  # marginal prefill seconds per token (the fit's slope)
+        self.step_s = 0.0  # seconds any step costs (the fit's intercept)
+        self._fit = StepCostFit()
         self.requests: deque[RequestTransferStats] = deque(maxlen=keep)
         self.counters = dict.fromkeys(self.COUNTERS, 0)
 
@@ -63,11 +103,12 @@ class TransferMetrics:
         self.counters[name] += n
 
     def observe_forward(self, seconds: float, tokens: int) -> None:
-        if tokens < MIN_TOKENS or seconds <= 0:
+        if tokens <= 0 or seconds <= 0:
             return
-        per = seconds / tokens
-        old = self.s_per_token
-        self.s_per_token = per if old is None else old + _ALPHA * (per - old)
+        self._fit.observe(tokens, seconds)
+        fit = self._fit.fit()
+        if fit is not None:
+            self.step_s, self.s_per_token = fit
 
     def request_done(self, request_id: str, by_tier: dict[str, int], load_s: float,
                      failed_tokens: int) -> RequestTransferStats:
@@ -96,4 +137,5 @@ class TransferMetrics:
         if self.s_per_token is not None:
             out[f"{prefix}.recompute_s_per_token"] = self.s_per_token
             out[f"{prefix}.prefill_tokens_per_s"] = 1.0 / self.s_per_token
+            out[f"{prefix}.step_overhead_s"] = self.step_s
         return out

@@ -263,3 +263,27 @@ async def test_a_prefetched_promotion_is_split_too(oracle, make_engine, tmp_path
     stats = await engine.stats()
     assert _stats_split(stats)["split_loads"] == 1
     assert stats.extra.get("connector.disk.hit_tokens", 0.0) <= 2 * CHUNK
+
+
+def test_a_step_of_its_own_makes_a_small_split_not_worth_it():
+    chunks = [ChunkCost(100, 10_000, "disk")] * 4
+    # 0.1 s per chunk either way: split 2/2 (0.2 s) without overhead...
+    assert choose_split(chunks, 1e-3, *_rates({"disk": 1e5})).compute == 2
+    # ...but a 0.3 s step overhead makes computing any front slower than loading it all (0.4 s).
+    assert choose_split(chunks, 1e-3, *_rates({"disk": 1e5}), step_s=0.3).compute == 0
+
+
+def test_the_step_cost_fit_separates_overhead_from_per_token_cost():
+    from kvstrata.connector.metrics import StepCostFit, TransferMetrics
+
+    fit = StepCostFit()
+    assert fit.fit() is None
+    for tokens in (1, 32, 1, 512, 8, 256, 1, 1024) * 3:
+        fit.observe(tokens, 0.02 + 1e-4 * tokens)
+    a, b = fit.fit()
+    assert a == pytest.approx(0.02, rel=1e-6) and b == pytest.approx(1e-4, rel=1e-6)
+    m = TransferMetrics(["cpu"])
+    for _ in range(5):
+        m.observe_forward(0.05, 100)  # one size only: all of it per token
+    assert m.step_s == 0.0 and m.s_per_token == pytest.approx(5e-4)
+    assert m.as_dict()["connector.prefill_tokens_per_s"] == pytest.approx(2000)

@@ -7,14 +7,16 @@ CPU memory; once both are done the read chunks are copied in and the rest
 of the prompt is computed. The time until the hit is covered is::
 
     T(k) = max(compute(k), load(k))
-    compute(k) = tokens of chunks [0, k) x measured prefill seconds per token
+    compute(k) = a step's own cost + tokens of chunks [0, k) x prefill
+                 seconds per token (0 for k = 0: the front needs a step of
+                 its own only when there is one)
     load(k)    = max over tiers of the predicted read time of that tier's
                  chunks in [k, n)  (tiers read in parallel; CPU memory ~ 0)
 
 ``choose_split`` returns the ``k`` that minimizes ``T`` (ties: the smaller
 ``k``, loading more and computing less). Both rates are moving averages
 measured online: prefill seconds per token from the worker's step reports
-(``TransferMetrics.s_per_token``), each tier's read bandwidth and latency
+(``TransferMetrics.s_per_token`` and ``step_s``, fitted over steps), each tier's read bandwidth and latency
 from its reads (``kvstrata.io.rates.ReadRate``). Until a rate is measured
 the hit is loaded (load-only is what measures a tier); a tier whose recent
 reads mostly failed is not used (its chunks cost infinity).
@@ -42,17 +44,20 @@ class ChunkCost(NamedTuple):
 
 class Split(NamedTuple):
     """``compute``: leading chunks to recompute (0: load all; n: compute all);
-    ``seconds``: the predicted time until the hit is covered (None: unmeasured)."""
+    ``seconds``: the predicted time until the hit is covered, ``load_s``: until
+    the chunks after the front are read (None: unmeasured)."""
 
     compute: int
     seconds: float | None
     reason: str
+    load_s: float | None = None
 
 
 def choose_split(chunks: Sequence[ChunkCost], s_per_token: float | None,
                  predict: Callable[[str, int], float | None],
-                 failure_rate: Callable[[str], float]) -> Split:
-    """The split of ``chunks`` that minimizes the time to cover them.
+                 failure_rate: Callable[[str], float], step_s: float = 0.0) -> Split:
+    """The split of ``chunks`` that minimizes the time to cover them
+    (``step_s``: what computing the front in a step of its own adds).
 
     ``predict(tier, nbytes)``: seconds to read ``nbytes`` from ``tier`` in one
     batch, None if not measured; ``failure_rate(tier)``: its recent share of
@@ -90,9 +95,9 @@ def choose_split(chunks: Sequence[ChunkCost], s_per_token: float | None,
             if t is None:
                 return Split(0, None, "tier_unmeasured")
             load = max(load, t)
-        total = max(computed * s_per_token, load)
+        total = max(step_s + computed * s_per_token if k else 0.0, load)
         if best is None or total < best.seconds - 1e-12:  # type: ignore[operator]
-            best = Split(k, total, "")
+            best = Split(k, total, "", load)
         if k < m:
             computed += chunks[k].tokens
     assert best is not None
@@ -100,7 +105,7 @@ def choose_split(chunks: Sequence[ChunkCost], s_per_token: float | None,
     if tail and k == m:
         k = n  # everything up to the failing tier computed: the rest is too
     reason = "load_only" if k == 0 else "compute_only" if k >= m else "split"
-    return Split(k, best.seconds, reason)
+    return Split(k, best.seconds, reason, best.load_s)
 
 
 def forced_split(n: int, fraction: float) -> Split:

@@ -173,8 +173,10 @@ class LoadPlanner:
 
     def load_point(self, request: ConnectorRequest) -> int | None:
         """Where ``request`` (computing the front of a split hit) asks again:
-        the first fetched chunk, or, if its computed tokens are there and the
-        fetch has not landed, one chunk further; None: no split (any more)."""
+        the first fetched chunk; if its computed tokens are there and the
+        fetch has not landed, where they are (wait) when the fetch is due
+        sooner than computing one more chunk would take, else one chunk
+        further; None: no split (any more)."""
         t = self._loads.get(request.request_id)
         if t is None or t.split_at is None or t.plan is None:
             return None
@@ -182,6 +184,11 @@ class LoadPlanner:
         nc = request.num_computed_tokens
         if nc < t.split_at * cs:
             return t.split_at * cs
+        remaining = None if t.fetch_eta is None else t.fetch_eta - time.perf_counter()
+        s_tok = self.metrics.s_per_token
+        if remaining is not None and remaining > 0 and s_tok is not None \
+                and remaining < self.metrics.step_s + cs * s_tok:
+            return nc  # due sooner than one more chunk would take: wait for it
         nxt = (nc // cs + 1) * cs
         if nxt >= min(plan.token_end, request.num_tokens - 1):
             self.metrics.count("split_fetch_outrun")  # computing got past the hit first
@@ -268,7 +275,8 @@ class LoadPlanner:
             plan.cut(len(plan.objs), self.geo.chunk_size)
             return True
         if split:
-            k = self._split(plan).compute
+            decision = self._split(plan)
+            k = decision.compute
             if k >= len(plan.keys):
                 self.metrics.count("split_compute_only")
                 plan.cut(0, self.geo.chunk_size)
@@ -280,6 +288,8 @@ class LoadPlanner:
                 plan.start, plan.keys, plan.srcs = plan.start + k, keys, srcs
                 t.split_at = plan.start
                 t.fetch = self.spawn(self._fetch(t, list(keys), pins))
+                if decision.load_s is not None:
+                    t.fetch_eta = time.perf_counter() + decision.load_s
                 return True
             self.metrics.count("split_load_only")
         pins = self.store.pin(plan.keys, plan.srcs)
@@ -329,7 +339,7 @@ class LoadPlanner:
                   for k, name in zip(plan.keys, names, strict=True)]
         return choose_split(chunks, self.metrics.s_per_token,
                             lambda tier, nbytes: rates[tier].predict(nbytes),
-                            lambda tier: rates[tier].failure_rate)
+                            lambda tier: rates[tier].failure_rate, self.metrics.step_s)
 
     async def _fetch(self, t: LoadTracker, keys: list[ChunkKey], pins: list[Pin]) -> None:
         """The leading chunks, promoted into L1 and referenced, into

@@ -57,7 +57,7 @@ class LoadTracker:
     Owned by the LoadPlanner; loop only."""
 
     __slots__ = ("request", "plan", "lookup", "fetch", "fetched", "load_blocks", "load_skip", "load_limit",
-                 "handover", "hit_tokens", "hit_tier", "load_s", "query_tokens", "split_at")
+                 "handover", "hit_tokens", "hit_tier", "load_s", "query_tokens", "split_at", "fetch_eta")
 
     def __init__(self, request: ConnectorRequest) -> None:
         self.request = request
@@ -76,6 +76,7 @@ class LoadTracker:
         # Load or compute (``costs.choose_split``): the chunks before this one
         # are computed while the fetch reads the plan's chunks; None: no split.
         self.split_at: int | None = None
+        self.fetch_eta: float | None = None  # when the split's fetch is expected to land (perf_counter)
 
     @property
     def req_id(self) -> str:
@@ -92,6 +93,7 @@ class LoadTracker:
                 task.cancel()
         self.lookup = self.fetch = None
         self.split_at = None
+        self.fetch_eta = None
         if self.fetched is not None:
             release_all(self.fetched)
             self.fetched = None
