@@ -33,8 +33,9 @@ Then, before a chunk is given an L1 buffer:
                 (this one included), or if its request is a *continuation*
     "tinylfu"   while L1 has free room, save it (a copy into memory that
                 evicts nothing); when the save would evict L1's next victim,
-                only if the chunk's frequency beats the victim's (a
-                continuation's chunk counts as ``min_seen``). Either way the
+                only if the chunk's frequency beats the victim's, except a
+                continuation's chunks (the next turn reads them: recency
+                wins, they evict like any LRU insert). Either way the
                 lower tiers (disk, remote) get only the chunks that reach
                 ``min_seen``: a chunk not yet seen twice lives in L1 only
                 (``StorageManager.put(lower=False)``), so one-off traffic
@@ -306,7 +307,10 @@ class SavePlanner:
         else:
             victim = None
             if self._tinylfu:
-                victim = self.store.l1_victim(math.prod(shape) * self.dtype.itemsize) if self._victims else None
+                # A continuation's chunks are what its conversation's next turn reads:
+                # recency wins there, they take L1's next victim like any LRU insert.
+                victim = (self.store.l1_victim(math.prod(shape) * self.dtype.itemsize)
+                          if self._victims and not s.inherit else None)
                 if victim is None:  # room (or shared tiers): the local lower tiers wait for proof
                     if max(adm.estimate(key), s.inherit) < adm.min_seen:
                         self._l1_only.add(key)
