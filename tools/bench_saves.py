@@ -68,15 +68,19 @@ DEFAULT_MODES = "none,all/big,seen/big,tinylfu/big,all/small,tinylfu/small"
 
 
 # -- workloads -----------------------------------------------------------------------------
-def trace_requests(path: Path, n: int, divisor: int, seed: int) -> list[tuple[float, list[int], int]]:
-    """(arrival s, prompt ids, output tokens) of the first ``n`` requests."""
+def trace_requests(path: Path, n: int, divisor: int, seed: int,
+                   offset: int = 0) -> list[tuple[float, list[int], int]]:
+    """(arrival s from the window's first, prompt ids, output tokens) of
+    ``n`` requests from the ``offset``-th on."""
     block = max(1, 512 // divisor)
     blocks: dict[int, list[int]] = {}
     out = []
     with open(path) as f:
-        for line in f:
+        for i, line in enumerate(f):
             if len(out) >= n:
                 break
+            if i < offset:
+                continue
             rec = json.loads(line)
             ids = []
             for h in rec["hash_ids"]:
@@ -86,7 +90,8 @@ def trace_requests(path: Path, n: int, divisor: int, seed: int) -> list[tuple[fl
                 ids.extend(blocks[h])
             ids = ids[: max(1, rec["input_length"] // divisor)]
             out.append((rec["timestamp"] / 1000.0, ids, max(1, rec["output_length"] // divisor)))
-    return out
+    t0 = out[0][0] if out else 0.0
+    return [(t - t0, ids, o) for t, ids, o in out]
 
 
 def chats(n: int, turns: int, first: int, user: int, seed: int) -> list[list[list[int]]]:
@@ -243,7 +248,9 @@ async def run_workload(modes: list[str], args: argparse.Namespace, num_blocks: i
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=str(TRACE), help="Mooncake-format JSONL trace (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=300, help="first N requests of the trace (default: 300)")
+    p.add_argument("--requests", type=int, default=300, help="N requests of the trace (default: 300)")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip the trace's first requests: a later window (default: 0)")
     p.add_argument("--length-divisor", type=int, default=128, help="divide every length by this (default: 128)")
     p.add_argument("--load", type=float, default=0.8, help="target server busy fraction (default: 0.8)")
     p.add_argument("--conversations", type=int, default=6, help="chat workload: conversations (default: 6)")
@@ -277,12 +284,13 @@ async def main(argv: list[str] | None = None) -> dict:
                     "threads": args.threads, "repeats": args.repeats, "chunk_size": args.chunk_size,
                     "block_size": args.block_size, "workloads": {}}
     if "trace" in workloads:
-        reqs = trace_requests(Path(args.trace), args.requests, args.length_divisor, args.seed)
+        reqs = trace_requests(Path(args.trace), args.requests, args.length_divisor, args.seed, args.offset)
         blocks = args.trace_pool_tokens // args.block_size + 1
         service = await run_mode("none", args, blocks, lambda e: replay_trace(e, reqs, None, 16))
         span = max(reqs[-1][0], 1e-9)
         scale = service["wall_s"] / args.load / span
         report["workloads"]["trace"] = {
+            "trace": Path(args.trace).name, "offset": args.offset,
             "requests": len(reqs), "length_divisor": args.length_divisor,
             "prompt_tokens": sum(len(p) for _, p, _ in reqs), "service_s": service["wall_s"],
             "load": args.load, "arrival_span_s": round(span * scale, 2), "device_pool_tokens": args.trace_pool_tokens,

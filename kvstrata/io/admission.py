@@ -25,7 +25,8 @@ the doorkeeper (one bit each) and never reach the counters.
 ``AdmissionPolicy.admit(candidate, victim)``:
 
     victim given (L1 must evict it to make room)  admit iff the candidate's
-                                                  estimate beats the victim's
+                                                  estimate is at least the
+                                                  victim's (ties: the newer)
     no victim (free room)                         admit iff estimate >= min_seen
 
 ``inherited`` lets the caller lend a candidate the frequency of something it
@@ -185,10 +186,12 @@ class AdmissionPolicy:
 
     def admit(self, candidate: ChunkKey, victim: ChunkKey | None = None, *, inherited: int = 0) -> bool:
         """Store ``candidate``? With a ``victim`` (what storing it would
-        evict): only if its frequency (at least ``inherited``) beats the
-        victim's; with none (free room): if it reaches ``min_seen``."""
+        evict): only if its frequency (at least ``inherited``) is at least the
+        victim's (a tie goes to the newer chunk, as in an LRU: what a proven
+        chunk is protected from is a less frequent one); with none (free
+        room): if it reaches ``min_seen``."""
         freq = max(self.sketch.estimate(candidate), inherited)
-        ok = freq > self.sketch.estimate(victim) if victim is not None else freq >= self.min_seen
+        ok = freq >= self.sketch.estimate(victim) if victim is not None else freq >= self.min_seen
         if ok:
             self.admitted += 1
         else:

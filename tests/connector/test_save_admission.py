@@ -140,7 +140,6 @@ async def test_small_l1_keeps_serving_a_hot_prefix_under_one_off_prompts(oracle,
     hits = cpu_hits(core)
     if mode == "all":
         assert hits == 0  # every request's one-off chunks push the hot ones out of L1
-    elif mode == "seen":
-        assert hits == 32 * (n - 2)  # saved by the 2nd request, hit by every later one
-    else:  # copied in by the 1st while L1 had room, then kept: one-offs never beat it
-        assert hits == 32 * (n - 1)
+    else:  # seen: saved by the 2nd request; tinylfu: the 1st's own one-offs may push it
+        # out (a tie goes to the newer chunk) until the 2nd makes it twice seen; then kept
+        assert hits == 32 * (n - 2)

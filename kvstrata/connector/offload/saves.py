@@ -33,7 +33,7 @@ Then, before a chunk is given an L1 buffer:
                 (this one included), or if its request is a *continuation*
     "tinylfu"   while L1 has free room, save it (a copy into memory that
                 evicts nothing); when the save would evict L1's next victim,
-                only if the chunk's frequency beats the victim's, except a
+                only if the chunk's frequency reaches the victim's, except a
                 continuation's chunks (the next turn reads them: recency
                 wins, they evict like any LRU insert). Either way the
                 lower tiers (disk, remote) get only the chunks that reach
