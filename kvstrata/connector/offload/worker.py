@@ -69,6 +69,7 @@ class OffloadWorker:
         self._layer_loads: list[_Xfer] = []
         self._batched_slots: torch.Tensor | None = None  # CPU: every layer load's slots, concatenated
         self._layer_saves: list[_Xfer] = []
+        self._batched_save_slots: torch.Tensor | None = None  # CPU: every layer save's slots, concatenated
         self._saved: list[int] = []
         self._loaded: list[int] = []
         self._failed: set[int] = set()
@@ -116,6 +117,9 @@ class OffloadWorker:
             self._invalid.update(rt.failed_block_ids)
             self._layer_loads.extend(self._xfer(ch, rt.req_id) for ch in rt.chunks)
         self._layer_saves = [self._xfer(ch, rt.req_id) for rt in meta.layer_saves for ch in rt.chunks]
+        if not self.streams.is_cuda and len(self._layer_saves) > 1:
+            # CPU: one gather per layer for all chunks, then a plain copy into each buffer
+            self._batched_save_slots = torch.cat([x.slots for x in self._layer_saves])
         if self._layer_loads:
             if self.streams.is_cuda:
                 self._issue_layer(0)
@@ -233,7 +237,9 @@ class OffloadWorker:
             return
         t0 = time.perf_counter()
         key_cache, value_cache = self.kv_caches[layer]
-        for x in self._layer_saves:
+        if self._batched_save_slots is not None:
+            self._save_layer_batched(layer, key_cache, value_cache)
+        for x in self._layer_saves if self._batched_save_slots is None else ():
             if x.handle in self._failed:
                 continue
             try:
@@ -244,6 +250,23 @@ class OffloadWorker:
         dt = time.perf_counter() - t0
         self._hook_s += dt
         self._save_s += dt
+
+    def _save_layer_batched(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        """CPU: one gather of the layer for every chunk saved this step, then
+        each chunk's slice copied into its buffer (per-chunk kernel calls
+        cost more than the bytes on a CPU)."""
+        saves = self._layer_saves
+        try:
+            gathered = self.streams.store_layer(layer, key_cache, value_cache, self._batched_save_slots).result
+            off = 0
+            for x in saves:
+                n = x.buf.shape[2]
+                x.buf[layer].copy_(gathered[:, off:off + n])
+                off += n
+        except Exception:
+            log.exception("kv_save_failed", layer=layer, chunks=len(saves))
+            self._failed.update(x.handle for x in saves)
+            self._batched_save_slots = None
 
     # -- after the forward ---------------------------------------------------------
     def wait_for_save(self) -> None:
