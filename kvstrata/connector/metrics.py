@@ -86,7 +86,7 @@ class TransferMetrics:
                 # whose computing reached the end of the hit before the fetch landed
                 "split_load_only", "split_loads", "split_compute_only", "split_fetch_outrun",
                 # CacheBlend: requests blended, their segments found in the store or computed
-                "blend_requests", "blend_segment_hits", "blend_segment_misses", "blend_failed")
+                "blend_requests", "blend_segment_hits", "blend_segment_misses")
 
     def __init__(self, tier_names: list[str], keep: int = 1024) -> None:
         self.tiers = list(tier_names)

@@ -22,15 +22,18 @@ from kvstrata.io.memory import release_all
 
 class Lent:
     """One lent buffer: the object (the lender's reference), its key, the
-    request and, for a save with events on, how to publish it."""
+    request, for a save with events on how to publish it, and whether the
+    saved chunk goes to the local lower tiers too (``lower``; admission)."""
 
-    __slots__ = ("obj", "key", "req_id", "info")
+    __slots__ = ("obj", "key", "req_id", "info", "lower")
 
-    def __init__(self, obj: MemoryObj, key: ChunkKey, req_id: str, info: ChunkInfo | None = None) -> None:
+    def __init__(self, obj: MemoryObj, key: ChunkKey, req_id: str, info: ChunkInfo | None = None,
+                 *, lower: bool = True) -> None:
         self.obj = obj
         self.key = key
         self.req_id = req_id
         self.info = info
+        self.lower = lower
 
 
 class Lender:

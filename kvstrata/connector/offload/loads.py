@@ -148,16 +148,14 @@ class LoadPlanner:
         if t.plan is None or t.lookup is not None or (t.fetch is not None and not t.plan.is_async):
             if not self._make_plan(t, t.plan.start if t.plan is not None else start):
                 return Match(None)
-        if t.split_at is not None:  # just decided: compute up to it first
-            return Match(0, False, self._stored_until(t.plan))
-        if t.plan is not None and t.plan.start != start and not self._rebase(t, start):
+        if t.split_at is None and t.plan is not None and t.plan.start != start and not self._rebase(t, start):
             if not self._make_plan(t, start):
                 return Match(None)
-            if t.split_at is not None:
-                return Match(0, False, self._stored_until(t.plan))
         plan = t.plan
         assert plan is not None
-        stored_until = start + sum(1 for k in plan.keys if k.num_tokens == cs)
+        stored_until = self._stored_until(plan)
+        if t.split_at is not None:  # just decided: compute up to it first
+            return Match(0, False, stored_until)
         ext = min(plan.token_end, request.num_tokens - 1) - num_computed_tokens
         t.load_skip = num_computed_tokens - start * cs
         t.query_tokens = max(0, request.num_tokens - 1 - num_computed_tokens)
@@ -166,9 +164,8 @@ class LoadPlanner:
             return Match(0, False, stored_until)
         return Match(ext, plan.is_async, stored_until)
 
-    def _stored_until(self, plan: LoadPlan | None) -> int:
-        if plan is None:
-            return 0
+    def _stored_until(self, plan: LoadPlan) -> int:
+        """The chunk up to which the plan's chunks and those before it are stored."""
         return plan.start + sum(1 for k in plan.keys if k.num_tokens == self.geo.chunk_size)
 
     def load_point(self, request: ConnectorRequest) -> int | None:

@@ -124,37 +124,24 @@ class SavePlanner:
         self._saving: dict[str, _Saving] = {}
         self._bulk: list[_Bulk] = []
         self._step_finishing: list[str] = []
-        self._options: OffloadOptions | None = None
-        self._admission: AdmissionPolicy | None = None
-        self._victims = self._tinylfu = False
-        self._continuation = 1.0
         self._admitted = self._rejected = 0
-        self._l1_only: set[ChunkKey] = set()  # admitted into L1 only (tinylfu, room, not yet seen twice)
-        if options is not None:
-            self.set_admission(options)
-
-    def set_admission(self, options: OffloadOptions) -> None:
-        """Decide saves by ``options.save_admission`` from now on (the same
-        options again change nothing; others start a fresh sketch)."""
-        if options == self._options:
-            return
-        self._options = options
+        mode = options.save_admission if options is not None else "all"
+        self._tinylfu = mode == "tinylfu"
         # With a tier shared by other engines, what is saved serves them too (this
         # engine's sketch cannot see their demand): no chunk is refused for an L1
         # victim; the local tiers are still kept for chunks seen twice.
-        self._tinylfu = options.save_admission == "tinylfu"
-        self._victims = self._tinylfu and not self.store.has_shared_tiers
-        self._continuation = options.admission_continuation
-        if options.save_admission == "all":
-            self._admission = None
-            return
+        self._victims = self._tinylfu and not store.has_shared_tiers
+        self._continuation = options.admission_continuation if options is not None else 1.0
+        self._admission = self._policy(options) if options is not None and mode != "all" else None
+
+    def _policy(self, options: OffloadOptions) -> AdmissionPolicy:
         capacity = options.admission_capacity
-        if capacity is None:
+        if capacity is None:  # as many chunks as L1 holds, at least 1024
             layers, heads, size = self.dims
             chunk_bytes = layers * 2 * self.geo.chunk_size * heads * size * self.dtype.itemsize
             capacity = max(1024, self.store.config.cpu.capacity_bytes // chunk_bytes)
-        self._admission = AdmissionPolicy(capacity, min_seen=options.admission_min_seen,
-                                          sample_factor=options.admission_sample_factor)
+        return AdmissionPolicy(capacity, min_seen=options.admission_min_seen,
+                               sample_factor=options.admission_sample_factor)
 
     def stats(self) -> dict[str, float]:
         """Admission decisions since the start (every save asked for is
@@ -286,43 +273,45 @@ class SavePlanner:
             if len(blocks) * self.geo.block_size < n:
                 continue  # the request no longer holds these blocks
             shape = (layers, 2, n, heads, size)
-            if not self._admit(s, key, shape):
+            decision = self._admit(s, key, shape)
+            if decision is None:
                 continue
             obj = self.store.allocate(shape, self.dtype, "kv")
             if obj is None:
                 self.metrics.count("dropped_saves")
                 continue
             info = self.geo.info(req, c, n) if self.events is not None else None
-            handle = self.lender.lend(Lent(obj, key, req.request_id, info))
+            handle = self.lender.lend(Lent(obj, key, req.request_id, info, lower=decision))
             transfers.append(ChunkTransfer(handle, blocks, 0, n))
         return RequestTransfer(req.request_id, transfers) if transfers else None
 
-    def _admit(self, s: _Saving, key: ChunkKey, shape: tuple[int, ...]) -> bool:
+    def _admit(self, s: _Saving, key: ChunkKey, shape: tuple[int, ...]) -> bool | None:
+        """Save ``key``? None: no; else whether the local lower tiers get it too."""
+        decision = self._decide(s, key, shape)
+        if decision is None:
+            self._rejected += 1
+        else:
+            self._admitted += 1
+        return decision
+
+    def _decide(self, s: _Saving, key: ChunkKey, shape: tuple[int, ...]) -> bool | None:
         adm = self._admission
         if adm is None:
-            self._admitted += 1
             return True
         if s.gap:
-            ok = False
-        else:
-            victim = None
-            if self._tinylfu:
-                # A continuation's chunks are what its conversation's next turn reads:
-                # recency wins there, they take L1's next victim like any LRU insert.
-                victim = (self.store.l1_victim(math.prod(shape) * self.dtype.itemsize)
-                          if self._victims and not s.inherit else None)
-                if victim is None:  # room (or shared tiers): the local lower tiers wait for proof
-                    if max(adm.estimate(key), s.inherit) < adm.min_seen:
-                        self._l1_only.add(key)
-                    self._admitted += 1
-                    return True
-            ok = adm.admit(key, victim, inherited=s.inherit)
-            s.gap = not ok
-        if ok:
-            self._admitted += 1
-        else:
-            self._rejected += 1
-        return ok
+            return None
+        victim = None
+        if self._tinylfu:
+            # A continuation's chunks are what its conversation's next turn reads:
+            # recency wins there, they take L1's next victim like any LRU insert.
+            if self._victims and not s.inherit:
+                victim = self.store.l1_victim(math.prod(shape) * self.dtype.itemsize)
+            if victim is None:  # room (or shared tiers): the local lower tiers wait for proof
+                return max(adm.estimate(key), s.inherit) >= adm.min_seen
+        if not adm.admit(key, victim, inherited=s.inherit):
+            s.gap = True
+            return None
+        return True
 
     def put(self, saved: list[Lent]) -> None:
         """Put the buffers the worker saved into the store."""
@@ -332,8 +321,7 @@ class SavePlanner:
             key = entry.key
             if events is not None and entry.info is not None:
                 events.describe(key, entry.info)
-            self.store.put(key, entry.obj, lower=key not in self._l1_only)
-            self._l1_only.discard(key)
+            self.store.put(key, entry.obj, lower=entry.lower)
             entry.obj.release()
             self.metrics.count("saved_chunks")
             if events is not None:

@@ -59,19 +59,20 @@ class OffloadScheduler:
         self.metrics = metrics
         self.keyer = keyer = store.keyer(_store_identity(spec, opts.chunk_size))  # this engine's chunk keys
         geometry = ChunkGeometry(keyer.fingerprint, spec.block_size, opts.chunk_size)
-        bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_size * getattr(torch, spec.dtype).itemsize
+        dtype = getattr(torch, spec.dtype)
+        bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_size * dtype.itemsize
         self.loads = LoadPlanner(store, geometry, keyer, opts, lender, metrics, events, wakeup or Wakeup(),
                                  bytes_per_token=bytes_per_token)
         self.saves = SavePlanner(store, geometry, lender, metrics, events, num_layers=spec.num_layers,
                                  num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                                 dtype=getattr(torch, spec.dtype), save_decode=opts.save_decode,
+                                 dtype=dtype, save_decode=opts.save_decode,
                                  # a producer saves for its consumer: everything
                                  options=msgspec.structs.replace(opts, save_admission="all")
                                  if role == "producer" else opts)
         self.segments = SegmentPlanner(store, keyer.fingerprint, lender, metrics, self.loads.spawn,
                                        block_size=spec.block_size, num_layers=spec.num_layers,
                                        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                                       dtype=getattr(torch, spec.dtype))
+                                       dtype=dtype)
         self._step = itertools.count(1)
 
     def bind_block_tables(self, tables: BlockTables) -> None:

@@ -141,13 +141,15 @@ class SegmentPlanner:
         b.objs = objs
 
     async def _fetch(self, b: _Blend, lower: list[int]) -> None:
-        for i in lower:
-            got = await self.store.get([b.keys[i]])
-            if self._reqs.get(b.request.request_id) is not b:
-                release_all(got)
-                return
-            if got:
-                b.fetched[i] = got[0]
+        """Promote the segments on lower tiers, all at once (each is its own
+        object: one ``get`` each, since a ``get`` stops at its first miss)."""
+        got = await asyncio.gather(*(self.store.get([b.keys[i]]) for i in lower))
+        if self._reqs.get(b.request.request_id) is not b:
+            release_all([o for objs in got for o in objs])
+            return
+        for i, objs in zip(lower, got, strict=True):
+            if objs:
+                b.fetched[i] = objs[0]
 
     def allocated(self, request: ConnectorRequest, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         b = self._reqs.get(request.request_id)

@@ -130,11 +130,15 @@ class OffloadWorker:
     def _xfer(self, ch: ChunkTransfer, req_id: str) -> _Xfer:
         buf = self.buffers[ch.handle]
         n = buf.shape[2]
-        blocks = np.asarray(ch.block_ids, dtype=np.int64)
-        flat = (blocks[:, None] * self.block_size + self._arange).reshape(-1)
+        flat = self._block_slots(ch.block_ids)
         slots = np.full(n, -1, dtype=np.int64)
         slots[ch.skip:ch.limit] = flat[ch.skip:ch.limit]
         return _Xfer(ch.handle, buf, torch.from_numpy(slots), req_id, list(ch.block_ids))
+
+    def _block_slots(self, block_ids: list[int]) -> np.ndarray:
+        """The cache slots of ``block_ids``, in order."""
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        return (blocks[:, None] * self.block_size + self._arange).reshape(-1)
 
     def _bulk_save(self, x: _Xfer) -> None:
         try:
@@ -169,10 +173,8 @@ class OffloadWorker:
                 raise RuntimeError("no blender: this model cannot blend")
             cached = [self.buffers[h] if h >= 0 else None for h in bl.cached]
             kv, fresh = self.blender(bl.token_ids, bl.segments, cached, bl.recompute_ratio)
-            blocks = np.asarray(bl.block_ids, dtype=np.int64)
-            slots = (blocks[:, None] * self.block_size + self._arange).reshape(-1)[bl.skip:end]
-            self.streams.load_all(kv[:, :, bl.skip:].contiguous(), self.kv_caches,
-                                  torch.from_numpy(np.ascontiguousarray(slots)))
+            slots = np.ascontiguousarray(self._block_slots(bl.block_ids)[bl.skip:end])
+            self.streams.load_all(kv[:, :, bl.skip:].contiguous(), self.kv_caches, torch.from_numpy(slots))
             self._loaded.extend(h for h in bl.cached if h >= 0)
             for h, seg in zip(bl.saves, fresh, strict=True):
                 if h >= 0 and seg is not None:
@@ -239,14 +241,15 @@ class OffloadWorker:
         key_cache, value_cache = self.kv_caches[layer]
         if self._batched_save_slots is not None:
             self._save_layer_batched(layer, key_cache, value_cache)
-        for x in self._layer_saves if self._batched_save_slots is None else ():
-            if x.handle in self._failed:
-                continue
-            try:
-                self.streams.store_layer(layer, key_cache, value_cache, x.slots, host_out=x.buf[layer])
-            except Exception:
-                log.exception("kv_save_failed", request_id=x.req_id, layer=layer)
-                self._failed.add(x.handle)
+        else:
+            for x in self._layer_saves:
+                if x.handle in self._failed:
+                    continue
+                try:
+                    self.streams.store_layer(layer, key_cache, value_cache, x.slots, host_out=x.buf[layer])
+                except Exception:
+                    log.exception("kv_save_failed", request_id=x.req_id, layer=layer)
+                    self._failed.add(x.handle)
         dt = time.perf_counter() - t0
         self._hook_s += dt
         self._save_s += dt
