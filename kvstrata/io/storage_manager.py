@@ -34,8 +34,8 @@ returns at most what L1 can hold at once: ask in batches smaller than L1.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 import structlog
@@ -73,14 +73,16 @@ class StorageManager:
         self._through = [t for t in self.tiers if not t.write_back]
         self._back = [t for t in self.tiers if t.write_back]
         self._through_shared = [t for t in self._through if t.kind not in LOCAL_KINDS]
+        self._through_local = [t for t in self._through if t.kind in LOCAL_KINDS]
         self._pins: dict[ChunkKey, list[int]] = {}
         self._l1_only: set[ChunkKey] = set()  # put with lower=False, still in L1
         self._flushing: dict[ChunkKey, MemoryObj] = {}
         self._sources = Sources(self.l1, self.tiers, self._flushing)
         # Per lower tier (index = source - 1): measured reads, and the cap its spec sets.
         self._rates = [ReadRate() for _ in self.tiers]
-        caps = [spec.read_bandwidth_bps for spec in config.tiers] if len(config.tiers) == len(self.tiers) else []
-        self._throttles = [ReadThrottle(c) if c else None for c in caps] or [None] * len(self.tiers)
+        caps = ([spec.read_bandwidth_bps for spec in config.tiers] if len(config.tiers) == len(self.tiers)
+                else [None] * len(self.tiers))  # tiers handed in ready-made: no caps
+        self._throttles = [ReadThrottle(c) if c else None for c in caps]
         self._lookups = self._lookup_chunks = self._lookup_hits = 0
         self._on_write: Callable[[], None] | None = None
         self._closed = False
@@ -153,13 +155,7 @@ class StorageManager:
             self._l1_only.discard(key)
         else:
             self._l1_only.add(key)
-        through = self._through if lower else self._through_shared
-        if through:
-            fut = self.l1.in_flight(key)
-            if fut is None:
-                self._write_through(key, obj, through)
-            else:
-                fut.add_done_callback(lambda f: _succeeded(f) and self._write_through(key, obj, through))
+        self._write_through(key, obj, self._through if lower else self._through_shared)
         return True
 
     def batched_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
@@ -168,6 +164,16 @@ class StorageManager:
         return sum(self.put(k, o) for k, o in zip(keys, objs))
 
     def _write_through(self, key: ChunkKey, obj: MemoryObj, tiers: list[LowerTier]) -> None:
+        """Write ``obj`` to ``tiers`` now, or once its L1 entry is filled."""
+        if not tiers:
+            return
+        fut = self.l1.in_flight(key)
+        if fut is None:
+            self._submit_puts(key, obj, tiers)
+        else:
+            fut.add_done_callback(lambda f: _succeeded(f) and self._submit_puts(key, obj, tiers))
+
+    def _submit_puts(self, key: ChunkKey, obj: MemoryObj, tiers: list[LowerTier]) -> None:
         if self._closed or obj.ref_count == 0:
             return
         for t in tiers:
@@ -311,14 +317,7 @@ class StorageManager:
         it is worth their I/O now."""
         if key in self._l1_only:
             self._l1_only.discard(key)
-            local = [t for t in self._through if t.kind in LOCAL_KINDS]
-            if not local:
-                return
-            fut = self.l1.in_flight(key)
-            if fut is None:
-                self._write_through(key, obj, local)
-            else:
-                fut.add_done_callback(lambda f: _succeeded(f) and self._write_through(key, obj, local))
+            self._write_through(key, obj, self._through_local)
 
     def pin(self, keys: Sequence[ChunkKey], srcs: Sequence[int]) -> list[Pin]:
         """Pin each key in the source that ``srcs`` names, where that tier can

@@ -129,11 +129,8 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Any]) -> str | list[int]:
     """The prompt for ``messages``: token ids of the rendered template when
     the tokenizer has one (special tokens are in the text), else the plain
     format as text (tokenized as any prompt). ValueError names what is wrong."""
-    msgs = message_dicts(messages)
-    template = getattr(tokenizer, "chat_template", None)
-    if template is None:
-        return plain_chat(msgs)
-    return tokenizer.encode(template.render(msgs, add_generation_prompt=True), add_special_tokens=False)
+    text, plain = chat_text(tokenizer, messages)
+    return text if plain else tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_text(tokenizer: Any, messages: Sequence[Any]) -> tuple[str, bool]:

@@ -32,7 +32,9 @@ from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadat
 from kvstrata.worker.model.config import LlamaArchConfig
 from kvstrata.worker.model.default_model import default_model_dir
 from kvstrata.worker.model.loader import load_checkpoint
+from kvstrata.worker.model.llama import LlamaForCausalLM
 from kvstrata.worker.sampler import Sampler
+from kvstrata.worker.segment_blender import SegmentBlender
 from kvstrata.text.tokenizer import load_tokenizer
 from kvstrata.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches
@@ -139,23 +141,16 @@ class ModelRunner:
         self.kv_connector = worker
         if self.kv_caches is not None:
             worker.register_kv_caches(self.kv_caches, self.device)
-        if self.can_blend:
-            from kvstrata.connector.offload.worker import OffloadWorker
-            from kvstrata.worker.segment_blender import SegmentBlender
-
-            for w in getattr(worker, "children", [worker]):
-                if isinstance(w, OffloadWorker):
-                    w.blender = SegmentBlender(self.model)
+        if isinstance(self.model, LlamaForCausalLM):
+            blender = SegmentBlender(self.model)
+            for w in _workers(worker):
+                if hasattr(w, "blender"):  # a connector worker that can blend (the offload one)
+                    w.blender = blender
 
     @property
     def can_blend(self) -> bool:
-        """CacheBlend runs here: a Llama-family model under an offload connector."""
-        from kvstrata.connector.offload.worker import OffloadWorker
-        from kvstrata.worker.model.llama import LlamaForCausalLM
-
-        w = self.kv_connector
-        return isinstance(self.model, LlamaForCausalLM) and any(
-            isinstance(c, OffloadWorker) for c in getattr(w, "children", [w]) if c is not None)
+        """CacheBlend runs here: a Llama-family model under a connector that blends."""
+        return any(getattr(w, "blender", None) is not None for w in _workers(self.kv_connector))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Compute every scheduled token, sample for requests that reach their end."""
@@ -295,3 +290,10 @@ class ModelRunner:
             batch.add(data)
         if so.scheduled_cached_reqs.req_ids:
             batch.update(so.scheduled_cached_reqs)
+
+
+def _workers(worker: Any) -> list[Any]:
+    """A connector's worker sides (a multi-connector's children, or itself)."""
+    if worker is None:
+        return []
+    return list(getattr(worker, "children", [worker]))
