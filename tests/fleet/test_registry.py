@@ -13,7 +13,6 @@ import asyncio
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,8 @@ import pytest
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs, _cluster_port, _ping  # noqa: E402
+from tests.io.io_helpers import RedisServer  # noqa: E402
+from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs  # noqa: E402
 
 from kvstrata.fleet.registry import (  # noqa: E402
     EngineDirectory,
@@ -44,39 +44,14 @@ def _need_redis() -> None:
         pytest.skip("redis-server / redis-cli not installed")
 
 
-class SingleRedis:
-    """One redis-server on a loopback port (no persistence); restartable on the same port."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = _cluster_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [REDIS_BIN, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not _ping(self.port):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+def redis_url(server: RedisServer) -> str:
+    return f"redis://127.0.0.1:{server.port}/0"
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     _need_redis()
-    s = SingleRedis(tmp_path_factory.mktemp("redis-single"))
+    s = RedisServer(tmp_path_factory.mktemp("redis-single"))
     s.start()
     yield s
     s.kill()
@@ -101,7 +76,7 @@ def backend(request):
     if request.param == "single":
         s = request.getfixturevalue("single")
         client = redis.Redis(host="127.0.0.1", port=s.port)
-        yield s.url, client
+        yield redis_url(s), client
     else:
         c = request.getfixturevalue("cluster")
         client = redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in c.startup_nodes])
@@ -263,10 +238,10 @@ async def test_cluster_members_span_every_master(cluster):
 
 async def test_watch_and_heartbeat_ride_out_a_redis_restart(tmp_path):
     _need_redis()
-    server = SingleRedis(tmp_path)
+    server = RedisServer(tmp_path)
     server.start()
     try:
-        cfg = config(server.url, **FAST)
+        cfg = config(redis_url(server), **FAST)
         async with EngineDirectory(cfg) as d, EngineRegistration(cfg, rec("e0", 5)) as reg:
             w = Watcher(d, 0.1)
             try:
