@@ -41,6 +41,21 @@ is ``b * prompt_tokens + c * output_tokens + a * prefill_steps`` (no cache
 hits assumed; decode steps' overhead, shared by a batch, is not counted).
 The same arrival times are replayed for every policy.
 
+Shared tier (``--shared-tier-blocks N``): the fleet's shared remote tier
+(Redis / Redis Cluster in a real fleet) as an LRU of N blocks. Every block a
+replica caches is written to it (shared tiers get every saved chunk); a
+request admitted on any replica loads the tier's blocks that follow its
+device hit, as the connector would (at ``--remote-token-s`` simulated seconds
+a token, in that step); the saving replica's event stream reports the tier's
+``REMOTE`` stores and evictions, which the router counts for every replica.
+``hit_rate_with_shared_tier`` is device plus tier hits.
+
+Load sweep (``--sweep-loads 0.6,0.8,1.0``): round-robin, kv and the single
+big cache replayed at each offered load, with TTFT p50 / p99, the kv /
+round-robin ratios and each policy's ``utilization`` (its simulated busy
+time over the arrival span: the load it really put on the fleet, which the
+offered load, counted without cache hits, overstates).
+
 Policies: ``round-robin``, ``session``, ``kv`` (the router's three), and the
 ideal baseline ``single-big-cache``: ONE replica whose pool is all N pools
 together, with the same per-step token budget and an N times faster cost
@@ -61,6 +76,7 @@ The router's token-denominated settings are scaled with the lengths
 2048 / divisor); the rest are ``RouterConfig`` defaults.
 
     python tools/bench_trace_router.py [--replicas 4 --trace both --plot /tmp/out ...]
+    python tools/bench_trace_router.py --trace synthetic --shared-tier-blocks 131072 --sweep-loads 0.8,1.0
 """
 
 from __future__ import annotations
@@ -73,15 +89,15 @@ import math
 import random
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from pathlib import Path
 
 import msgspec
 
 from kvstrata.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager, make_block_hasher
-from kvstrata.kv.events import KVEventBatch
+from kvstrata.kv.events import BlockRemoved, BlockStored, KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
-from kvstrata.router import GPU, ReplicaLoad, Router, RouterConfig
+from kvstrata.router import GPU, REMOTE, ReplicaLoad, Router, RouterConfig
 
 TRACE_BLOCK = 512  # tokens per trace hash id
 VOCAB = 32_000
@@ -211,7 +227,7 @@ class SimRequest:
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "block_hashes",
                  "lora_name", "cache_salt", "mm_features", "prompt_embeds_digest", "num_preemptions",
                  "arrival", "output_len", "num_output", "first_token_t", "finish_t", "hit_tokens", "idx",
-                 "predicted_hit")
+                 "predicted_hit", "tier_hit_tokens")
 
     def __init__(self, tr: TraceRequest) -> None:
         self.request_id = f"req-{tr.idx}"
@@ -229,6 +245,7 @@ class SimRequest:
         self.first_token_t: float | None = None
         self.finish_t: float | None = None
         self.hit_tokens: int | None = None  # device hit at first admission
+        self.tier_hit_tokens = 0  # shared-tier hit beyond it, loaded at first admission
         self.predicted_hit = 0
 
     @property
@@ -236,12 +253,62 @@ class SimRequest:
         return len(self.all_token_ids)
 
 
+class SharedTier:
+    """The fleet's shared remote tier (Redis / Redis Cluster in a real
+    fleet): an LRU set of block hashes of ``capacity`` blocks that every
+    replica writes its cached blocks to (shared tiers get every saved chunk)
+    and every replica reads. Each entry remembers the replica that saved it:
+    that replica's event stream reports it (``REMOTE`` BlockStored, and
+    BlockRemoved when evicted), as the engine's connector reports its saves.
+    Owns: the entries and the REMOTE events not yet published."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[bytes, str] = OrderedDict()
+        self.pending: dict[str, list] = {}
+        self.hits = self.saves = self.evictions = 0
+
+    def save(self, owner: str, hashes: list[bytes]) -> None:
+        entries, stored = self.entries, []
+        for h in hashes:
+            if h in entries:
+                entries.move_to_end(h)
+                continue
+            entries[h] = owner
+            stored.append(h)
+            self.saves += 1
+            if len(entries) > self.capacity:
+                old, old_owner = entries.popitem(last=False)
+                self.evictions += 1
+                self._publish(old_owner, BlockRemoved(block_hashes=[old], medium=REMOTE))
+        if stored:
+            self._publish(owner, BlockStored(block_hashes=stored, parent_block_hash=None, token_ids=[],
+                                             block_size=0, medium=REMOTE))
+
+    def _publish(self, owner: str, event) -> None:
+        self.pending.setdefault(owner, []).append(event)
+
+    def match(self, hashes: list[bytes], start: int) -> int:
+        """How many of ``hashes[start:]``, in order, the tier holds (they are touched)."""
+        entries, n = self.entries, 0
+        for h in hashes[start:]:
+            if h not in entries:
+                break
+            entries.move_to_end(h)
+            n += 1
+        self.hits += n
+        return n
+
+    def take(self, owner: str) -> list:
+        return self.pending.pop(owner, [])
+
+
 class Replica:
     """A real KVCacheManager with a simple continuous-batching step loop and
     a linear cost model. Owns its waiting queue and running list."""
 
     def __init__(self, name: str, num_blocks: int, identity: CacheIdentity, args: argparse.Namespace,
-                 speed: float) -> None:
+                 speed: float, shared: SharedTier | None = None) -> None:
         bs = identity.block_size
         spec = FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype="bfloat16")
         self.kv = KVCacheManager(
@@ -253,6 +320,9 @@ class Replica:
         self.a = args.step_overhead_s / speed
         self.b = args.prefill_token_s / speed
         self.c = args.decode_req_s / speed
+        self.r = args.remote_token_s / speed
+        self.shared = shared
+        self.loaded_tokens = 0
         self.budget = args.token_budget
         self.max_running = args.max_running
         self.waiting: deque[SimRequest] = deque()
@@ -311,26 +381,34 @@ class Replica:
             else:
                 prefill += n
             i += 1
+        loaded = 0
         if not preempted:
-            waiting = self.waiting
+            waiting, shared, bs = self.waiting, self.shared, kv.hash_block_size
             while waiting and budget > 0 and len(running) < self.max_running:
                 req = waiting[0]
                 hit, num_hit = kv.get_computed_blocks(req)
-                n = min(req.num_tokens - num_hit, budget)
-                if kv.allocate_slots(req, n, num_hit, hit) is None:
+                ext = 0
+                if shared is not None:  # the connector's lookup: the shared tier's blocks after the device hit
+                    last = (req.num_tokens - 1) // bs  # the last prompt token is always computed
+                    ext = min(shared.match(req.block_hashes, num_hit // bs), max(last - num_hit // bs, 0)) * bs
+                n = min(req.num_tokens - num_hit - ext, budget)
+                if kv.allocate_slots(req, n, num_hit, hit, num_external_computed_tokens=ext) is None:
                     break  # the pool is full: it stays queued
                 waiting.popleft()
-                req.num_computed_tokens = num_hit
+                req.num_computed_tokens = num_hit + ext
+                loaded += ext
                 if req.hit_tokens is None:
                     req.hit_tokens = num_hit
+                    req.tier_hit_tokens = ext
                 running.append(req)
                 sched.append((req, n))
                 budget -= n
                 prefill += n
         self._sched = sched
         self.prefill_tokens += prefill
+        self.loaded_tokens += loaded
         self.steps += 1
-        dt = self.a + self.b * prefill + self.c * decodes
+        dt = self.a + self.b * prefill + self.c * decodes + self.r * loaded
         self.busy_s += dt
         return dt
 
@@ -379,7 +457,9 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
     router = Router(identity, RouterConfig(policy="kv" if big else policy, decode_weight=16.0 / div,
                                            load_skip_min_tokens=2048.0 / div, affinity=args.affinity,
                                            load_skip_factor=args.load_skip_factor))
-    replicas = [Replica(f"replica-{i}", pool, identity, args, speed=args.replicas if big else 1.0) for i in range(n)]
+    shared = SharedTier(args.shared_tier_blocks) if args.shared_tier_blocks > 0 else None
+    replicas = [Replica(f"replica-{i}", pool, identity, args, speed=args.replicas if big else 1.0, shared=shared)
+                for i in range(n)]
     by_name = {r.name: r for r in replicas}
     for r in replicas:
         router.reset_replica(r.name, epoch=1)
@@ -429,15 +509,24 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                 rep = obj
                 assert isinstance(rep, Replica)
                 rep.end_step(now, finished)
-                events = rep.kv.take_events()
-                if events:
-                    batch = KVEventBatch(ts=now, events=[
-                        e if e.medium == GPU else msgspec.structs.replace(e, medium=GPU) for e in events])
+                events = [e if e.medium == GPU else msgspec.structs.replace(e, medium=GPU)
+                          for e in rep.kv.take_events()]
+                if shared is not None:  # write-through of the newly cached blocks, then the tier's REMOTE events
+                    for e in events:
+                        if type(e) is BlockStored:
+                            shared.save(rep.name, e.block_hashes)
+                    events += shared.take(rep.name)
+                publish = [(rep, events)]
+                if shared is not None:  # other replicas' saves evicted from the tier: their streams report it
+                    publish += [(o, shared.take(o.name)) for o in replicas if o is not rep and o.name in shared.pending]
+                for owner, evs in publish:
+                    if not evs:
+                        continue
                     t0 = time.perf_counter_ns()
-                    res = router.ingest(rep.name, rep.seq, batch, epoch=1)
+                    res = router.ingest(owner.name, owner.seq, KVEventBatch(ts=now, events=evs), epoch=1)
                     ingest_ns += time.perf_counter_ns() - t0
                     assert res.action == "applied", res
-                    rep.seq += 1
+                    owner.seq += 1
                     batches += 1
                 router.set_load(rep.name, rep.load())
                 if rep.has_work():
@@ -452,14 +541,20 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
     prompt_tokens = sum(r.num_prompt_tokens for r in reqs)
     output_tokens = sum(r.output_len for r in reqs)
     hit = sum(r.hit_tokens or 0 for r in reqs)
+    tier_hit = sum(r.tier_hit_tokens for r in reqs)
     ttft = [r.first_token_t - r.arrival for r in reqs]  # type: ignore[operator]
     makespan = max(r.finish_t for r in reqs) - min(r.arrival for r in reqs)  # type: ignore[type-var]
     pf = [r.prefill_tokens for r in replicas]
     busy = [r.busy_s for r in replicas]
+    arrival_span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
     out = {
         "replicas": n,
         "pool_blocks_per_replica": pool,
         "prefix_hit_rate": round(hit / prompt_tokens, 4),
+        "shared_tier_hit_rate": round(tier_hit / prompt_tokens, 4) if shared is not None else None,
+        "hit_rate_with_shared_tier": round((hit + tier_hit) / prompt_tokens, 4) if shared is not None else None,
+        "shared_tier": ({"capacity_blocks": shared.capacity, "saved_blocks": shared.saves, "evictions": shared.evictions,
+                         "loaded_tokens": sum(r.loaded_tokens for r in replicas)} if shared is not None else None),
         # The device hit the kv policy expected from its index at dispatch (the other policies score no hits).
         "router_predicted_hit_rate": (round(sum(r.predicted_hit for r in reqs) / prompt_tokens, 4)
                                       if policy in ("kv", BIG) else None),
@@ -474,6 +569,8 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                                         "max_over_mean": round(max(pf) / (sum(pf) / n), 3) if sum(pf) else None},
         "replica_load_busy_s": {"max": round(max(busy), 3), "mean": round(sum(busy) / n, 3),
                                 "max_over_mean": round(max(busy) / (sum(busy) / n), 3) if sum(busy) else None},
+        # The load this policy really put on the fleet: simulated busy time over the arrival span.
+        "utilization": round(sum(busy) / n / arrival_span, 3) if arrival_span > 0 else None,
         "requests_per_replica": [r.dispatched for r in replicas],
         "preemptions": sum(r.preemptions for r in replicas),
         "steps": sum(r.steps for r in replicas),
@@ -513,6 +610,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-overhead-s", type=float, default=0.004, help="a: simulated seconds per step")
     ap.add_argument("--prefill-token-s", type=float, default=0.0002, help="b: simulated seconds per prefill token")
     ap.add_argument("--decode-req-s", type=float, default=0.0004, help="c: simulated seconds per decoding request")
+    ap.add_argument("--shared-tier-blocks", type=int, default=0,
+                    help="a shared remote tier (Redis in a real fleet) of this many blocks that every replica "
+                         "writes its cached blocks to and reads after its device hit (0: none)")
+    ap.add_argument("--remote-token-s", type=float, default=0.000025,
+                    help="r: simulated seconds to load one token's KV from the shared tier (in the step: a + b * "
+                         "prefill + c * decodes + r * loaded; default b / 8)")
     ap.add_argument("--session-key", choices=("first-unshared", "first"), default="first-unshared",
                     help="the session policy's key: the first hash id that is not a fleet-wide shared prefix "
                          "(default), or the first hash id (in the conversation trace: 0 for every request)")
@@ -526,7 +629,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="RouterConfig.affinity of the kv policy (default: the router's default)")
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR",
                     help="write bench_trace_router.json and bench_trace_router.png there")
+    ap.add_argument("--sweep-loads", default="", metavar="L1,L2,...",
+                    help="also replay round-robin, kv and the single big cache at each of these offered loads "
+                         "and report TTFT p50 / p99, their kv / round-robin ratios and each policy's utilization "
+                         "(\"load_sweep\")")
     args = ap.parse_args(argv)
+    try:
+        args.sweep_loads = [float(x) for x in args.sweep_loads.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sweep-loads must be comma-separated numbers, got {args.sweep_loads!r}")
+    if any(x <= 0 for x in args.sweep_loads) or args.load <= 0:
+        ap.error("loads must be > 0")
     if TRACE_BLOCK % args.length_divisor:
         ap.error("--length-divisor must divide 512")
     if args.replicas < 1 or args.blocks_total // args.replicas < 2:
@@ -566,6 +679,25 @@ def plot(results: dict, ttfts: dict, out_dir: Path) -> str:
     return str(png)
 
 
+def load_sweep(rows: list[dict], args: argparse.Namespace, identity: CacheIdentity, max_tokens: int) -> list[dict]:
+    """TTFT of round-robin, kv and the single big cache at each of ``--sweep-loads``."""
+    out = []
+    for load in args.sweep_loads:
+        trace, _ = build_workload(rows, argparse.Namespace(**{**vars(args), "load": load}), max_tokens)
+        res = {p: simulate(trace, p, args, identity) for p in ("round-robin", "kv", BIG)}
+        row: dict = {"offered_load": load}
+        for p, r in res.items():
+            row[p] = {"ttft_p50_s": r["ttft_p50_s"], "ttft_p99_s": r["ttft_p99_s"], "utilization": r["utilization"],
+                      "prefix_hit_rate": r["prefix_hit_rate"]}
+        rr, kv, big = res["round-robin"], res["kv"], res[BIG]
+        row["kv_over_round_robin"] = {"ttft_p50": round(kv["ttft_p50_s"] / rr["ttft_p50_s"], 3),
+                                      "ttft_p99": round(kv["ttft_p99_s"] / rr["ttft_p99_s"], 3)}
+        row["big_over_round_robin"] = {"ttft_p50": round(big["ttft_p50_s"] / rr["ttft_p50_s"], 3),
+                                       "ttft_p99": round(big["ttft_p99_s"] / rr["ttft_p99_s"], 3)}
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     wall0 = time.perf_counter()
@@ -597,6 +729,8 @@ def main(argv: list[str] | None = None) -> dict:
             pol_out[policy]["hit_rate_vs_single_big_cache"] = (
                 round(pol_out[policy]["prefix_hit_rate"] / ref, 3) if ref else None)
         results["traces"][name] = {"workload": info, "policies": pol_out}
+        if args.sweep_loads:
+            results["traces"][name]["load_sweep"] = load_sweep(rows, args, identity, max_tokens)
     results["wall_s"] = round(time.perf_counter() - wall0, 1)
     if args.plot is not None:
         args.plot.mkdir(parents=True, exist_ok=True)

@@ -66,3 +66,49 @@ def test_small_pool_preempts_and_leaks_nothing(capsys):
     assert sum(tr["policies"][p]["preemptions"] for p in POLICIES) > 0
     for name, r in tr["policies"].items():
         check_policy(r, 1 if name == "single-big-cache" else 2)
+
+
+def test_shared_tier_counts_for_every_replica(capsys):
+    """A shared tier as big as the whole trace: every policy's hits with it
+    reach at least its device hits, round-robin reads blocks another replica
+    computed, and a tier smaller than the trace evicts (its REMOTE removals
+    reach the router in the owners' streams) without leaking a block."""
+    tool = load_tool()
+    out = tool.main(["--trace", "synthetic", "--num-requests", "100", "--replicas", "2",
+                     "--shared-tier-blocks", "100000"])
+    capsys.readouterr()
+    pols = out["traces"]["synthetic"]["policies"]
+    for name, r in pols.items():
+        check_policy(r, 1 if name == "single-big-cache" else 2)
+        assert r["hit_rate_with_shared_tier"] == pytest.approx(r["prefix_hit_rate"] + r["shared_tier_hit_rate"],
+                                                               abs=2e-4)
+        assert r["shared_tier"]["saved_blocks"] > 0 and r["shared_tier"]["evictions"] == 0
+    rr = pols["round-robin"]
+    assert rr["shared_tier_hit_rate"] > 0 and rr["shared_tier"]["loaded_tokens"] > 0
+    # Every block any replica computed is in the tier: no policy hits less than one big cache's device.
+    for name in ("round-robin", "kv"):
+        assert pols[name]["hit_rate_with_shared_tier"] >= pols["single-big-cache"]["prefix_hit_rate"]
+
+    small = tool.main(["--trace", "synthetic", "--num-requests", "60", "--replicas", "2",
+                       "--shared-tier-blocks", "64"])
+    capsys.readouterr()
+    for name, r in small["traces"]["synthetic"]["policies"].items():
+        check_policy(r, 1 if name == "single-big-cache" else 2)
+        assert r["shared_tier"]["evictions"] > 0
+
+
+def test_load_sweep(capsys):
+    tool = load_tool()
+    out = tool.main(["--trace", "synthetic", "--num-requests", "60", "--replicas", "2", "--sweep-loads", "0.5,1.2"])
+    capsys.readouterr()
+    sweep = out["traces"]["synthetic"]["load_sweep"]
+    assert [row["offered_load"] for row in sweep] == [0.5, 1.2]
+    for row in sweep:
+        for p in ("round-robin", "kv", "single-big-cache"):
+            assert 0 < row[p]["ttft_p50_s"] <= row[p]["ttft_p99_s"] and row[p]["utilization"] > 0
+        assert row["kv_over_round_robin"]["ttft_p99"] == pytest.approx(
+            row["kv"]["ttft_p99_s"] / row["round-robin"]["ttft_p99_s"], abs=1e-3)
+    # More offered load, more work per second on the same fleet.
+    assert sweep[1]["round-robin"]["utilization"] > sweep[0]["round-robin"]["utilization"]
+    with pytest.raises(SystemExit):
+        tool.main(["--sweep-loads", "0.5,x"])
