@@ -625,7 +625,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="credit a replica with a prompt's blocks when the request is sent there (note_dispatched hashes; default 1)")
     ap.add_argument("--load-skip-factor", type=float, default=4.0,
                     help="RouterConfig.load_skip_factor (default 4.0, the router's)")
-    ap.add_argument("--affinity", type=float, default=1.0,
+    ap.add_argument("--affinity", type=float, default=RouterConfig().affinity,
                     help="RouterConfig.affinity of the kv policy (default: the router's default)")
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR",
                     help="write bench_trace_router.json and bench_trace_router.png there")

@@ -57,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--router-policy", choices=("kv", "session", "round-robin"), default="kv",
                        help="kv: least uncached prefill + load (default); session: by the request's `user`; "
                             "round-robin")
-    fleet.add_argument("--router-affinity", type=float, default=1.0, metavar="A",
+    fleet.add_argument("--router-affinity", type=float, default=2.0, metavar="A",
                        help="kv policy: weigh each cached token A more against load (keeps conversations "
-                            "where their prefix is; default 1)")
+                            "where their prefix is; default %(default)s)")
     fleet.add_argument("--registry", default=None, metavar="URL",
                        help="find engines registered in Redis (redis://HOST:PORT or "
                             "redis-cluster://HOST:PORT,HOST:PORT,...) and follow them as they come and go")

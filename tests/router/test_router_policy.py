@@ -245,3 +245,10 @@ def test_affinity_keeps_a_prefix_home_against_a_little_more_load():
         router.set_load("r0", ReplicaLoad(queued_prefill_tokens=20))  # costs 32 - 16 + 20 = 36 there
         d = router.choose(CHAIN, num_tokens=len(CHAIN) * BS)  # 32 on the idle r1
         assert (d.replica == "r0") == home_wins, (affinity, d)
+
+
+def test_cli_router_affinity_default_is_the_routers():
+    from kvstrata.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.router_affinity == RouterConfig().affinity
