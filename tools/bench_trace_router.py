@@ -22,7 +22,8 @@ engine simulates workers for its router benchmarks:
   (``take_events`` at the end of each step, medium renamed GPU as the engine
   publishes them) go to ``Router.ingest`` as a ``KVEventBatch`` with a
   per-replica sequence number; loads go in with ``set_load`` after each step
-  and ``note_dispatched`` at each dispatch; each request is placed by the
+  and ``note_dispatched`` at each dispatch (``note_settled`` when it
+  finishes); each request is placed by the
   real ``choose`` on the real block hashes of its prompt's token ids
   (``Router.hash_prompt``). Decision latency (with and without hashing) and
   event ingest rate are real wall-clock figures, measured on this machine
@@ -499,7 +500,7 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                 t2 = time.perf_counter_ns()
                 with_hash.append((t2 - t0) / 1e3)
                 without_hash.append((t2 - t1) / 1e3)
-                router.note_dispatched(d, req.num_tokens, hashes if args.predict else None)
+                router.note_dispatched(d, req.num_tokens, hashes if args.predict else None, key=req.request_id)
                 req.predicted_hit = d.device_hit_tokens
                 rep = by_name[d.replica]
                 rep.add(req)
@@ -508,6 +509,7 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
             else:
                 rep = obj
                 assert isinstance(rep, Replica)
+                done_before = len(finished)
                 rep.end_step(now, finished)
                 events = [e if e.medium == GPU else msgspec.structs.replace(e, medium=GPU)
                           for e in rep.kv.take_events()]
@@ -528,6 +530,8 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                     assert res.action == "applied", res
                     owner.seq += 1
                     batches += 1
+                for req in finished[done_before:]:  # as the fleet client does when a request's stream ends
+                    router.note_settled(rep.name, req.request_id)
                 router.set_load(rep.name, rep.load())
                 if rep.has_work():
                     start(rep, now)

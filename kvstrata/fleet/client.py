@@ -289,7 +289,7 @@ class FleetClient:
                 continue
             tried.append(decision.replica)
             uncached = max(len(ids) - decision.hit_tokens, 0)
-            router.note_dispatched(decision, len(ids), hashes)  # credited until its events confirm
+            router.note_dispatched(decision, len(ids), hashes, key=req.request_id)  # credited while in flight
             replica.queued_prefill += uncached
             replica.running += 1
             self.counters.routed[replica.name] += 1
@@ -317,6 +317,7 @@ class FleetClient:
                 log.warning("fleet_request_retried", request_id=req.request_id, replica=replica.name, error=str(e))
             finally:
                 await agen.aclose()
+                router.note_settled(replica.name, req.request_id)  # what its events did not confirm is withdrawn
                 replica.queued_prefill -= waiting
                 replica.running -= 1
                 if replica.up:

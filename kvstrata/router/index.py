@@ -77,17 +77,20 @@ class IndexCounters(msgspec.Struct, kw_only=True):
     unknown_replica: int = 0
     ignored_events: int = 0  # an unknown medium, or a group other than 0
     predicted: int = 0  # hashes credited at dispatch, ahead of the engine's events
+    withdrawn: int = 0  # credits withdrawn when their request settled without the engine reporting the block
 
 
 class _Replica:
-    __slots__ = ("replica_id", "slot", "epoch", "next_seq", "held")
+    __slots__ = ("replica_id", "slot", "epoch", "next_seq", "held", "provisional", "predictions")
 
     def __init__(self, replica_id: str, slot: int, epoch: int) -> None:
         self.replica_id = replica_id
         self.slot = slot
         self.epoch = epoch
         self.next_seq: int | None = None  # None: no batch seen yet in this epoch
-        self.held: list[set[bytes]] = [set() for _ in range(NUM_LANES)]
+        self.held: list[set[bytes]] = [set() for _ in range(NUM_LANES)]  # as the engine's events report
+        self.provisional: dict[bytes, int] = {}  # device hashes credited at dispatch -> requests in flight
+        self.predictions: dict[str, list[bytes]] = {}  # request key -> the hashes credited for it
 
 
 class PrefixIndex:
@@ -96,8 +99,9 @@ class PrefixIndex:
     bits) and ``_packed`` (the cumulative lanes the walk reads).
 
     Invariant: for every hash h and medium m, bit ``m * W + slot`` of
-    ``_raw[h]`` is set iff h is in that slot's ``held[m]``; ``_packed[h]`` is
-    ``_pack(_raw[h])``; no entry is 0.
+    ``_raw[h]`` is set iff h is in that slot's ``held[m]``, or m is the
+    device and h is in its ``provisional`` (credited to a request in flight,
+    :meth:`predict`); ``_packed[h]`` is ``_pack(_raw[h])``; no entry is 0.
     """
 
     def __init__(self, *, max_replicas: int = 64, shared_remote: bool = True, replay_window: int = 10_000) -> None:
@@ -132,8 +136,7 @@ class PrefixIndex:
                 self._slots[slot] = rep
             self._replicas[replica] = rep
             return slot
-        for lane in range(NUM_LANES):
-            self._clear_lane(rep, lane)
+        self._clear_replica(rep)
         rep.epoch = epoch
         rep.next_seq = None
         return rep.slot
@@ -143,8 +146,7 @@ class PrefixIndex:
         rep = self._replicas.pop(replica, None)
         if rep is None:
             return
-        for lane in range(NUM_LANES):
-            self._clear_lane(rep, lane)
+        self._clear_replica(rep)
         self._slots[rep.slot] = None
 
     def slot(self, replica: str) -> int:
@@ -171,8 +173,12 @@ class PrefixIndex:
         return self._replicas[replica].next_seq
 
     def held(self, replica: str, medium: str) -> frozenset[bytes]:
-        """The hashes ``replica`` holds on ``medium`` (tests, debugging)."""
+        """The hashes ``replica`` holds on ``medium`` by its events (tests, debugging)."""
         return frozenset(self._replicas[replica].held[_LANE_OF[medium]])
+
+    def provisional(self, replica: str) -> frozenset[bytes]:
+        """The device hashes credited to ``replica``'s requests in flight (tests, debugging)."""
+        return frozenset(self._replicas[replica].provisional)
 
     def __len__(self) -> int:
         return len(self._raw)
@@ -212,17 +218,55 @@ class PrefixIndex:
         self._apply(rep, batch)
         rep.next_seq = next_seq
 
-    def predict(self, replica: str, hashes: list[bytes]) -> None:
+    def predict(self, replica: str, hashes: list[bytes], key: str) -> None:
         """Credit ``replica`` with ``hashes`` on its device ahead of its events:
-        a request was just sent there and its prompt's blocks will be cached
-        once prefilled (a burst of requests sharing a new prefix then follows
-        the first one instead of spreading the prefix over every replica).
-        The engine's own events confirm or remove them; an engine restart
-        (a new epoch) drops them with everything else."""
+        request ``key`` was just sent there and its prompt's blocks will be
+        cached once prefilled (a burst of requests sharing a new prefix then
+        follows the first one instead of spreading the prefix over every
+        replica). The credit lasts while the request is in flight: when it
+        settles (:meth:`settle`: finished, failed, aborted), the hashes the
+        engine's events have not reported are withdrawn, so a request that
+        never cached its prompt (aborted early, an engine without prefix
+        caching) leaves nothing behind. Predicting a key again replaces its
+        credit; an engine restart (a new epoch) drops every credit."""
         rep = self._replicas.get(replica)
-        if rep is not None and hashes:
-            self._store(rep, 0, hashes)
-            self.counters.predicted += len(hashes)
+        if rep is None or not hashes:
+            return
+        if key in rep.predictions:
+            self.settle(replica, key)
+        rep.predictions[key] = list(hashes)
+        prov, held, raw, packed, pack = rep.provisional, rep.held[0], self._raw, self._packed, self._pack
+        bit = 1 << rep.slot
+        for h in hashes:
+            n = prov.get(h, 0)
+            prov[h] = n + 1
+            if not n and h not in held:
+                v = raw.get(h, 0) | bit
+                raw[h] = v
+                packed[h] = pack(v)
+        self.counters.predicted += len(hashes)
+
+    def settle(self, replica: str, key: str) -> int:
+        """Request ``key`` on ``replica`` is over: withdraw its credit from
+        the hashes no other request in flight there holds and the engine has
+        not reported. Returns how many were withdrawn (0 for an unknown key
+        or replica, or after a restart dropped the credit)."""
+        rep = self._replicas.get(replica)
+        hashes = rep.predictions.pop(key, None) if rep is not None else None
+        if not hashes:
+            return 0
+        prov, held, keep, n = rep.provisional, rep.held[0], ~(1 << rep.slot), 0
+        for h in hashes:
+            c = prov[h] - 1
+            if c:
+                prov[h] = c
+                continue
+            del prov[h]
+            if h not in held:
+                self._drop_bit(h, keep)
+                n += 1
+        self.counters.withdrawn += n
+        return n
 
     def _apply(self, rep: _Replica, batch: KVEventBatch) -> None:
         c = self.counters
@@ -258,16 +302,30 @@ class PrefixIndex:
     def _remove(self, rep: _Replica, lane: int, hashes: list[bytes]) -> None:
         held = rep.held[lane]
         keep = ~(1 << (lane * self.width + rep.slot))
+        prov = rep.provisional if lane == 0 else {}  # a request in flight keeps its credit until it settles
         for h in hashes:
             if h in held:
                 held.discard(h)
-                self._drop_bit(h, keep)
+                if h not in prov:
+                    self._drop_bit(h, keep)
 
     def _clear_lane(self, rep: _Replica, lane: int) -> None:
         keep = ~(1 << (lane * self.width + rep.slot))
+        prov = rep.provisional if lane == 0 else {}
         for h in rep.held[lane]:
-            self._drop_bit(h, keep)
+            if h not in prov:
+                self._drop_bit(h, keep)
         rep.held[lane] = set()
+
+    def _clear_replica(self, rep: _Replica) -> None:
+        """Every block and every credit of ``rep`` dropped."""
+        for lane in range(NUM_LANES):
+            self._clear_lane(rep, lane)
+        keep = ~(1 << rep.slot)
+        for h in rep.provisional:
+            self._drop_bit(h, keep)
+        rep.provisional = {}
+        rep.predictions = {}
 
     def _drop_bit(self, h: bytes, keep: int) -> None:
         v = self._raw[h] & keep

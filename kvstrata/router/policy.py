@@ -192,19 +192,30 @@ class Router:
             num_tokens = len(request_hashes) * self.block_size
         return choose(request_hashes, session_key, num_tokens)
 
-    def note_dispatched(self, decision: Decision, num_tokens: int, hashes: list[BlockHash] | None = None) -> None:
+    def note_dispatched(self, decision: Decision, num_tokens: int, hashes: list[BlockHash] | None = None, *,
+                        key: str | None = None) -> None:
         """Apply a decision: the request's uncached prompt joins the replica's
         queued prefill, one more request runs there, round-robin moves on;
-        with ``hashes`` (the prompt's), the replica is credited with them
-        ahead of its events (``PrefixIndex.predict``)."""
+        with ``hashes`` (the prompt's) and ``key`` (the request's id), the
+        replica is credited with them ahead of its events until
+        :meth:`note_settled` (``PrefixIndex.predict``)."""
         if hashes:
-            self.index.predict(decision.replica, hashes)
+            if key is None:
+                raise ValueError("note_dispatched(hashes=...) needs key=: the request's id, "
+                                 "to withdraw the credit when the request settles (note_settled)")
+            self.index.predict(decision.replica, hashes, key)
         load = self._loads[decision.replica]
         self._loads[decision.replica] = ReplicaLoad(
             queued_prefill_tokens=load.queued_prefill_tokens + max(num_tokens - decision.hit_tokens, 0),
             running_requests=load.running_requests + 1,
         )
         self._rr_last = self.index.slot(decision.replica)
+
+    def note_settled(self, replica: str, key: str) -> int:
+        """Request ``key`` on ``replica`` finished, failed or was aborted:
+        its dispatch credit is withdrawn where the engine's events have not
+        confirmed it (``PrefixIndex.settle``). Returns the hashes withdrawn."""
+        return self.index.settle(replica, key)
 
     def _choose_round_robin(self, hashes: list[BlockHash], session_key: str | None, num_tokens: int) -> Decision:
         live = self._live_mask

@@ -88,3 +88,32 @@ async def test_a_bad_request_is_a_request_error_and_the_fleet_keeps_serving():
         assert outs[-1].finished
     finally:
         await fleet.aclose()
+
+
+async def test_a_replica_that_never_caches_a_prompt_is_not_credited_with_it_after_the_request():
+    """The router credits a replica with a prompt's blocks when it sends the
+    request there; an engine that never reports them (prefix caching off
+    here; an abort before prefill elsewhere) must not keep that credit once
+    the request is over, or every later request with that prefix would be
+    sent there for hits that do not exist."""
+    from kvstrata.config import CacheConfig
+
+    cfg = tiny()
+    cfg = EngineConfig(device=cfg.device, log_level=cfg.log_level, model=cfg.model,
+                       cache=CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False))
+    fleet = await FleetClient.start([Replica("a", "local", local_connector(cfg))])
+    try:
+        prompt = list(range(1, 18))  # 4 full blocks
+        gen = fleet.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3))
+        first = await gen.__anext__()
+        assert first.new_token_ids
+        index = fleet.router.index
+        assert len(index.provisional("a")) == 4  # credited while in flight
+        outs = [first] + [o async for o in gen]
+        assert outs[-1].finished
+        assert index.provisional("a") == frozenset() and index.held("a", "GPU") == frozenset()
+        assert len(index) == 0 and index.counters.withdrawn == 4
+        d = fleet.router.choose(fleet.router.hash_prompt(prompt), num_tokens=len(prompt))
+        assert d.hit_tokens == 0
+    finally:
+        await fleet.aclose()

@@ -65,16 +65,43 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.index = PrefixIndex(max_replicas=WIDTH)
-        self.model = {}  # replica -> medium -> set
+        self.model = {}  # replica -> medium -> set (as its events report)
+        self.credits = {}  # replica -> request key -> hashes credited at dispatch, in flight
         self.epochs = {}
         self.seq = {}
+
+    def effective(self):
+        """The model with each replica's in-flight credits on its device."""
+        out = {}
+        for r, media in self.model.items():
+            out[r] = dict(media)
+            out[r][GPU] = media[GPU] | {h for hs in self.credits[r].values() for h in hs}
+        return out
 
     @rule(r=st.sampled_from(REPLICAS))
     def reset(self, r):
         self.epochs[r] = self.epochs.get(r, 0) + 1
         self.index.reset_replica(r, self.epochs[r])
         self.model[r] = {m: set() for m in MEDIA}
+        self.credits[r] = {}  # a restart drops every credit
         self.seq[r] = 0
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), key=st.sampled_from(["q1", "q2", "q3"]), hs=st.lists(st.sampled_from(HASHES), max_size=6))
+    def predict(self, data, key, hs):
+        r = data.draw(st.sampled_from(sorted(self.model)))
+        self.index.predict(r, hs, key)
+        if hs:
+            self.credits[r][key] = list(hs)  # predicting a key again replaces its credit
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), key=st.sampled_from(["q1", "q2", "q3"]))
+    def settle(self, data, key):
+        r = data.draw(st.sampled_from(sorted(self.model)))
+        before = self.effective()[r][GPU]
+        withdrawn = self.index.settle(r, key)
+        self.credits[r].pop(key, None)
+        assert withdrawn == len(before - self.effective()[r][GPU])
 
     def _send(self, r, *events):
         res = self.index.ingest(r, self.seq[r], batch(*events), epoch=self.epochs[r])
@@ -108,24 +135,26 @@ class IndexMachine(RuleBasedStateMachine):
         r = data.draw(st.sampled_from(sorted(self.model)))
         self.index.remove_replica(r)
         del self.model[r]
+        del self.credits[r]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), chain=st.lists(st.sampled_from(HASHES), max_size=8))
     def prefix_walk_equals_naive(self, data, chain):
         live = data.draw(st.sets(st.sampled_from(sorted(self.model))))
-        assert index_prefix(self.index, live, chain) == naive_prefix(self.model, live, chain)
+        assert index_prefix(self.index, live, chain) == naive_prefix(self.effective(), live, chain)
 
     @invariant()
     def equals_model(self):
         for r, media in self.model.items():
             for m, hs in media.items():
                 assert self.index.held(r, m) == hs, (r, m)
-        live = set(self.model)
+            assert self.index.provisional(r) == {h for hs in self.credits[r].values() for h in hs}
+        live, eff = set(self.model), self.effective()
         for h in HASHES:
-            want = naive_lanes(self.model, live, h)
+            want = naive_lanes(eff, live, h)
             got = [{r for r in live if lane >> self.index.slot(r) & 1} for lane in self.index.lanes_of(h)]
             assert got == want, h
-        assert len(self.index) == len({h for media in self.model.values() for hs in media.values() for h in hs})
+        assert len(self.index) == len({h for media in eff.values() for hs in media.values() for h in hs})
 
 
 TestIndexMachine = IndexMachine.TestCase
@@ -234,3 +263,45 @@ def test_the_media_are_the_connectors():
     from kvstrata.connector import events as ce
 
     assert (GPU, CPU, DISK, REMOTE) == (ce.GPU, ce.CPU, ce.DISK, ce.REMOTE)
+
+
+# -- dispatch credits ------------------------------------------------------------
+
+
+def test_a_credit_the_engine_never_confirms_is_withdrawn_when_its_request_settles():
+    """An aborted request, or an engine without prefix caching: no BlockStored
+    ever comes, and the replica must not keep the prompt forever."""
+    index = PrefixIndex()
+    index.reset_replica("a", 1)
+    index.predict("a", HASHES[:4], "req-1")
+    assert index_prefix(index, {"a"}, HASHES[:4])[("a", 0)] == 4
+    assert index.settle("a", "req-1") == 4
+    assert index_prefix(index, {"a"}, HASHES[:4])[("a", 0)] == 0
+    assert len(index) == 0 and index.provisional("a") == frozenset()
+    assert index.counters.withdrawn == 4
+    assert index.settle("a", "req-1") == 0  # settling twice, or an unknown key, changes nothing
+
+
+def test_confirmed_blocks_stay_and_a_shared_credit_lasts_until_its_last_request():
+    index = PrefixIndex()
+    index.reset_replica("a", 1)
+    index.predict("a", HASHES[:4], "req-1")
+    index.predict("a", HASHES[:2], "req-2")
+    index.ingest("a", 0, batch(stored(HASHES[:3])))  # the engine cached three of req-1's blocks
+    assert index.settle("a", "req-1") == 1  # HASHES[3] only: 0-1 are still req-2's, 0-2 confirmed
+    assert index_prefix(index, {"a"}, HASHES[:4])[("a", 0)] == 3
+    # the engine evicts HASHES[0..1] while req-2 is in flight: its credit keeps them until it settles
+    index.ingest("a", 1, batch(BlockRemoved(block_hashes=HASHES[:2], medium=GPU)))
+    assert index_prefix(index, {"a"}, HASHES[:4])[("a", 0)] == 3
+    assert index.settle("a", "req-2") == 2
+    assert index_prefix(index, {"a"}, HASHES[:4])[("a", 0)] == 0
+    assert index.held("a", GPU) == {HASHES[2]}
+
+
+def test_a_restart_drops_the_credits_of_the_old_engines_requests():
+    index = PrefixIndex()
+    index.reset_replica("a", 1)
+    index.predict("a", HASHES[:3], "req-1")
+    index.reset_replica("a", 2)
+    assert len(index) == 0 and index.provisional("a") == frozenset()
+    assert index.settle("a", "req-1") == 0

@@ -227,15 +227,19 @@ def test_a_dispatched_prompt_is_credited_before_its_events_arrive():
     spreading the prefix over every replica (``note_dispatched(hashes=)``)."""
     router = make_router(names=["r0", "r1"])
     first = router.choose(CHAIN, num_tokens=len(CHAIN) * BS)
-    router.note_dispatched(first, len(CHAIN) * BS, hashes=CHAIN)
+    with pytest.raises(ValueError, match="needs key="):
+        router.note_dispatched(first, len(CHAIN) * BS, hashes=CHAIN)
+    router.note_dispatched(first, len(CHAIN) * BS, hashes=CHAIN, key="req-1")
     router.set_load(first.replica, ReplicaLoad())  # its load aside: only the credit differs
     again = router.choose(CHAIN, num_tokens=len(CHAIN) * BS)
     assert again.replica == first.replica and again.device_hit_tokens == len(CHAIN) * BS
     assert router.index.counters.predicted == len(CHAIN)
-    # the engine's own events confirm (no double count) or remove the credit
+    # the engine's own events confirm (no double count); the request settling leaves the confirmed blocks
     router.index.ingest(first.replica, 0, KVEventBatch(ts=0.0, events=[
-        BlockStored(block_hashes=CHAIN, parent_block_hash=None, token_ids=[], block_size=BS)]))
-    assert router.index.held(first.replica, GPU) == frozenset(CHAIN)
+        BlockStored(block_hashes=CHAIN[:-1], parent_block_hash=None, token_ids=[], block_size=BS)]))
+    assert router.index.held(first.replica, GPU) == frozenset(CHAIN[:-1])
+    assert router.note_settled(first.replica, "req-1") == 1  # the one block the engine never reported
+    assert router.choose(CHAIN, num_tokens=len(CHAIN) * BS).device_hit_tokens == (len(CHAIN) - 1) * BS
 
 
 def test_affinity_keeps_a_prefix_home_against_a_little_more_load():
