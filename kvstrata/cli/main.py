@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "where their prefix is; default %(default)s)")
     fleet.add_argument("--registry", default=None, metavar="URL",
                        help="find engines registered in Redis (redis://HOST:PORT or "
-                            "redis-cluster://HOST:PORT,HOST:PORT,...) and follow them as they come and go")
+                            "redis-cluster://HOST:PORT,HOST:PORT,...; rediss:// and rediss-cluster://...?"
+                            "ssl_ca_certs=FILE over TLS) and follow them as they come and go")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--default-max-tokens", type=int, default=16)
     serve.add_argument("--backlog", type=int, default=2048,
@@ -77,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CURVE key file for tcp:// (created, mode 0600, when missing); copy it to the "
                              "routers' machines and pass it to `kvstrata serve --credentials`")
     engine.add_argument("--registry", default=None, metavar="URL",
-                        help="register in Redis (redis://HOST:PORT or redis-cluster://HOST:PORT,...) "
-                             "with a TTL refreshed by heartbeat, so routers find this engine")
+                        help="register in Redis (redis://HOST:PORT or redis-cluster://HOST:PORT,...; "
+                             "rediss:// and rediss-cluster://...?ssl_ca_certs=FILE over TLS) with a TTL "
+                             "refreshed by heartbeat, so routers find this engine")
     engine.add_argument("--advertise", default=None, metavar="tcp://HOST:PORT",
                         help="the address routers should use (default: --listen)")
     engine.add_argument("--engine-id", default=None, help="the name in the registry (default HOST:PORT)")

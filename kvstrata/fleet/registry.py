@@ -38,6 +38,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple, Self
+from urllib.parse import parse_qsl
 
 import msgspec
 import structlog
@@ -92,10 +93,17 @@ def _parse_hostport(item: str, field: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+_CLUSTER_SCHEMES = ("redis-cluster", "rediss-cluster")
+_CLUSTER_TLS_ARGS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
 class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Where the fleet's membership lives. ``url``: ``redis://host:port[/db]``
-    (also ``rediss://``, ``unix://``) for one node, or
-    ``redis-cluster://host:port,host:port,...`` for a cluster's startup nodes."""
+    (also ``rediss://`` for TLS, ``unix://``) for one node, or
+    ``redis-cluster://host:port,host:port,...`` for a cluster's startup
+    nodes (``rediss-cluster://`` for TLS). A TLS URL verifies the server
+    against the system's CA store, or against ``?ssl_ca_certs=FILE``
+    (``&ssl_certfile=FILE&ssl_keyfile=FILE`` for a client certificate)."""
 
     url: str
     prefix: str = "kvstrata:fleet"
@@ -106,11 +114,15 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         scheme = self.url.partition("://")[0] if "://" in self.url else ""
-        if scheme == "redis-cluster":
+        if scheme in _CLUSTER_SCHEMES:
             if not self.cluster_nodes():
                 raise ValueError(f"registry.url: no host:port in {self.url!r}")
+            tls = self.cluster_tls()
+            if tls and scheme == "redis-cluster":
+                raise ValueError(f"registry.url: {', '.join(tls)} given for a plain-text cluster; "
+                                 f"use rediss-cluster:// for TLS ({self.url!r})")
         elif scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"registry.url must be redis://host:port[/db] or redis-cluster://host:port,..., "
+            raise ValueError(f"registry.url must be redis[s]://host:port[/db] or redis[s]-cluster://host:port,..., "
                              f"got {self.url!r}")
         for field in ("prefix", "fleet"):
             value = getattr(self, field)
@@ -123,8 +135,22 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"registry.heartbeat_s must be > 0 and < ttl_s ({self.ttl_s}), got {self.heartbeat_s}")
 
     def cluster_nodes(self) -> list[tuple[str, int]]:
-        rest = self.url.partition("://")[2].split("/", 1)[0]
+        rest = self.url.partition("://")[2].partition("?")[0].split("/", 1)[0]
         return [_parse_hostport(i, "registry.url") for i in rest.split(",") if i.strip()]
+
+    def cluster_tls(self) -> dict[str, str]:
+        """The TLS files a cluster URL's query names (``ssl_ca_certs``,
+        ``ssl_certfile``, ``ssl_keyfile``); any other query is an error."""
+        query = self.url.partition("?")[2]
+        out: dict[str, str] = {}
+        for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+            if name not in _CLUSTER_TLS_ARGS or not value:
+                raise ValueError(f"registry.url: unknown or empty query argument {name!r} (a cluster URL takes "
+                                 f"{', '.join(_CLUSTER_TLS_ARGS)}), in {self.url!r}")
+            out[name] = value
+        if ("ssl_certfile" in out) != ("ssl_keyfile" in out):
+            raise ValueError(f"registry.url: ssl_certfile and ssl_keyfile go together, in {self.url!r}")
+        return out
 
     def key(self, engine_id: str) -> str:
         return f"{self.prefix}:{self.fleet}:engine:{engine_id}"
@@ -140,7 +166,10 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
         timeout = min(1.0, self.heartbeat_s)
         common: dict[str, Any] = dict(password=self.password, socket_timeout=timeout,
                                       socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
-        if self.url.startswith("redis-cluster://"):
+        scheme = self.url.partition("://")[0]
+        if scheme in _CLUSTER_SCHEMES:
+            if scheme == "rediss-cluster":
+                common.update(ssl=True, ssl_cert_reqs="required", **self.cluster_tls())
             return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.cluster_nodes()],
                                 require_full_coverage=False, **common)
         if self.password is None:

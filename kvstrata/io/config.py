@@ -144,9 +144,6 @@ class RedisOptions(msgspec.Struct, **_STRUCT):
     def validate(self, prefix: str) -> None:
         check_int(f"{prefix}.port", self.port)
         check_int(f"{prefix}.db", self.db, 0)
-        if self.ssl_insecure_skip_verify and self.ssl_ca_certs:
-            raise ValueError(f"{prefix}.ssl_insecure_skip_verify contradicts {prefix}.ssl_ca_certs: "
-                             "a CA is given to verify against")
         _check_redis_common(prefix, self)
 
 
@@ -159,6 +156,15 @@ class RedisClusterOptions(msgspec.Struct, **_STRUCT):
     startup_nodes: tuple[str, ...]
     username: str | None = None
     password: str | None = None
+    # TLS to every node, as RedisOptions (the nodes' certificates are verified
+    # against ssl_ca_certs, else the system's CA store, unless
+    # ssl_insecure_skip_verify: for test setups only).
+    ssl: bool = False
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_check_hostname: bool = True
+    ssl_insecure_skip_verify: bool = False
     key_prefix: str = "kvstrata"
     ttl_s: int | None = None
     socket_timeout_s: float = 5.0
@@ -193,6 +199,15 @@ def parse_host_port(name: str, value: str) -> tuple[str, int]:
 
 def _check_redis_common(prefix: str, o: RedisOptions | RedisClusterOptions) -> None:
     """The fields the Redis and Redis Cluster options share."""
+    if o.ssl_insecure_skip_verify and o.ssl_ca_certs:
+        raise ValueError(f"{prefix}.ssl_insecure_skip_verify contradicts {prefix}.ssl_ca_certs: "
+                         "a CA is given to verify against")
+    if not o.ssl and (o.ssl_ca_certs or o.ssl_certfile or o.ssl_keyfile):
+        raise ValueError(f"{prefix}.ssl is false but TLS files are given (ssl_ca_certs / ssl_certfile / "
+                         "ssl_keyfile): set ssl = true to use them")
+    if bool(o.ssl_certfile) != bool(o.ssl_keyfile):
+        raise ValueError(f"{prefix}.ssl_certfile and {prefix}.ssl_keyfile go together (a client certificate "
+                         "and its key)")
     if o.ttl_s is not None:
         check_int(f"{prefix}.ttl_s", o.ttl_s)
     if not o.key_prefix or ":" in o.key_prefix:

@@ -22,7 +22,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.io.io_helpers import RedisServer  # noqa: E402
-from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs  # noqa: E402
+from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs, self_signed_cert  # noqa: E402
 
 from kvstrata.fleet.registry import (  # noqa: E402
     EngineDirectory,
@@ -293,6 +293,14 @@ def test_bad_configs_name_the_field():
         EngineRegistration(RegistryConfig(url="redis://h:1"), rec("bad id", 1))
     cfg = RegistryConfig(url="redis-cluster://10.0.0.1:7000, 10.0.0.2:7001")
     assert cfg.cluster_nodes() == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    cfg = RegistryConfig(url="rediss-cluster://10.0.0.1:7000?ssl_ca_certs=/ca.pem")
+    assert cfg.cluster_nodes() == [("10.0.0.1", 7000)] and cfg.cluster_tls() == {"ssl_ca_certs": "/ca.pem"}
+    with pytest.raises(ValueError, match="use rediss-cluster:// for TLS"):
+        RegistryConfig(url="redis-cluster://10.0.0.1:7000?ssl_ca_certs=/ca.pem")
+    with pytest.raises(ValueError, match="unknown or empty query argument 'ssl_ca'"):
+        RegistryConfig(url="rediss-cluster://10.0.0.1:7000?ssl_ca=/ca.pem")
+    with pytest.raises(ValueError, match="ssl_certfile and ssl_keyfile go together"):
+        RegistryConfig(url="rediss-cluster://10.0.0.1:7000?ssl_certfile=/c.pem")
     assert cfg.key("e0") == "kvstrata:fleet:default:engine:e0"
 
 
@@ -312,3 +320,33 @@ async def test_unreachable_registry_names_the_url(scheme):
         assert ei.value.url == url
     with pytest.raises(RegistryUnavailable, match=url):
         await EngineRegistration(cfg, rec("e0", 1)).start()
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory):
+    _need_redis()
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    d = tmp_path_factory.mktemp("redis-tls-cluster")
+    c = RedisClusterProcs(d, tls=self_signed_cert(d))
+    try:
+        c.start()
+    except BaseException:
+        c.stop()
+        raise
+    yield c
+    c.stop()
+
+
+async def test_a_tls_cluster_registry_with_its_ca_and_without(tls_cluster):
+    """``rediss-cluster://...?ssl_ca_certs=FILE``: engines register and are
+    found over TLS; without the CA the system store refuses the self-signed
+    certificate and the error names the registry; plain text gets nowhere."""
+    nodes = ",".join(f"{h}:{p}" for h, p in tls_cluster.startup_nodes)
+    cfg = config(f"rediss-cluster://{nodes}?ssl_ca_certs={tls_cluster.tls[0]}")
+    async with EngineDirectory(cfg) as d, EngineRegistration(cfg, rec("e0", 5)):
+        m = await d.members()
+        assert set(m) == {"e0"} and m["e0"].epoch == 5
+    for url in (f"rediss-cluster://{nodes}", f"redis-cluster://{nodes}"):
+        with pytest.raises(RegistryUnavailable, match="fleet registry .* is unreachable"):
+            await EngineRegistration(config(url), rec("e1", 1)).start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -36,9 +37,22 @@ def _cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def _ping(port: int) -> bool:
+def self_signed_cert(workdir: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (which no system CA store
+    trusts) and its key, made with the openssl CLI."""
+    crt, pem = workdir / "tls.crt", workdir / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(pem), "-out", str(crt)],
+                   check=True, capture_output=True)
+    return crt, pem
+
+
+def _ping(port: int, ca: Path | None = None) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as raw:
+            s = ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname="127.0.0.1") if ca \
+                else raw
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
     except OSError:
@@ -46,20 +60,29 @@ def _ping(port: int) -> bool:
 
 
 class RedisClusterProcs:
-    """``masters`` redis-server processes forming one cluster (no replicas)."""
+    """``masters`` redis-server processes forming one cluster (no replicas).
+    With ``tls`` (a certificate and its key): TLS only, clients and the
+    cluster bus alike, the certificate being its own CA."""
 
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
+    def __init__(self, workdir: Path, masters: int = 3, tls: tuple[Path, Path] | None = None) -> None:
         if REDIS_BIN is None or REDIS_CLI is None:
             raise RuntimeError("redis-server and redis-cli are needed for a Redis Cluster")
         self.workdir = workdir
+        self.tls = tls
         self.ports = [_cluster_port() for _ in range(masters)]
         self.procs: dict[int, subprocess.Popen] = {}
 
     def _spawn(self, port: int) -> None:
         d = self.workdir / f"node-{port}"
         d.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            crt, key = self.tls
+            listen = ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-cert-file", str(crt),
+                      "--tls-key-file", str(key), "--tls-ca-cert-file", str(crt), "--tls-auth-clients", "no"]
+        else:
+            listen = ["--port", str(port)]
         self.procs[port] = subprocess.Popen(
-            [REDIS_BIN, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            [REDIS_BIN, "--bind", "127.0.0.1", *listen, "--save", "", "--appendonly", "no",
              "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
              "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
              "--dir", str(d)],
@@ -68,13 +91,15 @@ class RedisClusterProcs:
 
     def _wait_up(self, port: int, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        while not _ping(port):
+        while not _ping(port, self.tls[0] if self.tls else None):
             if time.monotonic() > deadline or self.procs[port].poll() is not None:
                 raise RuntimeError(f"redis-server on port {port} did not start")
             time.sleep(0.02)
 
     def _cli(self, *args: str, port: int | None = None) -> str:
         cmd = [REDIS_CLI]
+        if self.tls:
+            cmd += ["--tls", "--cacert", str(self.tls[0])]
         if port is not None:
             cmd += ["-p", str(port)]
         out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=30)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 
 import pytest
 import structlog
@@ -14,6 +13,7 @@ import structlog.testing
 from io_helpers import IDENT, get_ids, key, put_all, put_pattern
 
 from kvstrata.io import TierSpec
+from tests.io.redis_cluster import self_signed_cert
 
 pytestmark = pytest.mark.redis
 
@@ -56,11 +56,7 @@ def _tls_server(redis_factory, tmp_path):
     no system CA store trusts); returns (server, certificate path)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
-    crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(pem), "-out", str(crt)],
-                   check=True, capture_output=True)
+    crt, pem = self_signed_cert(tmp_path)
     server = redis_factory(start=False)
     server.extra = ["--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(crt),
                     "--tls-key-file", str(pem), "--tls-ca-cert-file", str(crt), "--tls-auth-clients", "no"]

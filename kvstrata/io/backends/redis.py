@@ -95,6 +95,21 @@ class RedisStoreBase(SharedMediumTier):
     def _connect(self):
         raise NotImplementedError
 
+    def _tls_kwargs(self) -> dict:
+        """The client's TLS arguments ({} without ``ssl``): the server is
+        verified (its CA, else the system store, and its host name) unless
+        ``ssl_insecure_skip_verify`` says otherwise."""
+        o = self._opts
+        if not o.ssl:
+            return {}
+        kw = dict(ssl_ca_certs=o.ssl_ca_certs, ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
+                  ssl_check_hostname=o.ssl_check_hostname, ssl_cert_reqs="required")
+        if o.ssl_insecure_skip_verify:
+            log.warning("redis_tls_verification_disabled", tier=self.name,
+                        reason="ssl_insecure_skip_verify is set: any certificate is accepted")
+            kw.update(ssl_cert_reqs="none", ssl_check_hostname=False)
+        return kw
+
     async def _probe(self) -> None:
         raise NotImplementedError
 
@@ -255,27 +270,12 @@ class RedisTier(RedisStoreBase):
             socket_timeout=o.socket_timeout_s, socket_connect_timeout=o.connect_timeout_s,
             max_connections=o.max_connections, timeout=o.socket_timeout_s,
             retry=Retry(NoBackoff(), 1),
-            **self._ssl_kwargs(),
+            **({"connection_class": aioredis.SSLConnection, **tls} if (tls := self._tls_kwargs()) else {}),
         )
         return aioredis.Redis(connection_pool=pool)
 
     async def _probe(self) -> None:
         await self._client.ping()
-
-    def _ssl_kwargs(self) -> dict:
-        """TLS verifies the server (its CA, else the system store, and its
-        host name) unless ``ssl_insecure_skip_verify`` says otherwise."""
-        o = self._opts
-        if not o.ssl:
-            return {}
-        kw = dict(connection_class=aioredis.SSLConnection, ssl_ca_certs=o.ssl_ca_certs,
-                  ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
-                  ssl_check_hostname=o.ssl_check_hostname, ssl_cert_reqs="required")
-        if o.ssl_insecure_skip_verify:
-            log.warning("redis_tls_verification_disabled", tier=self.name,
-                        reason="ssl_insecure_skip_verify is set: any certificate is accepted")
-            kw.update(ssl_cert_reqs="none", ssl_check_hostname=False)
-        return kw
 
     def _rkey(self, key: ChunkKey, part: str) -> str:
         return f"{self._opts.key_prefix}:{key.identity}:{key.name}:{part}"

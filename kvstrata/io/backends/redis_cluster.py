@@ -15,7 +15,8 @@ masters' keys keep hitting. After such a fault the slot map is refreshed
 before the next request (a replica may have taken over). The tier itself
 becomes unavailable when no node answers (the cluster is down, or
 unreachable at start) or when every master is down. The client does not
-retry by itself: the tier's health does the retrying.
+retry by itself: the tier's health does the retrying. With ``ssl`` every
+node is reached over TLS, verified as the single-server tier verifies.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class RedisClusterTier(RedisStoreBase):
             socket_timeout=o.socket_timeout_s, socket_connect_timeout=o.connect_timeout_s,
             max_connections=o.max_connections, require_full_coverage=False,
             retry=Retry(NoBackoff(), 0),
+            **({"ssl": True, **tls} if (tls := self._tls_kwargs()) else {}),
         )
 
     async def _probe(self) -> None:
