@@ -288,6 +288,17 @@ class BlockResidencyStats(msgspec.Struct, frozen=True, kw_only=True):
     reuse_gap_s: HistogramSnapshot
 
 
+class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """The work an engine has now, for routers: ``queued_prefill_tokens``
+    is what its waiting requests (preempted ones included) and its running
+    requests still in prefill have left to compute; ``num_running`` and
+    ``num_waiting`` count requests."""
+
+    queued_prefill_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+
 class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
     """Whether the engine serves. ``status``: "ok", "starting", or "stalled"
     (work is queued and no step has made progress for longer than

@@ -60,7 +60,7 @@ from kvstrata.errors import EngineDeadError
 from kvstrata.kv.events import KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.text.tokenizer import Tokenizer
-from kvstrata.types import (EngineHealth, EngineStats, ModelRunnerOutput, RequestOutput, SamplingParams,
+from kvstrata.types import (EngineHealth, EngineLoad, EngineStats, ModelRunnerOutput, RequestOutput, SamplingParams,
                             SchedulerOutput)
 
 log = structlog.get_logger(__name__)
@@ -221,6 +221,12 @@ class AsyncEngine:
 
     async def check_health(self) -> EngineHealth:
         return self.health_now()
+
+    def load_now(self) -> EngineLoad:
+        """The work queued in the scheduler now (``EngineLoad``), for callers
+        on the engine's loop (the ZMQ server's load reports to routers)."""
+        self._check_alive()
+        return self._core.scheduler.load()
 
     def health_now(self) -> EngineHealth:
         """``check_health`` for callers on the engine's loop (the ZMQ server)."""

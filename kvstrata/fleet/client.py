@@ -15,7 +15,9 @@ numbered, so a gap is seen and replayed from the engine's ring (or, when the
 ring no longer holds it, rebuilt from a snapshot of the engine's caches,
 ``kv_snapshot``, then followed from there); a replica
 that restarted has a new epoch, and its old blocks are dropped from the index
-before any of its new ones count.
+before any of its new ones count. A replica's load, for the router, is its
+engine's last ``LoadReport`` (the work every router sent there) plus this
+fleet's requests the engine had not taken in yet (``Replica.load``).
 
 Failures: a replica whose engine dies (process exit, disconnect, EngineDead)
 is marked dead in the router at once when a request sees it, and otherwise by
@@ -66,6 +68,7 @@ class FleetCounters(msgspec.Struct, kw_only=True):
     kv_batches: int = 0
     kv_replays: int = 0
     kv_snapshots: int = 0
+    load_reports: int = 0  # engines' LoadReports applied
 
 
 class FleetClient:
@@ -197,7 +200,19 @@ class FleetClient:
             log.info("fleet_kv_snapshot_loaded", replica=replica.name, wanted_seq=start_seq,
                      next_seq=snap["next_seq"])
             start_seq = snap["next_seq"]
-        await client.subscribe_kv_events(partial(self._on_kv_events, replica.name, replica.epoch), start_seq)
+        await client.subscribe_kv_events(partial(self._on_kv_events, replica.name, replica.epoch), start_seq,
+                                         load_listener=partial(self._on_load, replica.name, replica.epoch))
+
+    def _on_load(self, name: str, epoch: int, msg: P.LoadReport) -> None:
+        """The engine's queued work (every router's requests): the router's
+        load for that replica from now on (``Replica.load``)."""
+        replica = self.replicas[name]
+        if msg.epoch != epoch or replica.epoch != epoch or self.router is None:
+            return
+        replica.engine_load = msg.load
+        replica.received = msg.received
+        self.counters.load_reports += 1
+        self._push_load(replica)
 
     # --- KV events ----------------------------------------------------------------
 
@@ -292,6 +307,7 @@ class FleetClient:
             router.note_dispatched(decision, len(ids), hashes, key=req.request_id)  # credited while in flight
             replica.queued_prefill += uncached
             replica.running += 1
+            replica.inflight[req.request_id] = uncached
             self.counters.routed[replica.name] += 1
             streamed = False
             waiting = uncached
@@ -318,6 +334,7 @@ class FleetClient:
             finally:
                 await agen.aclose()
                 router.note_settled(replica.name, req.request_id)  # what its events did not confirm is withdrawn
+                replica.inflight.pop(req.request_id, None)
                 replica.queued_prefill -= waiting
                 replica.running -= 1
                 if replica.up:
@@ -326,8 +343,7 @@ class FleetClient:
 
     def _push_load(self, replica: Replica) -> None:
         assert self.router is not None
-        self.router.set_load(replica.name, ReplicaLoad(queued_prefill_tokens=max(replica.queued_prefill, 0),
-                                                       running_requests=max(replica.running, 0)))
+        self.router.set_load(replica.name, replica.load())
 
     async def abort(self, request_id: str) -> None:
         for replica in self.replicas.values():
@@ -379,6 +395,7 @@ class FleetClient:
             "replicas": {
                 r.name: {"up": r.up, "kind": r.kind, "address": r.address, "epoch": r.epoch,
                          "queued_prefill_tokens": r.queued_prefill, "running_requests": r.running,
+                         "engine_load": msgspec.to_builtins(r.engine_load) if r.engine_load else None,
                          "routed": self.counters.routed[r.name], "starts": r.num_starts, "last_error": r.last_error}
                 for r in self.replicas.values()},
             "counters": msgspec.to_builtins(self.counters),

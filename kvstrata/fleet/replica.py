@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from itertools import islice
 
 import msgspec
 import structlog
@@ -19,6 +20,8 @@ import structlog
 from kvstrata.config import EngineConfig
 from kvstrata.ipc import protocol as P
 from kvstrata.ipc.mp_client import MPEngineClient
+from kvstrata.router import ReplicaLoad
+from kvstrata.types import EngineLoad
 
 log = structlog.get_logger(__name__)
 
@@ -48,11 +51,14 @@ def remote_connector(address: str, credentials: P.Credentials | None = None, *,
 
 class Replica:
     """Owns: its name, how to connect, the live client (None while down),
-    the engine's epoch, and the requests this fleet has in flight there
-    (their queued prefill tokens and count, the router's load)."""
+    the engine's epoch, the requests this fleet has in flight there (their
+    queued prefill tokens and count; ``inflight``: request id -> uncached
+    prompt tokens, in dispatch order) and the engine's last load report
+    (``engine_load``, which counts every router's requests, and how many
+    of ours it had ``received``)."""
 
     __slots__ = ("name", "kind", "address", "connect", "client", "epoch", "queued_prefill", "running",
-                 "last_error", "num_starts", "num_attempts", "restarting")
+                 "last_error", "num_starts", "num_attempts", "restarting", "inflight", "engine_load", "received")
 
     def __init__(self, name: str, kind: str, connect: Connector, address: str | None = None) -> None:
         if kind not in ("local", "remote"):
@@ -65,6 +71,9 @@ class Replica:
         self.epoch = 0
         self.queued_prefill = 0
         self.running = 0
+        self.inflight: dict[str, int] = {}
+        self.engine_load: EngineLoad | None = None
+        self.received = 0
         self.last_error: str | None = None
         self.num_starts = 0  # connections made (a local replica: engines started)
         self.num_attempts = 0  # connection attempts finished, failed or not
@@ -74,10 +83,23 @@ class Replica:
     def up(self) -> bool:
         return self.client is not None and not self.client.is_dead
 
+    def load(self) -> ReplicaLoad:
+        """The router's view of this replica's work: the engine's last report
+        (every router's requests) plus our requests it had not taken in yet;
+        before any report, the requests this fleet has in flight there."""
+        el, client = self.engine_load, self.client
+        if el is None or client is None:
+            return ReplicaLoad(queued_prefill_tokens=max(self.queued_prefill, 0), running_requests=max(self.running, 0))
+        k = min(max(client.num_requests_sent - self.received, 0), len(self.inflight))
+        unseen = sum(islice(reversed(self.inflight.values()), k))  # the newest k: sent, not yet there
+        return ReplicaLoad(queued_prefill_tokens=el.queued_prefill_tokens + unseen,
+                           running_requests=el.num_running + el.num_waiting + k)
+
     async def open(self) -> MPEngineClient:
         """Connect (or start) once; raises what the connection raised."""
         client = await self.connect()
         self.num_starts += 1
+        self.engine_load, self.received = None, 0  # a new connection: the engine counts our requests from 0
         self.client = client
         assert client.info is not None
         self.epoch = client.info.epoch

@@ -76,7 +76,8 @@ class _Client:
     (its backlog, in order), its protocol error count."""
 
     __slots__ = ("identity", "fd", "requests", "recent", "pending", "num_errors", "backlog",
-                 "backlog_bytes", "num_unblocked", "stall_timer", "farewell", "refused")
+                 "backlog_bytes", "num_unblocked", "stall_timer", "farewell", "refused", "received",
+                 "load_sent")
 
     def __init__(self, identity: bytes, fd: int) -> None:
         self.identity = identity
@@ -93,6 +94,8 @@ class _Client:
         # first frame ends their streams; their own abort outputs are dropped.
         self.farewell: dict[str, bool] = {}  # request id -> its abort output still to come
         self.refused = False  # a peer of another user (ipc): everything it sends is ignored
+        self.received = 0  # AddRequest frames taken in (the load reports' ``received``)
+        self.load_sent: tuple | None = None  # the last (load, received) reported to it
 
     def finished(self, rid: str) -> None:
         self.requests.discard(rid)
@@ -165,6 +168,7 @@ class EngineServer:
         if kv_feed is not None:
             self._kv_feed = kv_feed
             kv_feed.listener = self._broadcast_kv
+            self._spawn(self._report_load())
         for identity, call_id in self._deferred_handshakes:
             self._send(identity, P.UtilityResult(call_id, self._info()))
         self._deferred_handshakes.clear()
@@ -218,6 +222,7 @@ class EngineServer:
             return self._protocol_error(client, f"undecodable message: {e}")
         match msg:
             case P.AddRequest():
+                client.received += 1
                 self._add(client, msg)
             case P.AbortRequests(request_ids=ids):
                 self._abort(client, ids)
@@ -294,6 +299,28 @@ class EngineServer:
         for seq, payload in feed.since(start):
             self._send(ident, P.KVEvents(feed.epoch, seq, payload))
         self._kv_subscribers.add(ident)
+        client.load_sent = None  # the next load report goes out whatever it says
+
+    async def _report_load(self) -> None:
+        """Every ``LOAD_REPORT_INTERVAL_S``: the engine's load to each KV
+        subscriber whose report would change (its own ``received`` count
+        included), so every router sees the work all routers sent here."""
+        engine, feed = self._engine, self._kv_feed
+        assert engine is not None and feed is not None
+        while True:
+            await asyncio.sleep(P.LOAD_REPORT_INTERVAL_S)
+            if not self._kv_subscribers or engine.is_dead:
+                continue
+            load = engine.load_now()
+            for identity in list(self._kv_subscribers):
+                client = self._clients.get(identity)
+                if client is None:
+                    self._kv_subscribers.discard(identity)
+                    continue
+                mark = (load, client.received)
+                if mark != client.load_sent:
+                    client.load_sent = mark
+                    self._send(identity, P.LoadReport(feed.epoch, load, client.received))
 
     def _broadcast_kv(self, seq: int, payload: bytes) -> None:
         if not self._kv_subscribers:

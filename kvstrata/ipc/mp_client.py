@@ -97,6 +97,8 @@ class MPEngineClient:
         self._closed = False
         self.num_protocol_errors = 0
         self._kv_listener: Callable[[P.KVEvents], None] | None = None
+        self._load_listener: Callable[[P.LoadReport], None] | None = None
+        self.num_requests_sent = 0  # AddRequest frames sent (a LoadReport's ``received`` counts them there)
         self.info: P.EngineInfo | None = None
         self._config: EngineConfig | None = None
         self._inputs: InputProcessor | None = None  # set by the handshake
@@ -252,6 +254,7 @@ class MPEngineClient:
         stream = self._streams[rid] = _Stream()
         try:
             self._send(frame)
+            self.num_requests_sent += 1
             while True:
                 if not stream.items:
                     if stream.error is not None:
@@ -302,14 +305,18 @@ class MPEngineClient:
     async def health(self) -> P.HealthInfo:
         return msgspec.convert(await self._call("health"), P.HealthInfo)
 
-    async def subscribe_kv_events(self, listener: Callable[[P.KVEvents], None], start_seq: int = 0) -> dict:
+    async def subscribe_kv_events(self, listener: Callable[[P.KVEvents], None], start_seq: int = 0, *,
+                                  load_listener: Callable[[P.LoadReport], None] | None = None) -> dict:
         """Receive the engine's KV events: ``listener`` is called on this loop
         with each ``KVEvents`` (the buffered ones from ``start_seq`` first,
-        then each step's). Returns the engine's ``{"epoch", "next_seq",
-        "oldest_seq"}`` at subscription; RuntimeError when the engine runs
-        without ``cache.enable_kv_events``. Calling it again re-subscribes
-        (a replay from another ``start_seq``)."""
+        then each step's), and ``load_listener`` with each ``LoadReport``
+        (the engine's queued work, sent to subscribers when it changes).
+        Returns the engine's ``{"epoch", "next_seq", "oldest_seq"}`` at
+        subscription; RuntimeError when the engine runs without
+        ``cache.enable_kv_events``. Calling it again re-subscribes (a replay
+        from another ``start_seq``)."""
         self._kv_listener = listener
+        self._load_listener = load_listener
         return await self._call("kv_subscribe", [start_seq])
 
     async def kv_position(self) -> dict:
@@ -440,6 +447,9 @@ class MPEngineClient:
             case P.KVEvents():
                 if self._kv_listener is not None:
                     self._kv_listener(msg)
+            case P.LoadReport():
+                if self._load_listener is not None:
+                    self._load_listener(msg)
 
     def _on_rejected(self, msg: P.RequestRejected) -> None:
         s = self._streams.get(msg.request_id)

@@ -7,7 +7,7 @@ by one typed decoder and dispatched with ``match``:
         AddRequest | AbortRequests | Utility | Shutdown
     client (DEALER) ◀── Outbound ── engine (ROUTER)
         Outputs (one batch per engine step and client) | UtilityResult
-        | RequestRejected | ProtocolError | EngineDead | KVEvents
+        | RequestRejected | ProtocolError | EngineDead | KVEvents | LoadReport
 
 Requests and outputs carry token ids only: the client tokenizes, checks,
 detokenizes and applies stop strings (``kvstrata.enginecore.processing``).
@@ -16,8 +16,10 @@ The handshake is ``Utility(method="handshake")``; its result is an
 ``EngineInfo`` (the engine's config, what a client needs to check requests,
 pid, protocol version, readiness, its epoch and cache identity). A client
 that calls ``Utility(method="kv_subscribe", args=[start_seq])`` gets the
-engine's KV events as ``KVEvents`` frames from then on (``kvstrata.ipc.kv_feed``). Health checks are
-``Utility(method="health")``.
+engine's KV events as ``KVEvents`` frames from then on (``kvstrata.ipc.kv_feed``),
+and its queued work as ``LoadReport`` frames (when it changes, at most every
+``LOAD_REPORT_INTERVAL_S``): every router sees the load all routers put on
+the engine. Health checks are ``Utility(method="health")``.
 
 Both sides bound their queues (ZMQ high-water marks, counted in messages):
 a send that finds a peer's queue full raises ``zmq.Again``, and the sender
@@ -32,14 +34,18 @@ from typing import Any
 import msgspec
 
 from kvstrata.enginecore.processing import ModelFacts
-from kvstrata.types import EngineHealth, RequestOutput, SamplingParams
+from kvstrata.types import EngineHealth, EngineLoad, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # Frames larger than this are rejected with a ProtocolError (the engine never
 # decodes them). A generous bound: a 1M-token prompt as msgpack ints is ~5 MiB.
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_kv", "kv_subscribe", "kv_snapshot", "kv_position")
+
+# How often, at most, an engine reports its load to the clients that
+# subscribed to its KV events (only when it changed).
+LOAD_REPORT_INTERVAL_S = 0.02
 
 # High-water marks (messages) of the engine's ROUTER and each client's
 # DEALER, both ways. The engine sends one Outputs frame per step and client,
@@ -148,7 +154,19 @@ class KVEvents(_Wire, tag="kv_events"):
     payload: bytes
 
 
-Outbound = Outputs | UtilityResult | RequestRejected | ProtocolError | EngineDead | KVEvents
+class LoadReport(_Wire, tag="load"):
+    """The engine's queued work for a client that subscribed to its KV
+    events (a router), sent when it changed, at most every
+    ``LOAD_REPORT_INTERVAL_S``: ``load`` is every client's work, ``received``
+    how many of *this* client's AddRequest frames the engine has taken in
+    (so the router knows which of its own dispatches the load includes)."""
+
+    epoch: int
+    load: EngineLoad
+    received: int
+
+
+Outbound = Outputs | UtilityResult | RequestRejected | ProtocolError | EngineDead | KVEvents | LoadReport
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -308,3 +308,34 @@ def test_abort_frees_blocks_at_once(make_harness):
     assert h.kv.num_free_blocks == 15
     assert sorted(h.sched.schedule().finished_req_ids) == ["A", "B"]
     assert not h.sched.running and not h.sched.waiting
+
+
+def test_load_counts_what_is_left_to_prefill_waiting_and_running(make_harness):
+    """``Scheduler.load`` (the engine's LoadReports to routers): waiting
+    requests' uncomputed tokens, running ones' rest of prefill (decodes add
+    nothing), request counts; a preempted request counts its whole recompute."""
+    from kvstrata.types import EngineLoad
+
+    h = make_harness(max_num_batched_tokens=10)
+    assert h.sched.load() == EngineLoad()
+    h.add("a", 16, max_tokens=3)
+    h.add("b", 6, max_tokens=3)
+    assert h.sched.load() == EngineLoad(queued_prefill_tokens=22, num_running=0, num_waiting=2)
+    h.step()  # a: 10 of 16
+    assert h.sched.load() == EngineLoad(queued_prefill_tokens=6 + 6, num_running=1, num_waiting=1)
+    h.step()  # a: 16 of 16 (first token), b: 4 of 6
+    assert h.sched.load() == EngineLoad(queued_prefill_tokens=2, num_running=2, num_waiting=0)
+    h.step()
+    assert h.sched.load().queued_prefill_tokens == 0  # both decoding
+    h.run_to_completion()
+    assert h.sched.load() == EngineLoad()
+
+    h = make_harness(num_blocks=7)  # 6 usable blocks: the third request is preempted at its first decode
+    for name, base in (("A", 10), ("B", 20), ("C", 30)):
+        h.add(name, list(range(base, base + 8)), max_tokens=3)
+    h.step()
+    assert h.step().preempted_req_ids == ["C"]
+    c = h.sched.requests["C"]
+    assert h.sched.load() == EngineLoad(queued_prefill_tokens=c.num_tokens, num_running=2, num_waiting=1)
+    assert c.num_tokens == 9  # its prompt and the token it had sampled: all recomputed
+    h.run_to_completion()

@@ -42,7 +42,7 @@ from kvstrata.enginecore.scheduler.transfers import TransferTracker
 from kvstrata.enginecore.scheduler.waiting import Admission, Refusal, admit
 from kvstrata.enginecore.spec_decode import SpecDecodeCounters
 from kvstrata.kv import KVCacheManager
-from kvstrata.types import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from kvstrata.types import EngineLoad, ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -174,6 +174,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    def load(self) -> EngineLoad:
+        """The work queued here now (``EngineLoad``), for routers."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        queued += sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+        return EngineLoad(queued_prefill_tokens=queued, num_running=len(self.running), num_waiting=len(self.waiting))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
