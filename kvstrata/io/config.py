@@ -114,7 +114,22 @@ class FSOptions(msgspec.Struct, **_STRUCT):
         _check_health(f"{prefix}.health", self.health)
 
 
-class RedisOptions(msgspec.Struct, **_STRUCT):
+class RedisTLSOptions(msgspec.Struct, **_STRUCT):
+    """TLS to Redis (a server, or every node of a cluster) with ``ssl``: the
+    server's certificate is verified against ``ssl_ca_certs`` (else the
+    system's CA store) and its host name (``ssl_check_hostname``);
+    ``ssl_certfile`` and ``ssl_keyfile``: a client certificate.
+    ``ssl_insecure_skip_verify`` accepts any certificate: test setups only."""
+
+    ssl: bool = False
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_check_hostname: bool = True
+    ssl_insecure_skip_verify: bool = False
+
+
+class RedisOptions(RedisTLSOptions, **_STRUCT):
     """A Redis server through redis.asyncio. Keys are
     ``{key_prefix}:{identity}:{name}:{m|d}`` (metadata, data)."""
 
@@ -123,14 +138,6 @@ class RedisOptions(msgspec.Struct, **_STRUCT):
     db: int = 0
     username: str | None = None
     password: str | None = None
-    ssl: bool = False
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_check_hostname: bool = True
-    # The server's certificate is verified (against ssl_ca_certs, else the
-    # system's CA store) unless this is set: for test setups only.
-    ssl_insecure_skip_verify: bool = False
     key_prefix: str = "kvstrata"
     ttl_s: int | None = None
     socket_timeout_s: float = 5.0
@@ -147,7 +154,7 @@ class RedisOptions(msgspec.Struct, **_STRUCT):
         _check_redis_common(prefix, self)
 
 
-class RedisClusterOptions(msgspec.Struct, **_STRUCT):
+class RedisClusterOptions(RedisTLSOptions, **_STRUCT):
     """A Redis Cluster through redis.asyncio.cluster. ``startup_nodes`` are
     ``"host:port"`` strings (any reachable one is enough to discover the
     rest). Keys are ``{key_prefix}:{identity}:{{name}}:{m|d}``: the object's
@@ -156,15 +163,6 @@ class RedisClusterOptions(msgspec.Struct, **_STRUCT):
     startup_nodes: tuple[str, ...]
     username: str | None = None
     password: str | None = None
-    # TLS to every node, as RedisOptions (the nodes' certificates are verified
-    # against ssl_ca_certs, else the system's CA store, unless
-    # ssl_insecure_skip_verify: for test setups only).
-    ssl: bool = False
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_check_hostname: bool = True
-    ssl_insecure_skip_verify: bool = False
     key_prefix: str = "kvstrata"
     ttl_s: int | None = None
     socket_timeout_s: float = 5.0

@@ -22,7 +22,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.io.io_helpers import RedisServer  # noqa: E402
-from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, RedisClusterProcs, self_signed_cert  # noqa: E402
+from tests.io.redis_cluster import REDIS_BIN, REDIS_CLI, started_cluster  # noqa: E402
 
 from kvstrata.fleet.registry import (  # noqa: E402
     EngineDirectory,
@@ -60,14 +60,7 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     _need_redis()
-    c = RedisClusterProcs(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        c.start()
-    except BaseException:
-        c.stop()
-        raise
-    yield c
-    c.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("redis-cluster"))
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -325,17 +318,7 @@ async def test_unreachable_registry_names_the_url(scheme):
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory):
     _need_redis()
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    d = tmp_path_factory.mktemp("redis-tls-cluster")
-    c = RedisClusterProcs(d, tls=self_signed_cert(d))
-    try:
-        c.start()
-    except BaseException:
-        c.stop()
-        raise
-    yield c
-    c.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("redis-tls-cluster"), tls=True)
 
 
 async def test_a_tls_cluster_registry_with_its_ca_and_without(tls_cluster):

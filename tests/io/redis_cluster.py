@@ -177,12 +177,17 @@ def require_cluster_binaries() -> None:
         pytest.skip("needs redis-server and redis-cli")
 
 
-def started_cluster(workdir: Path):
-    """A started cluster for a module fixture (``yield from``), stopped after."""
+def started_cluster(workdir: Path, *, tls: bool = False):
+    """A started cluster for a module fixture (``yield from``), stopped after;
+    with ``tls``, TLS only, with a self-signed certificate (``c.tls[0]``)."""
     require_cluster_binaries()
-    c = RedisClusterProcs(workdir)
-    c.start()
+    if tls and shutil.which("openssl") is None:
+        import pytest
+
+        pytest.skip("openssl not installed")
+    c = RedisClusterProcs(workdir, tls=self_signed_cert(workdir) if tls else None)
     try:
+        c.start()
         yield c
     finally:
         c.stop()

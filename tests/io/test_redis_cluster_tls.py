@@ -7,15 +7,13 @@ options are errors that name the field."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import redis
 from io_helpers import IDENT, get_ids, key, put_all
 
 from kvstrata.io import TierSpec
 from kvstrata.io.config import RedisClusterOptions
-from tests.io.redis_cluster import RedisClusterProcs, require_cluster_binaries, self_signed_cert
+from tests.io.redis_cluster import RedisClusterProcs, started_cluster
 
 pytestmark = pytest.mark.redis
 
@@ -25,17 +23,7 @@ HEALTH = dict(retry_interval_s=0.05, max_retry_interval_s=0.1)
 
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory):
-    require_cluster_binaries()
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    d = tmp_path_factory.mktemp("tls-cluster")
-    cert = self_signed_cert(d)
-    c = RedisClusterProcs(d, tls=cert)
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("tls-cluster"), tls=True)
 
 
 def spec(c: RedisClusterProcs, **kw) -> TierSpec:
