@@ -209,8 +209,7 @@ class FleetClient:
         replica = self.replicas[name]
         if msg.epoch != epoch or replica.epoch != epoch or self.router is None:
             return
-        replica.engine_load = msg.load
-        replica.received = msg.received
+        replica.note_load(msg.load, msg.received)
         self.counters.load_reports += 1
         self._push_load(replica)
 

@@ -11,6 +11,7 @@ live connection.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from itertools import islice
 
@@ -58,7 +59,8 @@ class Replica:
     of ours it had ``received``)."""
 
     __slots__ = ("name", "kind", "address", "connect", "client", "epoch", "queued_prefill", "running",
-                 "last_error", "num_starts", "num_attempts", "restarting", "inflight", "engine_load", "received")
+                 "last_error", "num_starts", "num_attempts", "restarting", "inflight", "engine_load", "received",
+                 "load_at")
 
     def __init__(self, name: str, kind: str, connect: Connector, address: str | None = None) -> None:
         if kind not in ("local", "remote"):
@@ -74,6 +76,7 @@ class Replica:
         self.inflight: dict[str, int] = {}
         self.engine_load: EngineLoad | None = None
         self.received = 0
+        self.load_at = 0.0  # time.monotonic() of the engine's last report
         self.last_error: str | None = None
         self.num_starts = 0  # connections made (a local replica: engines started)
         self.num_attempts = 0  # connection attempts finished, failed or not
@@ -83,12 +86,18 @@ class Replica:
     def up(self) -> bool:
         return self.client is not None and not self.client.is_dead
 
+    def note_load(self, load: EngineLoad, received: int) -> None:
+        """The engine's report: its queued work and how many of our requests it had."""
+        self.engine_load, self.received, self.load_at = load, received, time.monotonic()
+
     def load(self) -> ReplicaLoad:
         """The router's view of this replica's work: the engine's last report
         (every router's requests) plus our requests it had not taken in yet;
-        before any report, the requests this fleet has in flight there."""
+        before any report, or when the last one is older than
+        ``LOAD_REPORT_STALE_S`` (engines report at least every second), the
+        requests this fleet has in flight there."""
         el, client = self.engine_load, self.client
-        if el is None or client is None:
+        if el is None or client is None or time.monotonic() - self.load_at > P.LOAD_REPORT_STALE_S:
             return ReplicaLoad(queued_prefill_tokens=max(self.queued_prefill, 0), running_requests=max(self.running, 0))
         k = min(max(client.num_requests_sent - self.received, 0), len(self.inflight))
         unseen = sum(islice(reversed(self.inflight.values()), k))  # the newest k: sent, not yet there

@@ -95,7 +95,7 @@ class _Client:
         self.farewell: dict[str, bool] = {}  # request id -> its abort output still to come
         self.refused = False  # a peer of another user (ipc): everything it sends is ignored
         self.received = 0  # AddRequest frames taken in (the load reports' ``received``)
-        self.load_sent: tuple | None = None  # the last (load, received) reported to it
+        self.load_sent: tuple | None = None  # ((load, received), when) last reported to it
 
     def finished(self, rid: str) -> None:
         self.requests.discard(rid)
@@ -304,22 +304,30 @@ class EngineServer:
     async def _report_load(self) -> None:
         """Every ``LOAD_REPORT_INTERVAL_S``: the engine's load to each KV
         subscriber whose report would change (its own ``received`` count
-        included), so every router sees the work all routers sent here."""
+        included), and to every one at least each ``LOAD_REPORT_REFRESH_S``
+        (a router takes a silent engine's last report as stale), so every
+        router sees the work all routers sent here."""
         engine, feed = self._engine, self._kv_feed
         assert engine is not None and feed is not None
         while True:
             await asyncio.sleep(P.LOAD_REPORT_INTERVAL_S)
             if not self._kv_subscribers or engine.is_dead:
                 continue
-            load = engine.load_now()
+            try:
+                load = engine.load_now()
+            except Exception as e:  # never the end of the reports: the next tick tries again
+                log.error("engine_load_report_failed", error=f"{type(e).__name__}: {e}")
+                continue
+            now = time.monotonic()
             for identity in list(self._kv_subscribers):
                 client = self._clients.get(identity)
                 if client is None:
                     self._kv_subscribers.discard(identity)
                     continue
                 mark = (load, client.received)
-                if mark != client.load_sent:
-                    client.load_sent = mark
+                if client.load_sent is None or mark != client.load_sent[0] or \
+                        now - client.load_sent[1] >= P.LOAD_REPORT_REFRESH_S:
+                    client.load_sent = (mark, now)
                     self._send(identity, P.LoadReport(feed.epoch, load, client.received))
 
     def _broadcast_kv(self, seq: int, payload: bytes) -> None:

@@ -46,6 +46,10 @@ UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_
 # How often, at most, an engine reports its load to the clients that
 # subscribed to its KV events (only when it changed).
 LOAD_REPORT_INTERVAL_S = 0.02
+# An unchanged load is reported again this often; a router takes a report
+# older than LOAD_REPORT_STALE_S as stale (its own counts stand in).
+LOAD_REPORT_REFRESH_S = 1.0
+LOAD_REPORT_STALE_S = 3.0
 
 # High-water marks (messages) of the engine's ROUTER and each client's
 # DEALER, both ways. The engine sends one Outputs frame per step and client,
@@ -157,7 +161,8 @@ class KVEvents(_Wire, tag="kv_events"):
 class LoadReport(_Wire, tag="load"):
     """The engine's queued work for a client that subscribed to its KV
     events (a router), sent when it changed, at most every
-    ``LOAD_REPORT_INTERVAL_S``: ``load`` is every client's work, ``received``
+    ``LOAD_REPORT_INTERVAL_S``, and unchanged every ``LOAD_REPORT_REFRESH_S``:
+    ``load`` is every client's work, ``received``
     how many of *this* client's AddRequest frames the engine has taken in
     (so the router knows which of its own dispatches the load includes)."""
 

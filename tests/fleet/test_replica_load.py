@@ -23,11 +23,14 @@ def test_replica_load_before_and_after_the_engines_reports():
     assert r.load() == ReplicaLoad(queued_prefill_tokens=300, running_requests=3)  # no client: ours only
     r.client = SimpleNamespace(num_requests_sent=3)
     assert r.load() == ReplicaLoad(queued_prefill_tokens=300, running_requests=3)  # no report yet
-    r.engine_load, r.received = EngineLoad(queued_prefill_tokens=1000, num_running=4, num_waiting=2), 1
+    r.note_load(EngineLoad(queued_prefill_tokens=1000, num_running=4, num_waiting=2), 1)
     # q2 and q3 were sent after the engine's count: not in its report yet
     assert r.load() == ReplicaLoad(queued_prefill_tokens=1000 + 120 + 80, running_requests=4 + 2 + 2)
-    r.received = 3
+    r.note_load(r.engine_load, 3)
     assert r.load() == ReplicaLoad(queued_prefill_tokens=1000, running_requests=6)
     r.client = SimpleNamespace(num_requests_sent=5)  # two sends, one of which has already ended here
     del r.inflight["q1"]
     assert r.load().running_requests == 6 + 2
+
+    r.load_at -= 3.5  # no report for longer than LOAD_REPORT_STALE_S: our own counts stand in
+    assert r.load() == ReplicaLoad(queued_prefill_tokens=300, running_requests=3)
