@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.ipc import protocol as P
 from kvstrata.ipc.mp_client import MPEngineClient
 from kvstrata.types import EngineLoad, SamplingParams
 
+# 32 tokens a step: four 400-token prompts take 50 steps to prefill, so the
+# reports (every 20 ms at most) see prefill still queued.
 CONFIG = EngineConfig(device="cpu", log_level="WARNING", model=ModelConfig(num_threads=1, max_model_len=512),
-                      cache=CacheConfig(block_size=4, num_blocks=256, enable_kv_events=True))
+                      cache=CacheConfig(block_size=4, num_blocks=512, enable_kv_events=True),
+                      scheduler=SchedulerConfig(max_num_batched_tokens=32))
 
 
 async def test_load_reports_follow_the_work_and_count_this_clients_requests():
@@ -27,7 +30,7 @@ async def test_load_reports_follow_the_work_and_count_this_clients_requests():
         other._load_listener = heard_by_other.append  # never subscribed: must stay empty
 
         async def run(client, k: int) -> int:
-            prompt = [(31 * k + 7 * j) % 250 + 1 for j in range(200)]
+            prompt = [(31 * k + 7 * j) % 250 + 1 for j in range(400)]
             params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
             return sum([len(o.new_token_ids) async for o in client.generate(prompt, params)])
 
