@@ -19,7 +19,9 @@ replica's cache but fits in all of them together.
 Reported per policy: device prefix hit rate (cached / prompt tokens, from
 the requests), TTFT p50 / p99, request and token throughput, wall time,
 requests per replica, the router's decision latency (hashing included);
-and kv's ratios to round-robin.
+and kv's ratios to round-robin. With ``--load L`` every policy also runs
+open loop, conversations arriving (Poisson) at L times round-robin's
+closed-loop capacity (``open_loop``).
 
     python tools/bench_fleet.py [--replicas 2 --conversations 16 --turns 4 ...]
 """
@@ -51,7 +53,8 @@ def engine_config(args: argparse.Namespace, blocks: int, threads: int) -> Engine
                         scheduler=SchedulerConfig(max_num_batched_tokens=args.token_budget))
 
 
-async def run_policy(policy: str, args: argparse.Namespace, convs: list[W.Conversation]) -> dict:
+async def run_policy(policy: str, args: argparse.Namespace, convs: list[W.Conversation],
+                     rate: float | None = None) -> dict:
     if policy == "one-engine":
         replicas = [Replica("r0", "local", local_connector(
             engine_config(args, args.blocks_per_replica * args.replicas, args.threads * args.replicas)))]
@@ -64,8 +67,8 @@ async def run_policy(policy: str, args: argparse.Namespace, convs: list[W.Conver
     try:
         target = EngineTarget(fleet, "fleet")
         before = await fleet.stats()
-        result = await run_load(target, convs, concurrency=args.concurrency, progress=False, seed=args.seed,
-                                desc=policy)
+        result = await run_load(target, convs, rate=rate, concurrency=None if rate else args.concurrency,
+                                progress=False, seed=args.seed, desc=policy)
         after = await fleet.stats()
         report = build_report(result, before, after, policy=policy)
         status = fleet.fleet_status()
@@ -105,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--token-budget", type=int, default=512, help="scheduler.max_num_batched_tokens")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--load", type=float, default=None,
+                    help="also run open loop: conversations arrive (Poisson) at this fraction of round-robin's "
+                         "closed-loop capacity, measured first in the same run")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -118,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, (int(lo), int(hi or lo)))
         except ValueError:
             ap.error(f"--{name.replace('_', '-')} must be LO:HI, got {getattr(args, name)!r}")
+    if args.load is not None and not 0 < args.load:
+        ap.error("--load must be > 0")
     if args.replicas < 1 or args.blocks_per_replica < 2 or args.concurrency < 1:
         ap.error("--replicas, --blocks-per-replica and --concurrency must be positive")
     return args
@@ -133,6 +141,20 @@ async def main_async(args: argparse.Namespace) -> dict:
         "config": {k.replace("_", "-"): v for k, v in vars(args).items()},
         "policies": results,
     }
+    out.update(ratios(results))
+    if args.load is not None:
+        rr = results.get("round-robin") or await run_policy("round-robin", args, convs)
+        rate = args.load * rr["request_throughput"] / args.turns  # conversations per second
+        open_loop = {p: await run_policy(p, args, convs, rate) for p in args.policies}
+        out["open_loop"] = {"load": args.load, "conversations_per_s": round(rate, 3),
+                            "basis": "round-robin's closed-loop request throughput / turns", "policies": open_loop,
+                            **ratios(open_loop)}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def ratios(results: dict) -> dict:
+    out = {}
     rr, kv, one = results.get("round-robin"), results.get("kv"), results.get("one-engine")
     if rr and kv:
         out["kv_over_round_robin"] = {
@@ -142,7 +164,6 @@ async def main_async(args: argparse.Namespace) -> dict:
         }
     if kv and one and one["prefix_hit_rate"]:
         out["kv_hit_rate_vs_one_engine"] = round(kv["prefix_hit_rate"] / one["prefix_hit_rate"], 3)
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 
 

@@ -17,7 +17,7 @@ def test_tiny_run(capsys):
     spec.loader.exec_module(tool)
     out = tool.main(["--conversations", "3", "--turns", "2", "--input-words", "8:12", "--output-tokens", "4:6",
                      "--system-words", "10", "--blocks-per-replica", "64", "--concurrency", "2",
-                     "--policies", "round-robin,kv,one-engine"])
+                     "--policies", "round-robin,kv,one-engine", "--load", "0.5"])
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
     assert out["timing"].startswith("real:")
     for name, r in out["policies"].items():
@@ -28,3 +28,7 @@ def test_tiny_run(capsys):
     assert out["policies"]["round-robin"]["requests_per_replica"] == {"r0": 3, "r1": 3}
     assert set(out["kv_over_round_robin"]) == {"ttft_p50", "ttft_p99", "request_throughput"}
     assert out["policies"]["one-engine"]["replicas"] == 1
+    ol = out["open_loop"]  # Poisson arrivals at half of round-robin's closed-loop capacity
+    assert ol["conversations_per_s"] == round(0.5 * out["policies"]["round-robin"]["request_throughput"] / 2, 3)
+    assert set(ol["policies"]) == {"round-robin", "kv", "one-engine"}
+    assert all(r["num_errors"] == 0 for r in ol["policies"].values()) and "kv_over_round_robin" in ol
