@@ -168,12 +168,11 @@ def ratios(results: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
-    out = asyncio.run(main_async(args))
+    out = asyncio.run(main_async(parse_args(argv)))
     print(json.dumps(out, indent=2))
     return out
 
 
 if __name__ == "__main__":
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     main(sys.argv[1:])
