@@ -173,7 +173,7 @@ class FleetClient:
             return False
         router = self.router
         assert router is not None
-        replica.queued_prefill = replica.running = 0
+        replica.queued_prefill = 0
         if router.index.epoch(replica.name) != replica.epoch:
             router.reset_replica(replica.name, replica.epoch)  # a new engine: its old blocks are gone
         else:
@@ -305,7 +305,6 @@ class FleetClient:
             uncached = max(len(ids) - decision.hit_tokens, 0)
             router.note_dispatched(decision, len(ids), hashes, key=req.request_id)  # credited while in flight
             replica.queued_prefill += uncached
-            replica.running += 1
             replica.inflight[req.request_id] = uncached
             self.counters.routed[replica.name] += 1
             streamed = False
@@ -335,7 +334,6 @@ class FleetClient:
                 router.note_settled(replica.name, req.request_id)  # what its events did not confirm is withdrawn
                 replica.inflight.pop(req.request_id, None)
                 replica.queued_prefill -= waiting
-                replica.running -= 1
                 if replica.up:
                     self._push_load(replica)
         raise EngineDeadError(f"request {req.request_id} failed on replicas {tried}: {last_error}")

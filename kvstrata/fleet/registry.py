@@ -112,8 +112,12 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
     heartbeat_s: float = 1.0
     password: str | None = None
 
+    @property
+    def scheme(self) -> str:
+        return self.url.partition("://")[0] if "://" in self.url else ""
+
     def __post_init__(self) -> None:
-        scheme = self.url.partition("://")[0] if "://" in self.url else ""
+        scheme = self.scheme
         if scheme in _CLUSTER_SCHEMES:
             if not self.cluster_nodes():
                 raise ValueError(f"registry.url: no host:port in {self.url!r}")
@@ -166,9 +170,8 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
         timeout = min(1.0, self.heartbeat_s)
         common: dict[str, Any] = dict(password=self.password, socket_timeout=timeout,
                                       socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
-        scheme = self.url.partition("://")[0]
-        if scheme in _CLUSTER_SCHEMES:
-            if scheme == "rediss-cluster":
+        if self.scheme in _CLUSTER_SCHEMES:
+            if self.scheme == "rediss-cluster":
                 common.update(ssl=True, ssl_cert_reqs="required", **self.cluster_tls())
             return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.cluster_nodes()],
                                 require_full_coverage=False, **common)

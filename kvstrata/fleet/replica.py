@@ -58,7 +58,7 @@ class Replica:
     (``engine_load``, which counts every router's requests, and how many
     of ours it had ``received``)."""
 
-    __slots__ = ("name", "kind", "address", "connect", "client", "epoch", "queued_prefill", "running",
+    __slots__ = ("name", "kind", "address", "connect", "client", "epoch", "queued_prefill",
                  "last_error", "num_starts", "num_attempts", "restarting", "inflight", "engine_load", "received",
                  "load_at")
 
@@ -72,7 +72,6 @@ class Replica:
         self.client: MPEngineClient | None = None
         self.epoch = 0
         self.queued_prefill = 0
-        self.running = 0
         self.inflight: dict[str, int] = {}
         self.engine_load: EngineLoad | None = None
         self.received = 0
@@ -86,6 +85,11 @@ class Replica:
     def up(self) -> bool:
         return self.client is not None and not self.client.is_dead
 
+    @property
+    def running(self) -> int:
+        """This fleet's requests in flight here."""
+        return len(self.inflight)
+
     def note_load(self, load: EngineLoad, received: int) -> None:
         """The engine's report: its queued work and how many of our requests it had."""
         self.engine_load, self.received, self.load_at = load, received, time.monotonic()
@@ -98,7 +102,7 @@ class Replica:
         requests this fleet has in flight there."""
         el, client = self.engine_load, self.client
         if el is None or client is None or time.monotonic() - self.load_at > P.LOAD_REPORT_STALE_S:
-            return ReplicaLoad(queued_prefill_tokens=max(self.queued_prefill, 0), running_requests=max(self.running, 0))
+            return ReplicaLoad(queued_prefill_tokens=max(self.queued_prefill, 0), running_requests=self.running)
         k = min(max(client.num_requests_sent - self.received, 0), len(self.inflight))
         unseen = sum(islice(reversed(self.inflight.values()), k))  # the newest k: sent, not yet there
         return ReplicaLoad(queued_prefill_tokens=el.queued_prefill_tokens + unseen,

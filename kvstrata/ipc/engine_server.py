@@ -57,7 +57,7 @@ from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
 from kvstrata.ipc.access import curve_server, peer_uid
-from kvstrata.ipc.kv_feed import KV_EVENTS_OFF, KVEventFeed, new_epoch
+from kvstrata.ipc.kv_feed import KV_EVENTS_OFF, KVEventFeed, KVSubscriptions, new_epoch
 from kvstrata.ipc.zmq_io import ZmqReader
 from kvstrata.types import RequestOutput
 
@@ -76,8 +76,7 @@ class _Client:
     (its backlog, in order), its protocol error count."""
 
     __slots__ = ("identity", "fd", "requests", "recent", "pending", "num_errors", "backlog",
-                 "backlog_bytes", "num_unblocked", "stall_timer", "farewell", "refused", "received",
-                 "load_sent")
+                 "backlog_bytes", "num_unblocked", "stall_timer", "farewell", "refused", "received")
 
     def __init__(self, identity: bytes, fd: int) -> None:
         self.identity = identity
@@ -95,7 +94,6 @@ class _Client:
         self.farewell: dict[str, bool] = {}  # request id -> its abort output still to come
         self.refused = False  # a peer of another user (ipc): everything it sends is ignored
         self.received = 0  # AddRequest frames taken in (the load reports' ``received``)
-        self.load_sent: tuple | None = None  # ((load, received), when) last reported to it
 
     def finished(self, rid: str) -> None:
         self.requests.discard(rid)
@@ -123,8 +121,7 @@ class EngineServer:
         self.stall_timeout_s = stall_timeout_s
         self._engine: AsyncEngine | None = None
         self.epoch = new_epoch()  # this engine start (a router fences older epochs' blocks)
-        self._kv_feed: KVEventFeed | None = None
-        self._kv_subscribers: set[bytes] = set()  # client identities that asked for KV events
+        self._kv: KVSubscriptions | None = None  # with the engine's KV events on
         self._clients: dict[bytes, _Client] = {}
         self._by_fd: dict[int, _Client] = {}
         self._routes: dict[str, _Client] = {}
@@ -166,9 +163,9 @@ class EngineServer:
         ``kv_feed``: the engine's KV events sink, served to subscribers."""
         self._engine = engine
         if kv_feed is not None:
-            self._kv_feed = kv_feed
-            kv_feed.listener = self._broadcast_kv
-            self._spawn(self._report_load())
+            self._kv = KVSubscriptions(kv_feed, engine, send=self._send, send_encoded=self._send_encoded,
+                                       protocol_error=self._client_protocol_error, received=self._received)
+            self._spawn(self._kv.report_load())
         for identity, call_id in self._deferred_handshakes:
             self._send(identity, P.UtilityResult(call_id, self._info()))
         self._deferred_handshakes.clear()
@@ -261,7 +258,10 @@ class EngineServer:
         elif method == "health":
             self._send(client.identity, P.UtilityResult(call_id, self._health()))
         elif method in ("kv_subscribe", "kv_snapshot", "kv_position"):
-            self._kv_call(client, call_id, method, args)
+            if self._kv is None:
+                self._send(client.identity, P.UtilityResult(call_id, None, KV_EVENTS_OFF))
+            else:
+                self._kv.call(client.identity, call_id, method, args)
         elif method in ("stats", "reset_prefix_cache", "flush_kv"):
             if self._engine is None:
                 self._send(client.identity, P.UtilityResult(call_id, None, "engine not ready"))
@@ -271,75 +271,15 @@ class EngineServer:
             self._protocol_error(client, f"unknown utility method {method!r} (known: {', '.join(P.UTILITY_METHODS)})")
             self._send(client.identity, P.UtilityResult(call_id, None, f"unknown utility method {method!r}"))
 
-    def _kv_call(self, client: _Client, call_id: int, method: str, args: list[Any]) -> None:
-        """The engine's KV events for its clients (``kvstrata.ipc.kv_feed``).
-        ``kv_position``: the feed's ``{epoch, next_seq, oldest_seq}``;
-        ``kv_snapshot``: that plus every cache's content now (``payload``, a
-        msgpack KVEventBatch consistent with the stream up to ``next_seq - 1``);
-        ``kv_subscribe [start_seq]``: the position, then the buffered batches
-        from ``start_seq``, then every later one as it comes, all on this
-        loop, so none is missed or sent twice."""
-        feed, engine, ident = self._kv_feed, self._engine, client.identity
-        if feed is None or engine is None:
-            self._send(ident, P.UtilityResult(call_id, None, KV_EVENTS_OFF))
-            return
-        if method == "kv_position":
-            self._send(ident, P.UtilityResult(call_id, feed.position()))
-            return
-        if method == "kv_snapshot":
-            payload = self._encoder.encode(engine.kv_snapshot())
-            self._send(ident, P.UtilityResult(call_id, {**feed.position(), "payload": payload}))
-            return
-        start = args[0] if args else 0
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            self._protocol_error(client, f"kv_subscribe: start_seq must be an integer >= 0, got {start!r}")
-            self._send(ident, P.UtilityResult(call_id, None, "kv_subscribe: bad start_seq"))
-            return
-        self._send(ident, P.UtilityResult(call_id, feed.position()))
-        for seq, payload in feed.since(start):
-            self._send(ident, P.KVEvents(feed.epoch, seq, payload))
-        self._kv_subscribers.add(ident)
-        client.load_sent = None  # the next load report goes out whatever it says
+    def _received(self, identity: bytes) -> int | None:
+        """How many AddRequest frames a client has sent (None: it is gone)."""
+        client = self._clients.get(identity)
+        return None if client is None else client.received
 
-    async def _report_load(self) -> None:
-        """Every ``LOAD_REPORT_INTERVAL_S``: the engine's load to each KV
-        subscriber whose report would change (its own ``received`` count
-        included), and to every one at least each ``LOAD_REPORT_REFRESH_S``
-        (a router takes a silent engine's last report as stale), so every
-        router sees the work all routers sent here."""
-        engine, feed = self._engine, self._kv_feed
-        assert engine is not None and feed is not None
-        while True:
-            await asyncio.sleep(P.LOAD_REPORT_INTERVAL_S)
-            if not self._kv_subscribers or engine.is_dead:
-                continue
-            try:
-                load = engine.load_now()
-            except Exception as e:  # never the end of the reports: the next tick tries again
-                log.error("engine_load_report_failed", error=f"{type(e).__name__}: {e}")
-                continue
-            now = time.monotonic()
-            for identity in list(self._kv_subscribers):
-                client = self._clients.get(identity)
-                if client is None:
-                    self._kv_subscribers.discard(identity)
-                    continue
-                mark = (load, client.received)
-                if client.load_sent is None or mark != client.load_sent[0] or \
-                        now - client.load_sent[1] >= P.LOAD_REPORT_REFRESH_S:
-                    client.load_sent = (mark, now)
-                    self._send(identity, P.LoadReport(feed.epoch, load, client.received))
-
-    def _broadcast_kv(self, seq: int, payload: bytes) -> None:
-        if not self._kv_subscribers:
-            return
-        assert self._kv_feed is not None
-        frame = self._encoder.encode(P.KVEvents(self._kv_feed.epoch, seq, payload))  # once for all
-        for identity in list(self._kv_subscribers):
-            if identity in self._clients:
-                self._send_encoded(identity, frame)
-            else:
-                self._kv_subscribers.discard(identity)
+    def _client_protocol_error(self, identity: bytes, message: str) -> None:
+        client = self._clients.get(identity)
+        if client is not None:
+            self._protocol_error(client, message)
 
     def _new_client(self, identity: bytes, fd: int) -> _Client:
         self._monitor_reader.drain_now()  # an old disconnect of this fd goes first
@@ -366,7 +306,8 @@ class EngineServer:
         if self._by_fd.get(client.fd) is client:
             del self._by_fd[client.fd]
         self._backlogged.pop(client.identity, None)
-        self._kv_subscribers.discard(client.identity)
+        if self._kv is not None:
+            self._kv.drop(client.identity)
         _cancel_stall_timer(client)
         rids = list(client.requests)
         for rid in rids:
@@ -576,7 +517,7 @@ class EngineServer:
                             config=self._config, max_frame_bytes=self.max_frame_bytes,
                             facts=None if engine is None else engine.facts, epoch=self.epoch,
                             cache_identity=None if engine is None else msgspec.to_builtins(engine.identity),
-                            kv_events=self._kv_feed is not None)
+                            kv_events=self._kv is not None)
 
     def _health(self) -> P.HealthInfo:
         engine = None

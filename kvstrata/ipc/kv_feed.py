@@ -6,8 +6,9 @@ The engine hands each step's ``KVEventBatch`` to a sink (``AsyncEngine``'s
 it encodes the batch once, numbers it (from 0, no gaps, per engine start),
 keeps the last ``buffer_steps`` for replay, and passes it on to
 
-- the engine server, which sends ``KVEvents(epoch, seq, payload)`` to every
-  client that subscribed (``Utility("kv_subscribe", [start_seq])``), after
+- the engine server's :class:`KVSubscriptions`, which sends
+  ``KVEvents(epoch, seq, payload)`` (and the engine's ``LoadReport``s) to
+  every client that subscribed (``Utility("kv_subscribe", [start_seq])``), after
   the buffered batches from ``start_seq``: the same channel, access control
   (ipc peer uid, tcp CURVE) and flow control as the requests, so a fleet
   router needs no second address and no second key;
@@ -21,17 +22,23 @@ old process). Nothing here blocks: ``publish`` runs on the engine loop.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 
+from kvstrata.ipc import protocol as P
 from kvstrata.kv.events import KVEventBatch
 
 if TYPE_CHECKING:  # the engine (torch) is imported after the server binds
-    from kvstrata.enginecore.async_engine import KVEventSink
+    from kvstrata.enginecore.async_engine import AsyncEngine, KVEventSink
+
+log = structlog.get_logger(__name__)
 
 
 KV_EVENTS_OFF = "KV events are off on this engine (cache.enable_kv_events)"
@@ -93,3 +100,96 @@ class KVEventFeed:
         tee, self._tee = self._tee, None
         if tee is not None:
             await tee.aclose()
+
+
+class KVSubscriptions:
+    """The engine server's KV event service for its clients: ``kv_position``,
+    ``kv_snapshot``, ``kv_subscribe`` and, to every subscriber, each batch
+    of the feed and the engine's ``LoadReport``s.
+
+    Owns: the subscribed client identities and the load last reported to
+    each (and when). The server owns the clients and the socket; it hands
+    in how to send a message (``send``) or an encoded frame
+    (``send_encoded``), how to flag a client's protocol error, and
+    ``received``: how many AddRequest frames a client has sent (None once
+    it is gone). Everything runs on the engine's loop.
+    """
+
+    def __init__(self, feed: KVEventFeed, engine: AsyncEngine, *, send: Callable[[bytes, Any], None],
+                 send_encoded: Callable[[bytes, bytes], None], protocol_error: Callable[[bytes, str], None],
+                 received: Callable[[bytes], int | None]) -> None:
+        self.feed = feed
+        self._engine = engine
+        self._send = send
+        self._send_encoded = send_encoded
+        self._protocol_error = protocol_error
+        self._received = received
+        self._encoder = msgspec.msgpack.Encoder()
+        self._subscribers: dict[bytes, tuple | None] = {}  # identity -> ((load, received), when) last reported
+        feed.listener = self._broadcast
+
+    def call(self, identity: bytes, call_id: int, method: str, args: list[Any]) -> None:
+        """``kv_position``: the feed's ``{epoch, next_seq, oldest_seq}``;
+        ``kv_snapshot``: that plus every cache's content now (``payload``, a
+        msgpack KVEventBatch consistent with the stream up to ``next_seq - 1``);
+        ``kv_subscribe [start_seq]``: the position, then the buffered batches
+        from ``start_seq``, then every later one as it comes, all on this
+        loop, so none is missed or sent twice."""
+        feed = self.feed
+        if method == "kv_position":
+            self._send(identity, P.UtilityResult(call_id, feed.position()))
+            return
+        if method == "kv_snapshot":
+            payload = self._encoder.encode(self._engine.kv_snapshot())
+            self._send(identity, P.UtilityResult(call_id, {**feed.position(), "payload": payload}))
+            return
+        start = args[0] if args else 0
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            self._protocol_error(identity, f"kv_subscribe: start_seq must be an integer >= 0, got {start!r}")
+            self._send(identity, P.UtilityResult(call_id, None, "kv_subscribe: bad start_seq"))
+            return
+        self._send(identity, P.UtilityResult(call_id, feed.position()))
+        for seq, payload in feed.since(start):
+            self._send(identity, P.KVEvents(feed.epoch, seq, payload))
+        self._subscribers[identity] = None  # the next load report goes out whatever it says
+
+    def drop(self, identity: bytes) -> None:
+        """A client is gone."""
+        self._subscribers.pop(identity, None)
+
+    def _broadcast(self, seq: int, payload: bytes) -> None:
+        if not self._subscribers:
+            return
+        frame = self._encoder.encode(P.KVEvents(self.feed.epoch, seq, payload))  # once for all
+        for identity in list(self._subscribers):
+            if self._received(identity) is None:
+                self.drop(identity)
+            else:
+                self._send_encoded(identity, frame)
+
+    async def report_load(self) -> None:
+        """Every ``LOAD_REPORT_INTERVAL_S``: the engine's load to each
+        subscriber whose report would change (its own ``received`` count
+        included), and to every one at least each ``LOAD_REPORT_REFRESH_S``
+        (a router takes a silent engine's last report as stale), so every
+        router sees the work all routers sent here."""
+        engine, subscribers = self._engine, self._subscribers
+        while True:
+            await asyncio.sleep(P.LOAD_REPORT_INTERVAL_S)
+            if not subscribers or engine.is_dead:
+                continue
+            try:
+                load = engine.load_now()
+            except Exception as e:  # never the end of the reports: the next tick tries again
+                log.error("engine_load_report_failed", error=f"{type(e).__name__}: {e}")
+                continue
+            now = time.monotonic()
+            for identity, last in list(subscribers.items()):
+                received = self._received(identity)
+                if received is None:
+                    self.drop(identity)
+                    continue
+                mark = (load, received)
+                if last is None or mark != last[0] or now - last[1] >= P.LOAD_REPORT_REFRESH_S:
+                    subscribers[identity] = (mark, now)
+                    self._send(identity, P.LoadReport(self.feed.epoch, load, received))

@@ -18,8 +18,8 @@ async def _never():  # a connector the test never calls
 
 def test_replica_load_before_and_after_the_engines_reports():
     r = Replica("r0", "remote", _never)
-    r.queued_prefill, r.running = 300, 3
-    r.inflight = {"q1": 100, "q2": 120, "q3": 80}
+    r.queued_prefill = 300
+    r.inflight = {"q1": 100, "q2": 120, "q3": 80}  # three requests in flight
     assert r.load() == ReplicaLoad(queued_prefill_tokens=300, running_requests=3)  # no client: ours only
     r.client = SimpleNamespace(num_requests_sent=3)
     assert r.load() == ReplicaLoad(queued_prefill_tokens=300, running_requests=3)  # no report yet
@@ -28,7 +28,8 @@ def test_replica_load_before_and_after_the_engines_reports():
     assert r.load() == ReplicaLoad(queued_prefill_tokens=1000 + 120 + 80, running_requests=4 + 2 + 2)
     r.note_load(r.engine_load, 3)
     assert r.load() == ReplicaLoad(queued_prefill_tokens=1000, running_requests=6)
-    r.client = SimpleNamespace(num_requests_sent=5)  # two sends, one of which has already ended here
+    r.client = SimpleNamespace(num_requests_sent=5)  # two sends (q4, q5), q5 already ended here; q1 ended too
+    r.inflight["q4"] = 50
     del r.inflight["q1"]
     assert r.load().running_requests == 6 + 2
 
