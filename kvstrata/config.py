@@ -25,6 +25,17 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # is process-wide); None keeps torch's default. On small shared CPU hosts
     # 1 is often much faster than oversubscribing the cores.
     num_threads: int | None = None
+    # CUDA graphs for decode-only steps (``kvstrata.worker.cuda_graphs``):
+    # the forward is captured once per batch size in ``cuda_graph_sizes``
+    # (None: 1, 2, 4, 8, then every 8 up to scheduler.max_num_seqs, at most
+    # 512) and a decode batch is padded to the next captured size and
+    # replayed. None: on for CUDA; always off on a CPU.
+    cuda_graphs: bool | None = None
+    cuda_graph_sizes: list[int] | None = None
+    # Fused Triton kernels in the decoder layer (RMSNorm with the residual
+    # add, RoPE with the KV cache write, SiLU-and-mul). None: on for CUDA
+    # once verified there; never on a CPU unless forced (interpreter).
+    fused_kernels: bool | None = None
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -159,6 +170,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _positive("model.max_model_len", self.model.max_model_len)
         if self.model.num_threads is not None:
             _positive("model.num_threads", self.model.num_threads)
+        sizes = self.model.cuda_graph_sizes
+        if sizes is not None:
+            if not isinstance(sizes, list) or not sizes:
+                raise ValueError("model.cuda_graph_sizes must be a non-empty list of batch sizes")
+            for n in sizes:
+                _positive("model.cuda_graph_sizes[]", n)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         sp = self.speculative

@@ -55,12 +55,17 @@ class LazyKernel:
     They are pure functions of ``fn`` — a memo, not state callers observe.
     """
 
-    __slots__ = ("_fn", "_compiled", "_interpreted")
+    __slots__ = ("_fn", "_compiled", "_interpreted", "_do_not_specialize")
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., None], do_not_specialize: tuple[str, ...] = ()) -> None:
+        """``do_not_specialize``: integer arguments that vary from call to call
+        (token and sequence counts): compiled once for every value instead of
+        once more whenever one is 1 or a multiple of 16, so no request pays a
+        compile for a shape that warm-up did not happen to cover."""
         self._fn = fn
         self._compiled: Any = None
         self._interpreted: Any = None
+        self._do_not_specialize = tuple(do_not_specialize)
 
     @property
     def __name__(self) -> str:
@@ -72,7 +77,7 @@ class LazyKernel:
             if self._compiled is None:
                 import triton
 
-                self._compiled = triton.jit(self._fn)
+                self._compiled = triton.jit(self._fn, do_not_specialize=self._do_not_specialize)
             return self._compiled
         if self._interpreted is None:
             from triton.runtime.interpreter import InterpretedFunction
