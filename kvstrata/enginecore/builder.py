@@ -179,7 +179,7 @@ def build_runner(config: EngineConfig) -> ModelRunnerLike:
         from kvstrata.worker.null_runner import NullModelRunner as runner_cls
     else:
         from kvstrata.worker.model_runner import ModelRunner as runner_cls  # type: ignore[assignment]
-    return runner_cls(config.model, config.cache, config.device)
+    return runner_cls(config.model, config.cache, config.device, config.scheduler)
 
 
 def connector_spec(identity: CacheIdentity, layer_specs: LayerSpecs, max_model_len: int) -> ConnectorSpec:

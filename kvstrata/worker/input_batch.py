@@ -13,6 +13,7 @@ mappings are a handful of vectorised numpy operations, not work per token:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +48,13 @@ class RequestState:
 @dataclass(slots=True, frozen=True)
 class StepInputs:
     """One step's flattened inputs; ``sample_batch_idx[i]`` is the position in
-    the step's request order of the i-th sampled request."""
+    the step's request order of the i-th sampled request.
+
+    The tensors are views of the batch's persistent device buffer
+    (:class:`StepBuffers`), valid until the next ``prepare``. A decode step
+    padded for a captured CUDA graph has ``graph_size`` set: its tensors hold
+    ``graph_size`` rows, the first ``num_tokens`` real, the rest padding that
+    writes no KV (slot -1) and attends to the null block only."""
 
     req_ids: list[str]
     input_ids: torch.Tensor
@@ -59,15 +66,120 @@ class StepInputs:
     # Per sampled request, its draft tokens (speculative decoding; None: one
     # logits row). A request with d drafts has d + 1 rows in logits_indices.
     sample_drafts: list[list[int] | None] | None = None
+    num_tokens: int = 0
+    graph_size: int | None = None
+    logits_rows: list[int] | None = None  # logits_indices on the host (read without a device sync)
+
+
+@dataclass(slots=True, frozen=True)
+class StepLayout:
+    """Where each index tensor of a step sits in the packed int32 buffer.
+
+    The forward's inputs come first, in an order whose offsets depend only
+    on (tokens, sequences, table width, groups): a CUDA graph captured for
+    batch size n reads the same addresses at every replay of size n. The
+    logits rows (read after the forward, outside any graph) come last.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    width: int  # block-table columns
+    num_groups: int
+    num_logits: int
+
+    @property
+    def ids(self) -> int:
+        return 0
+
+    @property
+    def positions(self) -> int:
+        return self.num_tokens
+
+    @property
+    def qsl(self) -> int:
+        return 2 * self.num_tokens
+
+    @property
+    def seq_lens(self) -> int:
+        return self.qsl + self.num_seqs + 1
+
+    def slots(self, g: int) -> int:
+        return self.seq_lens + self.num_seqs + g * self.num_tokens
+
+    def table(self, g: int) -> int:
+        return self.slots(self.num_groups) + g * self.num_seqs * self.width
+
+    @property
+    def logits(self) -> int:
+        return self.table(self.num_groups)
+
+    @property
+    def size(self) -> int:
+        return self.logits + self.num_logits
+
+
+def layout_capacity(max_tokens: int, max_seqs: int, max_blocks: int, num_groups: int) -> int:
+    """Elements of the packed buffer for any step within these bounds (drafts
+    give up to one logits row per token)."""
+    return StepLayout(max_tokens, max_seqs, max_blocks, num_groups, max_tokens).size
+
+
+class StepBuffers:
+    """Owns: the packed int32 buffer the forward reads its index tensors from
+    (persistent on the device: captured CUDA graphs hold its addresses) and,
+    on CUDA, two pinned host staging buffers filled in turn.
+
+    A step fills a host buffer through numpy views, then ``commit`` copies
+    the used prefix to the device with one non-blocking copy and records an
+    event; the next time that host buffer's turn comes, its event is waited
+    for (already passed in practice: the step between sampled, which syncs).
+    On a CPU the host buffer is the device buffer: nothing is copied.
+    """
+
+    __slots__ = ("device", "capacity", "device_buf", "_host", "_host_np", "_events", "_turn")
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.device = device
+        self.capacity = capacity
+        if device.type == "cpu":
+            self.device_buf = torch.zeros(capacity, dtype=torch.int32)
+            self._host = [self.device_buf]
+        else:
+            self.device_buf = torch.zeros(capacity, dtype=torch.int32, device=device)
+            self._host = [torch.zeros(capacity, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._events: list[torch.cuda.Event | None] = [None] * len(self._host)
+        self._turn = 0
+
+    def begin(self) -> np.ndarray:
+        """The host buffer to fill for the next step (numpy view)."""
+        self._turn = (self._turn + 1) % len(self._host)
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()
+        return self._host_np[self._turn]
+
+    def commit(self, used: int) -> torch.Tensor:
+        """Make the first ``used`` elements visible on the device; returns the device buffer."""
+        if self.device.type != "cpu":
+            self.device_buf[:used].copy_(self._host[self._turn][:used], non_blocking=True)
+            event = self._events[self._turn] or torch.cuda.Event()
+            event.record()
+            self._events[self._turn] = event
+        return self.device_buf
 
 
 class InputBatch:
-    """Owns: the state of every request the runner holds, and the block-table
-    array (one row per request slot, rows reused after a request leaves)."""
+    """Owns: the state of every request the runner holds, the block-table
+    arrays (one row per request slot, rows reused after a request leaves) and
+    the step buffers the forward reads."""
 
     def __init__(self, block_size: int, max_model_len: int, device: torch.device,
-                 layer_groups: list[int] | None = None) -> None:
-        """``layer_groups[i]``: the KV cache group of layer i (None: one group)."""
+                 layer_groups: list[int] | None = None, *, max_num_tokens: int = 2048,
+                 max_num_seqs: int = 256) -> None:
+        """``layer_groups[i]``: the KV cache group of layer i (None: one group).
+        ``max_num_tokens`` / ``max_num_seqs``: the scheduler's step limits
+        (the step buffers are sized for them and grow if a step exceeds them)."""
         self.block_size = block_size
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
@@ -76,6 +188,14 @@ class InputBatch:
         self.block_tables = [np.zeros((16, self.max_blocks), dtype=np.int32) for _ in range(self.num_groups)]
         self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(15, -1, -1))
+        self.max_num_tokens = max(max_num_tokens, 1)
+        self.max_num_seqs = max(max_num_seqs, 1)
+        self.buffers = StepBuffers(self._capacity(), device)
+        self.graph_sizes: list[int] = []  # batch sizes a decode step may be padded to (captured graphs)
+        self.num_buffer_growths = 0
+
+    def _capacity(self) -> int:
+        return layout_capacity(self.max_num_tokens, self.max_num_seqs, self.max_blocks, self.num_groups)
 
     @property
     def block_table(self) -> np.ndarray:
@@ -142,7 +262,9 @@ class InputBatch:
         """Flat inputs for computing tokens [num_computed, num_computed + n) of each
         scheduled request; a request samples when that reaches its last known token.
         A request with drafts (``spec_tokens``) computes its next token then
-        the drafts, and has a logits row after each of them."""
+        the drafts, and has a logits row after each of them. A decode-only
+        step (one token each, no drafts) is padded to the smallest of
+        ``graph_sizes`` that holds it, when there is one."""
         requests = self.requests
         num_reqs = len(num_scheduled_tokens)
         rows = np.empty(num_reqs, dtype=np.int64)
@@ -177,6 +299,15 @@ class InputBatch:
         return self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx,
                              sample_drafts)
 
+    def graph_size_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The captured batch size a step of ``num_tokens`` tokens over
+        ``num_seqs`` sequences replays at: decode-only steps (one token per
+        sequence) within the largest captured size; else None (eager)."""
+        sizes = self.graph_sizes
+        if not sizes or num_tokens != num_seqs or num_seqs > sizes[-1]:
+            return None
+        return sizes[bisect.bisect_left(sizes, num_seqs)]
+
     def _tensors(
         self,
         req_ids: list[str],
@@ -191,43 +322,122 @@ class InputBatch:
         bs = self.block_size
         cu = np.cumsum(counts)
         num_tokens = int(cu[-1])
-        qsl = np.zeros(len(counts) + 1, dtype=np.int32)
-        qsl[1:] = cu
-        positions = np.repeat(starts - qsl[:-1], counts) + np.arange(num_tokens)
+        num_seqs = len(counts)
+        seq_lens = starts + counts
+        last = cu[sample_idx] - 1
+        if sample_drafts is None:
+            logits_idx = last
+        else:  # a request with d drafts: a row after its token and after each draft
+            logits_idx = np.array([i for end, d in zip(last.tolist(), sample_drafts)
+                                   for i in range(end - len(d or ()), end + 1)], dtype=np.int64)
+        graph_size = self.graph_size_for(num_tokens, num_seqs)
+        if graph_size is not None:  # the captured graph's layout: padded rows, full-width tables
+            lay = StepLayout(graph_size, graph_size, self.max_blocks, self.num_groups, len(logits_idx))
+        else:
+            width = -(-int(seq_lens.max()) // bs)
+            lay = StepLayout(num_tokens, num_seqs, width, self.num_groups, len(logits_idx))
+        if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs or lay.size > self.buffers.capacity:
+            self._grow_buffers(num_tokens, num_seqs)
+        pad_t, pad_s = lay.num_tokens, lay.num_seqs
+        h = self.buffers.begin()
+        positions = np.repeat(starts - cu + counts, counts) + np.arange(num_tokens)
+        h[lay.ids:lay.ids + num_tokens] = tokens
+        h[lay.ids + num_tokens:lay.ids + pad_t] = 0
+        h[lay.positions:lay.positions + num_tokens] = positions
+        h[lay.positions + num_tokens:lay.positions + pad_t] = 0
+        qsl = h[lay.qsl:lay.qsl + pad_s + 1]
+        qsl[0] = 0
+        qsl[1:num_seqs + 1] = cu
+        qsl[num_seqs + 1:] = np.arange(num_tokens + 1, num_tokens + 1 + pad_s - num_seqs)  # padding: one token each
+        h[lay.seq_lens:lay.seq_lens + num_seqs] = seq_lens
+        h[lay.seq_lens + num_seqs:lay.seq_lens + pad_s] = 1
         token_rows = np.repeat(rows, counts)
-        seq_lens = (starts + counts).astype(np.int32)
-        max_blocks = -(-int(seq_lens.max()) // bs)
-        dev = self.device
-        qsl_t, lens_t = torch.from_numpy(qsl).to(dev), torch.from_numpy(seq_lens).to(dev)
-        metas = []
-        for table in self.block_tables:
-            slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-            metas.append(AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev),
-                block_tables=torch.from_numpy(table[rows, :max_blocks]).to(dev),
-                query_start_loc=qsl_t,
-                seq_lens=lens_t,
-            ))
+        block_of, offset = positions // bs, positions % bs
+        for g, table in enumerate(self.block_tables):
+            o = lay.slots(g)
+            h[o:o + num_tokens] = table[token_rows, block_of] * bs + offset
+            h[o + num_tokens:o + pad_t] = -1
+            t = h[lay.table(g):lay.table(g) + pad_s * lay.width].reshape(pad_s, lay.width)
+            t[:num_seqs] = table[rows, :lay.width]
+            t[num_seqs:] = 0
+        h[lay.logits:lay.logits + len(logits_idx)] = logits_idx
+        d = self.buffers.commit(lay.size)
+        qsl_t = d[lay.qsl:lay.qsl + pad_s + 1]
+        lens_t = d[lay.seq_lens:lay.seq_lens + pad_s]
+        metas = [AttentionMetadata(
+            slot_mapping=d[lay.slots(g):lay.slots(g) + pad_t],
+            block_tables=d[lay.table(g):lay.table(g) + pad_s * lay.width].view(pad_s, lay.width),
+            query_start_loc=qsl_t,
+            seq_lens=lens_t,
+        ) for g in range(self.num_groups)]
         meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
         if self.num_groups > 1:
             assert self.layer_groups is not None
             meta = [metas[g] for g in self.layer_groups]
-        last = cu[sample_idx] - 1
-        if sample_drafts is None:
-            logits_indices = torch.from_numpy(last).to(dev)
-        else:  # a request with d drafts: a row after its token and after each draft
-            idx = [i for end, d in zip(last.tolist(), sample_drafts) for i in range(end - len(d or ()), end + 1)]
-            logits_indices = torch.tensor(idx, dtype=torch.int64, device=dev)
         return StepInputs(
             req_ids=req_ids,
-            input_ids=torch.tensor(tokens, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=d[lay.ids:lay.ids + pad_t],
+            positions=d[lay.positions:lay.positions + pad_t],
             meta=meta,
-            logits_indices=logits_indices,
+            logits_indices=d[lay.logits:lay.logits + len(logits_idx)],
             sample_states=sample_states,
             sample_batch_idx=sample_idx,
             sample_drafts=sample_drafts,
+            num_tokens=num_tokens,
+            graph_size=graph_size,
+            logits_rows=logits_idx.tolist(),
         )
+
+    def _grow_buffers(self, num_tokens: int, num_seqs: int) -> None:
+        """A step beyond the limits the buffers were sized for (a runner used
+        without its scheduler's limits): larger buffers. Captured graphs read
+        the old ones, so they are dropped (``graph_sizes`` emptied; the owner
+        sees ``num_buffer_growths`` move and releases them)."""
+        self.max_num_tokens = max(self.max_num_tokens, num_tokens)
+        self.max_num_seqs = max(self.max_num_seqs, num_seqs)
+        self.buffers = StepBuffers(self._capacity(), self.device)
+        self.graph_sizes = []
+        self.num_buffer_growths += 1
+
+    def dummy_inputs(self, q_lens: list[int], *, graph: bool = False) -> StepInputs:
+        """Inputs of a step with no real request: sequence b has ``q_lens[b]``
+        new tokens and that many positions of context, all in the null block,
+        and no token writes KV (slot -1). For warm-up (every kernel
+        specialization compiled before the first request) and, with
+        ``graph``, for capturing a decode graph of ``len(q_lens)`` rows: its
+        tensors then sit where every later step of that size puts its own."""
+        counts = np.asarray(q_lens, dtype=np.int64)
+        num_tokens, num_seqs = int(counts.sum()), len(q_lens)
+        if graph:
+            assert num_tokens == num_seqs, "a decode graph has one token per sequence"
+            width = self.max_blocks
+        else:
+            width = -(-int(counts.max()) // self.block_size)
+        lay = StepLayout(num_tokens, num_seqs, width, self.num_groups, 0)
+        if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs or lay.size > self.buffers.capacity:
+            raise ValueError(f"a step of {num_tokens} tokens over {num_seqs} sequences exceeds the step buffers")
+        h = self.buffers.begin()
+        h[:lay.size] = 0
+        h[lay.positions:lay.positions + num_tokens] = np.concatenate([np.arange(n) for n in q_lens])
+        h[lay.qsl + 1:lay.qsl + num_seqs + 1] = np.cumsum(counts)
+        h[lay.seq_lens:lay.seq_lens + num_seqs] = counts
+        for g in range(self.num_groups):
+            h[lay.slots(g):lay.slots(g) + num_tokens] = -1
+        d = self.buffers.commit(lay.size)
+        metas = [AttentionMetadata(
+            slot_mapping=d[lay.slots(g):lay.slots(g) + num_tokens],
+            block_tables=d[lay.table(g):lay.table(g) + num_seqs * width].view(num_seqs, width),
+            query_start_loc=d[lay.qsl:lay.qsl + num_seqs + 1],
+            seq_lens=d[lay.seq_lens:lay.seq_lens + num_seqs],
+        ) for g in range(self.num_groups)]
+        meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
+        if self.num_groups > 1:
+            assert self.layer_groups is not None
+            meta = [metas[g] for g in self.layer_groups]
+        return StepInputs(req_ids=[], input_ids=d[:num_tokens], positions=d[lay.positions:lay.positions + num_tokens],
+                          meta=meta, logits_indices=d[lay.logits:lay.logits], sample_states=[],
+                          sample_batch_idx=[], num_tokens=num_tokens, graph_size=num_seqs if graph else None,
+                          logits_rows=[])
 
 
 def sampling_metadata(
@@ -238,17 +448,17 @@ def sampling_metadata(
     temps = [p.temperature for p in params]
     all_greedy = all(t == 0.0 for t in temps)
     meta = SamplingMetadata(
-        temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+        temperature=to_device(temps, torch.float32, device),
         all_greedy=all_greedy,
         all_random=all(t != 0.0 for t in temps),
     )
     if not all_greedy:
         if any(p.top_k > 0 for p in params):
-            meta.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+            meta.top_k = to_device([p.top_k for p in params], torch.int64, device)
         if any(p.top_p < 1.0 for p in params):
-            meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            meta.top_p = to_device([p.top_p for p in params], torch.float32, device)
         if any(p.min_p > 0.0 for p in params):
-            meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            meta.min_p = to_device([p.min_p for p in params], torch.float32, device)
     for i, state in enumerate(states):
         p = params[i]
         if state.generator is not None:
@@ -261,6 +471,15 @@ def sampling_metadata(
     if any(p.logprobs is not None for p in params):
         meta.num_logprobs = [p.logprobs for p in params]
     return meta
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step tensor on ``device`` without a host sync: staged in
+    pinned memory (torch's caching host allocator reuses the buffer only once
+    its copy has run) and copied non-blocking."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def step_seed(seed: int, position: int) -> int:

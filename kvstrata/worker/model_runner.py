@@ -23,11 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import time
+
 import msgspec
 import structlog
 import torch
 
-from kvstrata.config import CacheConfig, ModelConfig
+from kvstrata.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvstrata.kernels import use_triton
+from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
 from kvstrata.worker.model.config import LlamaArchConfig
 from kvstrata.worker.model.default_model import default_model_dir
@@ -66,6 +70,15 @@ def layer_kv_specs(arch: LlamaArchConfig, dtype: str, block_size: int) -> dict[s
             for i, w in enumerate(windows)}
 
 
+def wants_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
+    """``model.cuda_graphs``: None means on for CUDA; never on a CPU."""
+    if device.type != "cuda":
+        if setting:
+            log.info("cuda_graphs_off", reason="CUDA graphs need a CUDA device", device=str(device))
+        return False
+    return setting is None or bool(setting)
+
+
 def check_max_model_len(requested: int | None, max_positions: int) -> int:
     if requested is None:
         return max_positions
@@ -80,8 +93,12 @@ class ModelRunner:
     """Owns: the model weights, the paged KV cache tensors, the persistent
     batch (per-request tokens and block tables) and the sampler's generator."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu") -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu",
+                 scheduler_config: SchedulerConfig | None = None) -> None:
+        """``scheduler_config``: the step limits (tokens, sequences) the step
+        buffers and decode graphs are sized for (default: the defaults)."""
         self.device = resolve_device(device)
+        sched = scheduler_config or SchedulerConfig()
         if model_config.num_threads is not None:
             torch.set_num_threads(model_config.num_threads)
         path = model_config.model
@@ -108,7 +125,11 @@ class ModelRunner:
         groups = group_layer_specs(specs)  # the engine's builder groups the same way
         group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
         layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
-        self.batch = InputBatch(self.block_size, self.max_model_len, self.device, layer_groups)
+        self.batch = InputBatch(self.block_size, self.max_model_len, self.device, layer_groups,
+                                max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs)
+        self.graph_sizes = graph_sizes(sched.max_num_seqs, model_config.cuda_graph_sizes)
+        self.use_cuda_graphs = wants_cuda_graphs(model_config.cuda_graphs, self.device)
+        self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:
             log.warning("tokenizer_vocab_exceeds_model", tokenizer=self.tokenizer.vocab_size, model=self.vocab_size)
@@ -134,6 +155,39 @@ class ModelRunner:
                  mib=round(self.kv_cache_backing.nbytes / 2**20, 1))
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches, self.device)
+        if use_triton("auto", self.device):
+            self.warm_up()
+        if self.use_cuda_graphs:
+            self.capture_decode_graphs()
+
+    def warm_up(self) -> None:
+        """Run the forward once on each kind of step shape with no real request
+        (nothing written to the cache), so every Triton specialization is
+        compiled at start and no request pays a compile: a long prefill, a
+        mixed batch, and decode batches of one and many sequences."""
+        t0 = time.perf_counter()
+        b = self.batch
+        longest = min(b.max_num_tokens, self.max_model_len)
+        shapes = [[longest], [max(1, longest // 2) + 1], [17, 1, 33], [1], [1] * min(b.max_num_seqs, 64), [1] * 3]
+        for q_lens in shapes:
+            if sum(q_lens) <= b.max_num_tokens and len(q_lens) <= b.max_num_seqs:
+                self._run_forward(b.dummy_inputs(q_lens))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("model_warmed_up", seconds=round(time.perf_counter() - t0, 2), shapes=len(shapes))
+
+    def capture_decode_graphs(self, sizes: list[int] | None = None, *, emulate: bool = False) -> DecodeGraphs:
+        """Capture the decode forward for each batch size (``graph_sizes`` by
+        default). ``emulate``: no capture, padded eager replays (tests, CPU)."""
+        if self.kv_caches is None:
+            raise RuntimeError("initialize_kv_cache() must be called before capturing graphs")
+        if self.graphs is not None:
+            self.graphs.release()
+        sizes = [n for n in (sizes or self.graph_sizes) if n <= self.batch.max_num_seqs]
+        graphs = DecodeGraphs(self._run_forward, self.batch, sizes, emulate=emulate)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs
 
     def set_kv_connector(self, worker: Any) -> None:
         """Attach a KV connector's worker side (``kvstrata.connector``): the
@@ -162,8 +216,16 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.empty()
         step = self.batch.prepare(scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens)
-        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(step):
+            hidden = graphs.run(step)
+        else:
+            hidden = self._run_forward(step)[: step.num_tokens]
         return self._sample(scheduler_output, step, hidden, ())
+
+    def _run_forward(self, step: StepInputs) -> torch.Tensor:
+        """The model's forward over ``step`` (every row, padding included)."""
+        return self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
 
     def _execute_with_connector(self, so: SchedulerOutput, conn: Any) -> ModelRunnerOutput:
         """The step with the connector's hooks: loads before (and layer by layer
@@ -246,7 +308,7 @@ class ModelRunner:
         states: list = []
         groups: list[tuple[int, list[int] | None]] = []
         keep: list[int] = []
-        all_idx = step.logits_indices.tolist()
+        all_idx = step.logits_rows if step.logits_rows is not None else step.logits_indices.tolist()
         pos = 0
         for i, (state, drafts) in enumerate(zip(step.sample_states, step.sample_drafts or [])):
             width = 1 + (len(drafts) if drafts else 0)

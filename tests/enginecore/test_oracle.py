@@ -16,6 +16,7 @@ on (n-gram drafts verified by the model: greedy tokens must not change).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -26,6 +27,11 @@ from kvstrata.enginecore.async_engine import AsyncEngine
 from kvstrata.types import SamplingParams
 
 MAX_NEW = 12
+# The whole oracle can run with the engine on a GPU: KVSTRATA_TEST_DEVICE=cuda
+# (CUDA graphs then follow KVSTRATA_TEST_CUDA_GRAPHS: "0" off, else the default, on).
+DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")
+CUDA_GRAPHS = None if os.environ.get("KVSTRATA_TEST_CUDA_GRAPHS", "") != "0" else False
+FUSED = {"1": True, "0": False}.get(os.environ.get("KVSTRATA_TEST_FUSED_KERNELS", ""))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
@@ -67,9 +73,9 @@ async def start(kv_managers, spec, mode):
 
     async def build(path: str, *, num_blocks: int = 256, caching: bool = True, **sched) -> AsyncEngine:
         config = EngineConfig(
-            model=ModelConfig(model=path),
+            model=ModelConfig(model=path, cuda_graphs=CUDA_GRAPHS, fused_kernels=FUSED),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
-            scheduler=SchedulerConfig(async_scheduling=MODES[mode][0], **sched), device="cpu",
+            scheduler=SchedulerConfig(async_scheduling=MODES[mode][0], **sched), device=DEVICE,
             speculative=SpeculativeConfig(method=spec, num_speculative_tokens=3, prompt_lookup_min=1),
         )
         engine = await AsyncEngine.start(config)
@@ -149,3 +155,18 @@ async def test_windowed_families_match_hf_when_preempted(oracle, start):
     batch = prompts["short"]
     assert_matches(expected, batch, await generate_all(engine, batch))
     assert (await engine.stats()).num_preemptions > 0
+
+
+async def test_matches_hf_when_decode_steps_replay_graphs(oracle, start, mode):
+    """Decode steps padded to captured batch sizes (on a CPU: padded eager
+    replays of the same buffers) give HF's tokens: padding rows change
+    nothing, and inputs written in place for each step are the step's own."""
+    path, prompts, expected = oracle
+    engine = await start(path)
+    runner = engine.core.runner
+    graphs = runner.graphs
+    if graphs is None:  # a CPU: emulate (the padding and the buffers are what is tested)
+        graphs = runner.capture_decode_graphs([1, 2, 4, 8], emulate=True)
+    batch = prompts["plain"] + prompts["wave1"]
+    assert_matches(expected, batch, await generate_all(engine, batch))
+    assert graphs.num_replays > 0
