@@ -114,8 +114,8 @@ def test_consecutive_steps_reuse_one_device_buffer(three_decoding):
     second = _decode_step(batch)
     assert second.input_ids.untyped_storage().data_ptr() == ptr
     assert second.positions.tolist() == [5, 2, 9]
-    assert second.meta.block_tables[2, :4].tolist() == [9, 10, 11, 12]  # the appended block, in place
-    assert second.meta.slot_mapping.tolist()[2] == 12 * BS + 1
+    assert second.meta.slot_mapping.tolist() == [4 * BS + 1, 7 * BS + 2, 11 * BS + 1]
+    assert batch.block_table[batch.requests["c"].row, :4].tolist() == [9, 10, 11, 12]  # appended in place
 
 
 def test_a_step_beyond_the_sized_limits_grows_the_buffers_and_stops_padding():
