@@ -27,14 +27,18 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_threads: int | None = None
     # CUDA graphs for decode-only steps (``kvstrata.worker.cuda_graphs``):
     # the forward is captured once per batch size in ``cuda_graph_sizes``
-    # (None: 1, 2, 4, 8, then every 8 up to scheduler.max_num_seqs, at most
-    # 512) and a decode batch is padded to the next captured size and
-    # replayed. None: on for CUDA; always off on a CPU.
+    # (None: 1, 2, 4, 8, then every 8 up to scheduler.max_num_seqs and
+    # max_num_batched_tokens, at most 512) and a decode batch is padded to
+    # the next captured size and replayed. None: on for CUDA (off for models
+    # with sliding-window layers until a GPU run has checked them: true
+    # turns them on); always off on a CPU.
     cuda_graphs: bool | None = None
     cuda_graph_sizes: list[int] | None = None
     # Fused Triton kernels in the decoder layer (RMSNorm with the residual
-    # add, RoPE with the KV cache write, SiLU-and-mul). None: on for CUDA
-    # once verified there; never on a CPU unless forced (interpreter).
+    # add, RoPE with the KV cache write, SiLU-and-mul). None/False: off (one
+    # GPU run has shown the oracle identical with them for Llama only);
+    # True: on (on a CPU they run their torch references, or the Triton
+    # interpreter under TRITON_INTERPRET=1).
     fused_kernels: bool | None = None
 
 

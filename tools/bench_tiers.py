@@ -124,10 +124,10 @@ def engine_config(mode: str, args: argparse.Namespace, num_blocks: int, tmp: str
                       "tiers": [{"type": "disk", "write": "through",
                                  "options": {"path": f"{tmp}/disk", "capacity_bytes": args.disk_mib << 20}}]},
         })
-    return EngineConfig(model=ModelConfig(model=args.model, seed=args.seed), cache=cache,
+    return EngineConfig(model=ModelConfig(model=args.model, seed=args.seed, dtype=args.dtype), cache=cache,
                         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
                                                   max_num_seqs=max(8, args.concurrency)),
-                        kv_transfer=kv_transfer, log_level="WARNING")
+                        kv_transfer=kv_transfer, device=args.device, log_level="WARNING")
 
 
 async def run_mode(mode: str, args: argparse.Namespace, convs, num_blocks: int) -> dict:
@@ -166,6 +166,8 @@ async def run_mode(mode: str, args: argparse.Namespace, convs, num_blocks: int) 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the seeded default model)")
+    p.add_argument("--dtype", default="float32", help="model.dtype (tools/bench_gpu.py runs bfloat16 on CUDA)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--first-turn-tokens", type=int, default=768)

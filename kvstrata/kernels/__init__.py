@@ -15,6 +15,10 @@ imports triton and never needs a GPU.
     scatter_kv_layer(chunk, key_cache, value_cache, slot_mapping)
     allocate_kv_caches(KVCacheShape(...), "per_layer" | "cross_layer", dtype, device)
     KVStreams(device, num_layers)
+    fused_add_rms_norm(x, residual, weight, eps, out=None, residual_out=None)
+        -> (normed, new_residual)
+    silu_and_mul(x, out=None) -> [T, I]
+    rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out=None) -> q_rot
 
 All kernel entry points also take ``impl="auto" | "torch" | "triton"``.
 """
@@ -23,6 +27,7 @@ from kvstrata.kernels._checks import KernelArgumentError
 from kvstrata.kernels.attention import paged_attention, paged_attention_ref
 from kvstrata.kernels.cache_write import reshape_and_cache, reshape_and_cache_ref
 from kvstrata.kernels.dispatch import interpret_requested, use_triton
+from kvstrata.kernels.fused import fused_add_rms_norm, rotary_and_cache, silu_and_mul
 from kvstrata.kernels.layout import KV_LAYOUTS, KVCacheShape, allocate_kv_caches
 from kvstrata.kernels.streams import KVStreams, KVTransfer
 from kvstrata.kernels.transfer import (
@@ -41,6 +46,7 @@ __all__ = [
     "KVTransfer",
     "KernelArgumentError",
     "allocate_kv_caches",
+    "fused_add_rms_norm",
     "gather_kv",
     "gather_kv_layer",
     "gather_kv_layer_ref",
@@ -49,8 +55,10 @@ __all__ = [
     "paged_attention_ref",
     "reshape_and_cache",
     "reshape_and_cache_ref",
+    "rotary_and_cache",
     "scatter_kv",
     "scatter_kv_layer",
     "scatter_kv_layer_ref",
+    "silu_and_mul",
     "use_triton",
 ]

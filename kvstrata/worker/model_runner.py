@@ -70,13 +70,24 @@ def layer_kv_specs(arch: LlamaArchConfig, dtype: str, block_size: int) -> dict[s
             for i, w in enumerate(windows)}
 
 
-def wants_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
-    """``model.cuda_graphs``: None means on for CUDA; never on a CPU."""
+def wants_cuda_graphs(setting: bool | None, device: torch.device, *, windowed: bool = False) -> bool:
+    """``model.cuda_graphs``: never on a CPU; None means on for CUDA, except
+    for models with sliding-window layers, whose graphs no GPU run has
+    checked against the oracle yet (``cuda_graphs = true`` turns them on)."""
     if device.type != "cuda":
         if setting:
             log.info("cuda_graphs_off", reason="CUDA graphs need a CUDA device", device=str(device))
         return False
-    return setting is None or bool(setting)
+    if setting is None:
+        if windowed:
+            log.info("cuda_graphs_off", reason="sliding-window layers: on only with model.cuda_graphs = true")
+        return not windowed
+    return bool(setting)
+
+
+def arch_windows(arch: LlamaArchConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention)."""
+    return tuple(arch.layer_windows or (None,) * arch.num_hidden_layers)
 
 
 def check_max_model_len(requested: int | None, max_positions: int) -> int:
@@ -127,8 +138,16 @@ class ModelRunner:
         layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
         self.batch = InputBatch(self.block_size, self.max_model_len, self.device, layer_groups,
                                 max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs)
-        self.graph_sizes = graph_sizes(sched.max_num_seqs, model_config.cuda_graph_sizes)
-        self.use_cuda_graphs = wants_cuda_graphs(model_config.cuda_graphs, self.device)
+        # a decode step of n sequences is n tokens: both limits bound a graph
+        self.graph_sizes = graph_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens),
+                                       model_config.cuda_graph_sizes)
+        self.use_cuda_graphs = wants_cuda_graphs(model_config.cuda_graphs, self.device,
+                                                 windowed=any(arch_windows(self.arch)))
+        # Fused kernels: off unless asked for (the default turns on for CUDA
+        # once a GPU run has shown the oracle identical with them).
+        self.fused_kernels = bool(model_config.fused_kernels)
+        if isinstance(self.model, LlamaForCausalLM):
+            self.model.use_fused_kernels(self.fused_kernels)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:
@@ -183,7 +202,8 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache() must be called before capturing graphs")
         if self.graphs is not None:
             self.graphs.release()
-        sizes = [n for n in (sizes or self.graph_sizes) if n <= self.batch.max_num_seqs]
+        limit = min(self.batch.max_num_seqs, self.batch.max_num_tokens)
+        sizes = [n for n in (sizes or self.graph_sizes) if n <= limit]
         graphs = DecodeGraphs(self._run_forward, self.batch, sizes, emulate=emulate)
         graphs.capture()
         self.graphs = graphs
@@ -251,20 +271,11 @@ class ModelRunner:
             invalid_block_ids=sorted(invalid), kv_connector_stats=report,
         )
 
-    @torch.inference_mode()
     def _forward_layerwise(self, step: StepInputs, conn: Any) -> torch.Tensor:
-        """``LlamaForCausalLM.forward`` with the connector's hooks around each
-        decoder layer: layer i's KV load is waited for before its attention
-        reads the cache, and its KV is saved once its attention wrote it."""
-        m = self.model
-        x = m.model.embed_tokens(step.input_ids)
-        cos, sin = m.rotary.cos_sin(step.positions, x.dtype)
-        metas = step.meta if isinstance(step.meta, list) else [step.meta] * len(self.kv_caches)
-        for i, (layer, kv_cache) in enumerate(zip(m.model.layers, self.kv_caches, strict=True)):
-            conn.wait_for_layer_load(i)
-            x = layer(x, cos, sin, kv_cache, metas[i])
-            conn.save_kv_layer(i)
-        return m.model.norm(x)
+        """The forward with the connector's hooks around each decoder layer:
+        layer i's KV load is waited for before its attention reads the cache,
+        and its KV is saved once its attention wrote it."""
+        return self.model(step.input_ids, step.positions, step.meta, self.kv_caches, hooks=conn)[: step.num_tokens]
 
     def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
                 invalid_blocks) -> ModelRunnerOutput:

@@ -314,3 +314,23 @@ def test_num_threads_sets_torch_intra_op_threads(tiny):
         assert torch.get_num_threads() == target
     finally:
         torch.set_num_threads(before)
+
+
+def test_graph_sizes_stay_within_both_step_limits(tiny):
+    from kvstrata.config import SchedulerConfig
+
+    runner = ModelRunner(ModelConfig(model=tiny[0]), CacheConfig(block_size=BS), "cpu",
+                         SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=64))
+    assert runner.graph_sizes == [1, 2, 4, 8] and not runner.use_cuda_graphs  # never on a CPU
+    runner.initialize_kv_cache(32)
+    graphs = runner.capture_decode_graphs([1, 2, 4, 8, 16], emulate=True)
+    assert graphs.sizes == [1, 2, 4, 8]  # a 16-row decode step would exceed the 8-token budget
+
+
+def test_graphs_default_on_for_cuda_except_windowed_models():
+    from kvstrata.worker.model_runner import wants_cuda_graphs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert wants_cuda_graphs(None, cuda) and wants_cuda_graphs(True, cuda) and not wants_cuda_graphs(False, cuda)
+    assert not wants_cuda_graphs(None, cuda, windowed=True) and wants_cuda_graphs(True, cuda, windowed=True)
+    assert not wants_cuda_graphs(None, cpu) and not wants_cuda_graphs(True, cpu)

@@ -73,7 +73,8 @@ async def start(kv_managers, spec, mode):
 
     async def build(path: str, *, num_blocks: int = 256, caching: bool = True, **sched) -> AsyncEngine:
         config = EngineConfig(
-            model=ModelConfig(model=path, cuda_graphs=CUDA_GRAPHS, fused_kernels=FUSED),
+            model=ModelConfig(model=path, cuda_graphs=CUDA_GRAPHS, cuda_graph_sizes=[1, 2, 4, 8, 16],
+                              fused_kernels=FUSED),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(async_scheduling=MODES[mode][0], **sched), device=DEVICE,
             speculative=SpeculativeConfig(method=spec, num_speculative_tokens=3, prompt_lookup_min=1),

@@ -136,3 +136,4 @@ def test_the_layout_puts_what_the_forward_reads_before_the_logits_rows():
     ends = [lay.positions, lay.qsl, lay.seq_lens, lay.slots(0), lay.slots(1), lay.table(0), lay.table(1), lay.logits]
     assert ends == sorted(ends) and lay.size == lay.logits + 3
     assert np.diff(ends).tolist() == [8, 9, 8, 8, 8, 128, 128]
+

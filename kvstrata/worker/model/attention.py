@@ -17,7 +17,7 @@ from torch import nn
 
 from kvstrata.worker.model.layers import Linear, RMSNorm
 from kvstrata.worker.model.rope import apply_rotary
-from kvstrata.kernels import paged_attention, reshape_and_cache
+from kvstrata.kernels import paged_attention, reshape_and_cache, rotary_and_cache
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +70,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(qkv_rows, hidden_size, bias, dtype, device)
         self.o_proj = Linear(hidden_size, self.q_size, bias if o_bias is None else o_bias, dtype, device)
         self.sliding_window = sliding_window
+        self.fused = False  # RoPE and the KV cache write in one kernel
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype, device)
@@ -90,11 +91,15 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if self.fused:
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, meta.slot_mapping)
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = paged_attention(
             q,
             key_cache,

@@ -43,6 +43,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), False)
+        self.fused = False  # the final norm of a fused decoder (``LlamaForCausalLM.use_fused_kernels``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

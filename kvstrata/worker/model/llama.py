@@ -14,10 +14,13 @@ only (a 2,000-token prefill chunk needs one row of logits, not 2,000).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.kernels import fused_add_rms_norm, silu_and_mul
 from kvstrata.worker.model.attention import AttentionMetadata, KVCache, LlamaAttention
 from kvstrata.worker.model.config import LlamaArchConfig
 from kvstrata.worker.model.layers import Embedding, Linear, RMSNorm
@@ -29,12 +32,16 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
+        self.fused = False  # silu-and-mul in one kernel (``LlamaForCausalLM.use_fused_kernels``)
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -57,17 +64,31 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype, device)
+        self.fused = False  # residual add + RMSNorm in one kernel
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream form: takes the previous layer's MLP output ``x``
+        and the stream before it (None for the first layer), returns this
+        layer's MLP output and its stream. The sums are the ones HF's
+        ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` makes (addition is
+        commutative in floating point too)."""
+        if self.fused:
+            h, residual = fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            h = self.self_attn(h, cos, sin, kv_cache, meta)
+            norm = self.post_attention_layernorm
+            h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+            return self.mlp(h), residual
+        residual = x if residual is None else residual + x
+        residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
 class LlamaModel(nn.Module):
@@ -78,6 +99,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, windows[i])
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class LayerHooks(Protocol):
+    """Called around each decoder layer (a KV connector's worker side): wait
+    for layer i's KV to be loaded before it attends, save it once written."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int) -> None: ...
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,15 +133,32 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[KVCache],
+        hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for ``input_ids`` [T] at ``positions`` [T];
-        ``meta`` is one for every layer or a list of one per layer (its KV cache group's)."""
+        ``meta`` is one for every layer or a list of one per layer (its KV cache group's);
+        ``hooks`` are called around each layer."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         metas = meta if isinstance(meta, list) else [meta] * len(kv_caches)
-        for layer, kv_cache, m in zip(self.model.layers, kv_caches, metas, strict=True):
-            x = layer(x, cos, sin, kv_cache, m)
-        return self.model.norm(x)
+        residual = None
+        for i, (layer, kv_cache, m) in enumerate(zip(self.model.layers, kv_caches, metas, strict=True)):
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
+            x, residual = layer(x, residual, cos, sin, kv_cache, m)
+            if hooks is not None:
+                hooks.save_kv_layer(i)
+        norm = self.model.norm
+        if norm.fused:
+            return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+        return norm(residual + x)
+
+    def use_fused_kernels(self, on: bool) -> None:
+        """Run the decoder with fused kernels (RMSNorm with the residual add,
+        RoPE with the KV cache write, SiLU-and-mul) or the unfused torch ops."""
+        self.model.norm.fused = on
+        for layer in self.model.layers:
+            layer.fused = layer.mlp.fused = layer.self_attn.fused = on
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,227 @@
+"""Benchmark the fused decoder-layer kernels (kvstrata.kernels.fused); prints one JSON object.
+
+CUDA: a TinyLlama-like layer (hidden 2048, intermediate 5632, 32 q heads,
+4 kv heads, head_dim 64, bf16) at decode (T = 64, 256) and prefill
+(T = 4096, 16384) sizes. For each kernel and size:
+
+  fused_us       the fused Triton kernel, per call
+  unfused_us     the torch sequence it replaces (the model code: residual add
+                 + RMSNorm; silu * up; apply_rotary twice + reshape_and_cache)
+  bytes          bytes the fused kernel must move (read + written, once each)
+  GBps           bytes / fused_us
+  copy_GBps      a device-to-device copy_ of bytes/2 (so the same bytes
+                 moved), measured in the same run
+  fraction_of_copy   copy time / fused time (goal >= 0.8 at prefill sizes)
+  eager_*_us     one call outside a graph (decode: launch overhead shows)
+
+Per-call times come from CUDA graphs of ``--calls`` back-to-back calls
+(kernels only, no Python launch cost: how decode runs), timed with CUDA
+events, median of the replays after warm-up.
+
+CPU (no CUDA): a tiny shape through the torch references; no GPU figures.
+
+Usage: python tools/bench_fused_kernels.py [--quick]
+Never asserts timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvstrata.kernels import (
+    KVCacheShape,
+    allocate_kv_caches,
+    fused_add_rms_norm,
+    reshape_and_cache,
+    rotary_and_cache,
+    silu_and_mul,
+)
+from kvstrata.kernels.fused import apply_rotary_ref, fused_add_rms_norm_ref, silu_and_mul_ref
+
+HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2048, 5632, 32, 4, 64, 16
+EPS = 1e-5
+DECODE, PREFILL = (64, 256), (4096, 16384)
+
+
+def graph_time(fn: Callable[[], object], calls: int, repeat: int) -> float:
+    """Median seconds per call of ``fn``, captured ``calls`` times in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph
+    return statistics.median(samples)
+
+
+def eager_time(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of one eager call (CUDA events around it, launch cost included)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def norm_case(tokens: int, dtype: torch.dtype) -> tuple[int, Callable, Callable]:
+    x = torch.randn((tokens, HIDDEN), device="cuda", dtype=dtype)
+    res = torch.randn_like(x)
+    weight = torch.ones(HIDDEN, device="cuda", dtype=dtype)
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    nbytes = (4 * x.numel() + HIDDEN) * x.element_size()
+    return (nbytes,
+            lambda: fused_add_rms_norm(x, res, weight, EPS, out=out, residual_out=res_out),
+            lambda: fused_add_rms_norm_ref(x, res, weight, EPS))
+
+
+def silu_case(tokens: int, dtype: torch.dtype) -> tuple[int, Callable, Callable]:
+    x = torch.randn((tokens, 2 * INTER), device="cuda", dtype=dtype)
+    out = torch.empty((tokens, INTER), device="cuda", dtype=dtype)
+    nbytes = 3 * tokens * INTER * x.element_size()
+    return nbytes, lambda: silu_and_mul(x, out=out), lambda: silu_and_mul_ref(x)
+
+
+def rotary_case(tokens: int, dtype: torch.dtype) -> tuple[int, Callable, Callable]:
+    qkv = torch.randn((tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM), device="cuda", dtype=dtype)
+    q, k, v = qkv.split((Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM), dim=-1)
+    q = q.view(tokens, Q_HEADS, HEAD_DIM)
+    k = k.view(tokens, KV_HEADS, HEAD_DIM)
+    v = v.view(tokens, KV_HEADS, HEAD_DIM)
+    cos = torch.randn((tokens, 1, HEAD_DIM // 2), device="cuda", dtype=dtype)
+    sin = torch.randn_like(cos)
+    blocks = tokens // BLOCK_SIZE + 2
+    shape = KVCacheShape(num_layers=2, num_blocks=blocks, block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS,
+                         head_size=HEAD_DIM)
+    _, caches = allocate_kv_caches(shape, "cross_layer", dtype, "cuda")
+    kc, vc = caches[1]
+    slots = torch.randperm(blocks * BLOCK_SIZE, device="cuda")[:tokens]
+    q_out = torch.empty_like(q)
+    elem = qkv.element_size()
+    nbytes = (2 * q.numel() + 4 * k.numel() + 2 * cos.numel()) * elem + slots.numel() * slots.element_size()
+
+    def unfused():  # LlamaAttention today
+        q_rot = apply_rotary_ref(q, cos, sin)
+        reshape_and_cache(apply_rotary_ref(k, cos, sin), v, kc, vc, slots)
+        return q_rot
+
+    return nbytes, lambda: rotary_and_cache(q, k, v, cos, sin, kc, vc, slots, q_out=q_out), unfused
+
+
+CASES = {"fused_add_rms_norm": norm_case, "silu_and_mul": silu_case, "rotary_and_cache": rotary_case}
+
+
+def gpu_report(quick: bool, calls: int) -> dict:
+    repeat = 10 if quick else 50
+    dtype = torch.bfloat16
+    report: dict = {"device": torch.cuda.get_device_name(), "dtype": "bfloat16",
+                    "layer": {"hidden": HIDDEN, "intermediate": INTER, "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
+                              "head_dim": HEAD_DIM},
+                    "calls_per_graph": calls, "repeat": repeat}
+    for name, make in CASES.items():
+        entry = {}
+        for phase, sizes in (("decode", DECODE), ("prefill", PREFILL)):
+            for tokens in sizes:
+                nbytes, fused, unfused = make(tokens, dtype)
+                src = torch.empty(nbytes // 2, device="cuda", dtype=torch.uint8)
+                dst = torch.empty_like(src)
+                t_fused = graph_time(fused, calls, repeat)
+                t_unfused = graph_time(unfused, calls, repeat)
+                t_copy = graph_time(lambda: dst.copy_(src), calls, repeat)
+                entry[f"{phase}_T{tokens}"] = {
+                    "bytes": nbytes, "fused_us": t_fused * 1e6, "unfused_us": t_unfused * 1e6,
+                    "speedup": t_unfused / t_fused, "GBps": nbytes / t_fused / 1e9,
+                    "copy_GBps": nbytes / t_copy / 1e9, "fraction_of_copy": t_copy / t_fused,
+                    "eager_fused_us": eager_time(fused, repeat) * 1e6,
+                    "eager_unfused_us": eager_time(unfused, repeat) * 1e6,
+                }
+                del src, dst, fused, unfused
+                torch.cuda.empty_cache()
+        report[name] = entry
+    return report
+
+
+def cpu_report(quick: bool) -> dict:
+    """Tiny shapes through the torch references (what CPU callers run)."""
+    repeat = 3 if quick else 10
+
+    def cpu_time(fn):
+        fn()
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples) * 1e6
+
+    tokens, hidden, inter, q_heads, kv_heads, head_dim = 8, 256, 512, 4, 2, 64
+    x, res = torch.randn(tokens, hidden).bfloat16(), torch.randn(tokens, hidden).bfloat16()
+    weight = torch.ones(hidden, dtype=torch.bfloat16)
+    gate_up = torch.randn(tokens, 2 * inter).bfloat16()
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).bfloat16()
+    q, k, v = qkv.split((q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q, k, v = q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads,
+                                                                                             head_dim)
+    cos = torch.randn(tokens, 1, head_dim // 2).bfloat16()
+    kc = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    slots = torch.arange(tokens)
+    return {
+        "device": "cpu", "note": "GPU figures need CUDA",
+        "shape": {"tokens": tokens, "hidden": hidden, "intermediate": inter, "q_heads": q_heads,
+                  "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "bfloat16"},
+        "torch_reference_us": {
+            "fused_add_rms_norm": cpu_time(lambda: fused_add_rms_norm(x, res, weight, EPS, impl="torch")),
+            "silu_and_mul": cpu_time(lambda: silu_and_mul(gate_up, impl="torch")),
+            "rotary_and_cache": cpu_time(lambda: rotary_and_cache(q, k, v, cos, cos, kc, vc, slots, impl="torch")),
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer timed replays")
+    parser.add_argument("--calls", type=int, default=20, help="kernel calls captured per CUDA graph")
+    args = parser.parse_args()
+    report: dict = {"torch": torch.__version__, "machine": platform.machine()}
+    if torch.cuda.is_available():
+        import triton
+
+        report["triton"] = triton.__version__
+        report.update(gpu_report(args.quick, args.calls))
+    else:
+        report.update(cpu_report(args.quick))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

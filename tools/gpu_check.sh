@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One GPU check, run from the repository root on a machine with a CUDA GPU:
+#   1. the compiled-kernel and CUDA tests (pytest -m gpu, and the CUDA-stream tier oracle)
+#   2. the HF oracle with the engine on CUDA: CUDA graphs on, graphs off, fused kernels on
+#   3. tools/bench_gpu.py (end to end) and the kernel benchmarks
+# Each stage has its own time limit and writes its log (and JSON) under $OUT
+# (default ./gpu_out), so a stage that fails or runs long does not hide the
+# others. Missing Python packages can be put in .whl/ as wheels (see
+# docs/ARCHITECTURE.md, "Running on a GPU").
+#
+#   bash tools/gpu_check.sh [stages]    stages: tests,oracle,bench,kernels (default all);
+#                                       oracle_graphs, oracle_eager, oracle_fused: one oracle run
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+STAGES="${1:-tests,oracle,bench,kernels}"
+PY="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)"
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s"
+  tail -n "${TAIL:-6}" "$OUT/$name.log"
+}
+$PY -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+
+if has tests; then
+  stage gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio -m gpu tests/kernels
+  stage cuda_tier_oracle 60 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio tests/connector/test_oracle_tiers.py -k cuda
+fi
+ORACLE="tests/enginecore/test_oracle.py"
+if has oracle || has oracle_graphs; then
+  KVSTRATA_TEST_DEVICE=cuda stage oracle_graphs "${ORACLE_S:-150}" $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE \
+    -k "${ORACLE_K:-serial or async or spec}"
+fi
+if has oracle || has oracle_eager; then
+  KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=0 stage oracle_eager "${ORACLE_S:-100}" \
+    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async}"
+fi
+if has oracle || has oracle_fused; then
+  KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_FUSED_KERNELS=1 stage oracle_fused "${ORACLE_S:-100}" \
+    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async}"
+fi
+if has bench; then
+  TAIL=3 stage bench_gpu "${BENCH_S:-240}" sh -c "$PY tools/bench_gpu.py --quick > '$OUT/bench_gpu.json'"
+  cat "$OUT/bench_gpu.json"
+fi
+if has kernels; then
+  for b in bench_kernels bench_attention bench_fused_kernels; do
+    if [ -f "tools/$b.py" ]; then
+      TAIL=2 stage "$b" 90 sh -c "$PY tools/$b.py --quick > '$OUT/$b.json'"
+      cat "$OUT/$b.json"; echo
+    fi
+  done
+fi
