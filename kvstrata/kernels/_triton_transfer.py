@@ -1,11 +1,22 @@
 """Triton kernel for gather/scatter between the paged cache and chunk buffers
 (torch reference and contract: ``transfer.py``). Imported lazily: imports triton.
 
-One kernel does both directions. Program (t, 2*layer + kv) copies BLOCK_T
-token rows of one layer's K or V. Layers are addressed as element offsets
-from layer 0's key cache: when every layer sits at a uniform distance
-(both layouts of ``layout.py`` do) all layers go in one launch; otherwise
-one launch per layer.
+One kernel does both directions. The work is a flat list of tiles,
+
+    tile = (layer * 2 + kv, token tile, column chunk)      layer*2+kv outermost
+
+each tile BLOCK_T token rows x COLS columns of one layer's K or V (the tiling
+of ``copy_tile``: 4 KiB, 32 KiB in a bounded grid, 16-byte vectors, no column
+mask for rows of 2^k elements). The chunk [L, 2, n, row] is contiguous in exactly that order, so
+consecutive programs stream through it. Layers are addressed as element
+offsets from layer 0's key cache: when every layer sits at a uniform distance
+(both layouts of ``layout.py`` do) all layers go in one launch; otherwise one
+launch per layer.
+
+Programs stride over the tiles by the grid size: the ordinary grid has one
+program per tile; ``max_programs`` bounds the grid to a few programs that
+loop (a "persistent" copy on a few SMs; ``streams.py`` says how it fares
+beside a forward pass).
 """
 
 from __future__ import annotations
@@ -14,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.kernels._triton_cache_write import row_tile
-from kvstrata.kernels.dispatch import LazyKernel
+from kvstrata.kernels._triton_cache_write import BOUNDED_TILE_BYTES, copy_tile, pow2_alignment
+from kvstrata.kernels.dispatch import LazyKernel, is_interpreted
 
 
 def _transfer_kernel(
@@ -29,33 +40,51 @@ def _transfer_kernel(
     block_stride,
     BLOCK_SIZE: tl.constexpr,
     ROW: tl.constexpr,
-    ROW_PAD: tl.constexpr,
+    COLS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    EVEN: tl.constexpr,
+    NUM_LKV: tl.constexpr,
+    ALIGN: tl.constexpr,
     TO_CACHE: tl.constexpr,
 ):
-    lkv = tl.program_id(1)
-    layer = (lkv // 2).to(tl.int64)
-    kv = (lkv % 2).to(tl.int64)
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = tok < num_tokens
-    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    keep = in_range & (slot >= 0) & (slot < num_slots)
-    col = tl.arange(0, ROW_PAD)
-    col_ok = (col < ROW)[None, :]
-    cache_off = layer * layer_stride + kv * kv_stride + (slot // BLOCK_SIZE * block_stride + slot % BLOCK_SIZE * ROW)
-    chunk_off = (layer * 2 + kv) * num_tokens * ROW + tok.to(tl.int64) * ROW
-    cache_ptrs = cache_ptr + cache_off[:, None] + col[None, :]
-    chunk_ptrs = chunk_ptr + chunk_off[:, None] + col[None, :]
-    if TO_CACHE:
-        x = tl.load(chunk_ptrs, mask=keep[:, None] & col_ok)
-        tl.store(cache_ptrs, x, mask=keep[:, None] & col_ok)
-    else:
-        # padding slots read as zeros, so the chunk is fully defined
-        x = tl.load(cache_ptrs, mask=keep[:, None] & col_ok, other=0.0)
-        tl.store(chunk_ptrs, x, mask=in_range[:, None] & col_ok)
+    NCOL: tl.constexpr = (ROW + COLS - 1) // COLS
+    per_lkv = (num_tokens + BLOCK_T - 1) // BLOCK_T * NCOL  # tiles of one layer's K (or V)
+    tile = tl.program_id(0)
+    while tile < per_lkv * NUM_LKV:  # not range(): the interpreter can't index with its 1-element tensors
+        lkv = tile // per_lkv
+        rest = tile - lkv * per_lkv
+        tok = (rest // NCOL) * BLOCK_T + tl.arange(0, BLOCK_T)
+        col = (rest % NCOL) * COLS + tl.max_contiguous(tl.multiple_of(tl.arange(0, COLS), COLS), COLS)
+        in_range = tok < num_tokens
+        slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
+        keep = (slot >= 0) & (slot < num_slots)
+        # One int64 row offset per token on each side. Cache rows start at
+        # multiples of ROW (the block stride is a whole number of rows), chunk
+        # rows trivially so; ALIGN divides ROW and both layer offsets.
+        lkv64 = lkv.to(tl.int64)
+        cache_row = tl.multiple_of((slot // BLOCK_SIZE) * block_stride + (slot % BLOCK_SIZE) * ROW, ALIGN)
+        chunk_row = tl.multiple_of((lkv64 * num_tokens + tok) * ROW, ALIGN)
+        cache_base = cache_ptr + tl.multiple_of((lkv64 // 2) * layer_stride + (lkv64 % 2) * kv_stride, ALIGN)
+        cache_ptrs = cache_base + cache_row[:, None] + col[None, :]
+        chunk_ptrs = chunk_ptr + chunk_row[:, None] + col[None, :]
+        if EVEN:
+            keep_mask = keep[:, None]
+            row_mask = in_range[:, None]
+        else:
+            col_ok = (col < ROW)[None, :]
+            keep_mask = keep[:, None] & col_ok
+            row_mask = in_range[:, None] & col_ok
+        if TO_CACHE:
+            x = tl.load(chunk_ptrs, mask=keep_mask)
+            tl.store(cache_ptrs, x, mask=keep_mask)
+        else:
+            # padding slots read as zeros, so the chunk is fully defined
+            x = tl.load(cache_ptrs, mask=keep_mask, other=0.0)
+            tl.store(chunk_ptrs, x, mask=row_mask)
+        tile += tl.num_programs(0)
 
 
-transfer_kernel = LazyKernel(_transfer_kernel)
+transfer_kernel = LazyKernel(_transfer_kernel, do_not_specialize=("num_tokens",))
 
 
 def transfer_triton(
@@ -64,8 +93,12 @@ def transfer_triton(
     slot_mapping: torch.Tensor,
     *,
     to_cache: bool,
+    max_programs: int | None = None,
+    tile_bytes: int | None = None,
 ) -> None:
-    """Copy between ``chunk`` [L, 2, n, Hkv, D] (contiguous) and the caches' slots."""
+    """Copy between ``chunk`` [L, 2, n, Hkv, D] (contiguous) and the caches' slots,
+    with at most ``max_programs`` programs when given (None: one per tile).
+    ``tile_bytes`` overrides the tile size (:func:`copy_tile`)."""
     key0 = kv_caches[0][0]
     elem = key0.element_size()
     base = key0.data_ptr()
@@ -75,19 +108,24 @@ def transfer_triton(
     layer_stride = offsets[1][0] if len(offsets) > 1 else 0
     kv_stride = offsets[0][1]
     uniform = all(k_off == i * layer_stride and v_off - k_off == kv_stride for i, (k_off, v_off) in enumerate(offsets))
+    launch = dict(to_cache=to_cache, max_programs=max_programs, tile_bytes=tile_bytes)
     if uniform:
-        _launch(key0, chunk, slot_mapping, len(kv_caches), layer_stride, kv_stride, to_cache)
+        _launch(key0, chunk, slot_mapping, len(kv_caches), layer_stride, kv_stride, **launch)
     else:
         for layer, (k, v) in enumerate(kv_caches):
-            _launch(k, chunk[layer], slot_mapping, 1, 0, (v.data_ptr() - k.data_ptr()) // elem, to_cache)
+            _launch(k, chunk[layer], slot_mapping, 1, 0, (v.data_ptr() - k.data_ptr()) // elem, **launch)
 
 
-def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, to_cache) -> None:
+def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, *, to_cache, max_programs,
+            tile_bytes) -> None:
     num_blocks, block_size, heads, head_dim = cache.shape
     num_tokens = slot_mapping.shape[0]
     row = heads * head_dim
-    row_pad, block_t = row_tile(row, cache.device)
-    grid = (triton.cdiv(num_tokens, block_t), 2 * num_layers)
+    if tile_bytes is None and max_programs is not None and not is_interpreted(cache.device):
+        tile_bytes = BOUNDED_TILE_BYTES  # few programs: each must move much per step
+    tile = copy_tile(row, cache.element_size(), cache.device, tile_bytes)
+    num_tiles = tile.num_tiles(num_tokens, row) * 2 * num_layers
+    grid = (num_tiles if max_programs is None else max(1, min(num_tiles, max_programs)),)
     transfer_kernel.for_device(cache.device)[grid](
         cache,
         chunk,
@@ -99,7 +137,12 @@ def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, to_
         cache.stride(0),
         BLOCK_SIZE=block_size,
         ROW=row,
-        ROW_PAD=row_pad,
-        BLOCK_T=block_t,
+        COLS=tile.cols,
+        BLOCK_T=tile.block_t,
+        EVEN=tile.even,
+        NUM_LKV=2 * num_layers,
+        ALIGN=pow2_alignment(row, layer_stride, kv_stride),
         TO_CACHE=to_cache,
+        num_warps=tile.num_warps,
+        num_stages=1,
     )

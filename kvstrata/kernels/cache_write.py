@@ -67,8 +67,8 @@ def reshape_and_cache_ref(
         idx = keep.nonzero().squeeze(1)
         slots, key, value = slots[idx], key[idx], value[idx]
     rows = slot_rows(key_cache, slots)
-    token_rows(key_cache).index_copy_(0, rows, key.reshape(len(rows), -1))
-    token_rows(value_cache).index_copy_(0, rows, value.reshape(len(rows), -1))
+    token_rows(key_cache).index_copy_(0, rows, key.flatten(1))  # flatten: also when every slot is padding
+    token_rows(value_cache).index_copy_(0, rows, value.flatten(1))
 
 
 def token_rows(cache: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,11 @@ buffer, and scatter such a buffer back into given slots.
 [num_blocks, block_size, Hkv, D]; per-layer tensors and cross-layer views
 (``layout.py``) are both accepted. A negative slot is padding: gather writes
 zeros for it and scatter skips it.
+
+The gathers take ``max_programs``: at most that many Triton programs loop
+over the copy instead of one program per tile (same result). A bounded grid
+holds only a few SMs, but holds them for the whole copy; see ``streams.py``
+for how that compares beside a forward pass.
 """
 
 from __future__ import annotations
@@ -37,12 +42,18 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 def gather_kv(
-    kv_caches: KVCaches, slot_mapping: torch.Tensor, out: torch.Tensor | None = None, *, impl: str = "auto"
+    kv_caches: KVCaches,
+    slot_mapping: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """All layers' K/V at ``slot_mapping`` as one contiguous chunk [L, 2, n, Hkv, D]."""
     nb, bs, h, d = check_kv_caches(kv_caches)
     key0 = kv_caches[0][0]
     n = _check_slots(slot_mapping, key0, nb * bs)
+    _check_max_programs(max_programs)
     shape = (len(kv_caches), 2, n, h, d)
     out = _chunk_out(out, shape, key0)
     if n == 0:
@@ -50,7 +61,7 @@ def gather_kv(
     if use_triton(impl, key0.device):
         from kvstrata.kernels._triton_transfer import transfer_triton
 
-        transfer_triton(list(kv_caches), out, slot_mapping, to_cache=False)
+        transfer_triton(list(kv_caches), out, slot_mapping, to_cache=False, max_programs=max_programs)
     else:
         for layer, (k, v) in enumerate(kv_caches):
             gather_kv_layer_ref(k, v, slot_mapping, out[layer])
@@ -81,17 +92,20 @@ def gather_kv_layer(
     out: torch.Tensor | None = None,
     *,
     impl: str = "auto",
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """One layer's K/V at ``slot_mapping`` as a contiguous chunk [2, n, Hkv, D]."""
     nb, bs, h, d = check_cache_pair(key_cache, value_cache)
     n = _check_slots(slot_mapping, key_cache, nb * bs)
+    _check_max_programs(max_programs)
     out = _chunk_out(out, (2, n, h, d), key_cache)
     if n == 0:
         return out
     if use_triton(impl, key_cache.device):
         from kvstrata.kernels._triton_transfer import transfer_triton
 
-        transfer_triton([(key_cache, value_cache)], out.unsqueeze(0), slot_mapping, to_cache=False)
+        transfer_triton([(key_cache, value_cache)], out.unsqueeze(0), slot_mapping, to_cache=False,
+                        max_programs=max_programs)
     else:
         gather_kv_layer_ref(key_cache, value_cache, slot_mapping, out)
     return out
@@ -158,6 +172,13 @@ def _check_slots(slot_mapping: object, cache: torch.Tensor, num_slots: int) -> i
     if slot_mapping.device.type == "cpu":
         check_slots_in_range(slot_mapping, num_slots)
     return slot_mapping.shape[0]
+
+
+def _check_max_programs(max_programs: object) -> None:
+    if max_programs is not None and (
+        isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1
+    ):
+        raise KernelArgumentError(f"max_programs must be None or an integer >= 1, got {max_programs!r}")
 
 
 def _chunk_out(out: torch.Tensor | None, shape: tuple[int, ...], cache: torch.Tensor) -> torch.Tensor:

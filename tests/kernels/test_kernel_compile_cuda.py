@@ -10,6 +10,8 @@ constants, as triton's launcher specialises them.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -51,17 +53,58 @@ def test_attention_kernel_compiles(dtype):
     assert "cubin" in kernel.asm
 
 
+# The launcher marks pointers (16-byte aligned) and integers divisible by 16
+# with tt.divisibility; do_not_specialize arguments (num_tokens) never get it.
+_COPY_DIV16 = ("cache_ptr", "chunk_ptr", "slot_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")
+
+
+def _compile_copy(raw, types, consts, div16=_COPY_DIV16):
+    fn = triton.jit(raw)
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16 if name in fn.arg_names}
+    try:
+        return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                              options=dict(num_warps=4, num_stages=1))
+    except RuntimeError as e:  # pragma: no cover - only without the bundled ptxas
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+
+
+def _memory_ops(ptx: str, op: str) -> set[str]:
+    return set(re.findall(rf"{op}\.global(?:\.[a-z0-9]+)*", ptx))
+
+
+_TRANSFER_TYPES = dict(cache_ptr="*bf16", chunk_ptr="*bf16", slot_ptr="*i64", num_tokens="i32", num_slots="i32",
+                       layer_stride="i64", kv_stride="i32", block_stride="i32")
+
+
 @pytest.mark.parametrize("to_cache", [False, True])
-def test_transfer_kernel_compiles(to_cache):
-    types = dict(cache_ptr="*bf16", chunk_ptr="*bf16", slot_ptr="*i64", num_tokens="i32", num_slots="i32",
-                 layer_stride="i64", kv_stride="i64", block_stride="i32")
-    consts = dict(BLOCK_SIZE=16, ROW=1024, ROW_PAD=1024, BLOCK_T=4, TO_CACHE=to_cache)
-    assert "cubin" in _compile(_transfer_kernel, types, consts).asm
+@pytest.mark.parametrize(("row", "cols", "even"), [(256, 256, True), (640, 1024, False), (4096, 2048, True)])
+def test_transfer_kernel_compiles_to_16_byte_accesses(to_cache, row, cols, even):
+    """Strides carry no divisibility here (as when they are not multiples of 16):
+    the kernel's own multiple_of hints must still give 16-byte vectors."""
+    consts = dict(BLOCK_SIZE=16, ROW=row, COLS=cols, BLOCK_T=max(1, 4096 // cols), EVEN=even, NUM_LKV=44,
+                  ALIGN=16, TO_CACHE=to_cache)
+    ptx = _compile_copy(_transfer_kernel, _TRANSFER_TYPES, consts).asm["ptx"]
+    assert _memory_ops(ptx, "st") == {"st.global.v4.b32"}
+    assert _memory_ops(ptx, "ld") == {"ld.global.v4.b32", "ld.global.b64"}  # data rows, int64 slots
 
 
-def test_cache_write_kernel_compiles():
+def test_cache_write_kernel_compiles_to_16_byte_accesses():
     types = dict(key_ptr="*fp16", value_ptr="*fp16", key_cache_ptr="*fp16", value_cache_ptr="*fp16",
                  slot_ptr="*i32", num_tokens="i32", num_slots="i32", key_stride="i32", value_stride="i32",
                  block_stride="i32")
-    consts = dict(BLOCK_SIZE=16, ROW=640, ROW_PAD=1024, BLOCK_T=4)
-    assert "cubin" in _compile(_reshape_and_cache_kernel, types, consts).asm
+    consts = dict(BLOCK_SIZE=16, ROW=256, COLS=256, BLOCK_T=16, EVEN=True, SRC_ALIGN=8, DST_ALIGN=16)
+    ptx = _compile_copy(_reshape_and_cache_kernel, types, consts).asm["ptx"]
+    assert _memory_ops(ptx, "st") == {"st.global.v4.b32"}
+    assert _memory_ops(ptx, "ld") == {"ld.global.v4.b32", "ld.global.b32"}
+
+
+def test_cache_write_kernel_compiles_with_column_mask():
+    types = dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
+                 slot_ptr="*i64", num_tokens="i32", num_slots="i32", key_stride="i32", value_stride="i32",
+                 block_stride="i32")
+    consts = dict(BLOCK_SIZE=16, ROW=640, COLS=1024, BLOCK_T=4, EVEN=False, SRC_ALIGN=16, DST_ALIGN=16)
+    assert "cubin" in _compile_copy(_reshape_and_cache_kernel, types, consts).asm
