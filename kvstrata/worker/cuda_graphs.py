@@ -75,7 +75,7 @@ class DecodeGraphs:
         batch = self._batch
         if not self.emulate:
             torch.cuda.synchronize()
-            free_before = torch.cuda.mem_get_info()[0]
+            reserved_before = torch.cuda.memory_reserved()
             pool = torch.cuda.graph_pool_handle()
             for size in reversed(self.sizes):
                 step = batch.dummy_inputs([1] * size, graph=True)
@@ -85,7 +85,7 @@ class DecodeGraphs:
                     self._outputs[size] = self._forward(step)
                 self._graphs[size] = graph
             torch.cuda.synchronize()
-            self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+            self.memory_bytes = max(0, torch.cuda.memory_reserved() - reserved_before)
         batch.graph_sizes = list(self.sizes)
         self.capture_s = time.perf_counter() - t0
         log.info("decode_graphs_captured", sizes=len(self.sizes), largest=self.sizes[-1] if self.sizes else 0,
