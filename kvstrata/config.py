@@ -40,6 +40,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # True: on (on a CPU they run their torch references, or the Triton
     # interpreter under TRITON_INTERPRET=1).
     fused_kernels: bool | None = None
+    # Decode attention split over the KV range (flash-decoding) on the Triton
+    # path: fills the GPU at small batches. Off until a GPU run has checked it
+    # against the oracle (its interpreter tests pass).
+    split_decode: bool = False
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU check, run from the repository root on a machine with a CUDA GPU:
 #   1. the compiled-kernel and CUDA tests (pytest -m gpu, and the CUDA-stream tier oracle)
-#   2. the HF oracle with the engine on CUDA: CUDA graphs on, graphs off, fused kernels on
+#   2. the HF oracle with the engine on CUDA: CUDA graphs on, graphs off, fused kernels on,
+#      split-K decode attention on
 #   3. tools/bench_gpu.py (end to end) and the kernel benchmarks
 # Each stage has its own time limit and writes its log (and JSON) under $OUT
 # (default ./gpu_out), so a stage that fails or runs long does not hide the
@@ -9,7 +10,7 @@
 # docs/ARCHITECTURE.md, "Running on a GPU").
 #
 #   bash tools/gpu_check.sh [stages]    stages: tests,oracle,bench,kernels (default all);
-#                                       oracle_graphs, oracle_eager, oracle_fused: one oracle run
+#                                       oracle_graphs, oracle_eager, oracle_fused, oracle_split: one oracle run
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
@@ -50,6 +51,10 @@ if has oracle || has oracle_eager; then
 fi
 if has oracle || has oracle_fused; then
   KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_FUSED_KERNELS=1 stage oracle_fused "${ORACLE_S:-100}" \
+    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async}"
+fi
+if has oracle || has oracle_split; then
+  KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_SPLIT_DECODE=1 stage oracle_split "${ORACLE_S:-100}" \
     $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async}"
 fi
 if has bench; then

@@ -51,8 +51,15 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     impl: str = "auto",
+    split_decode: bool = False,
 ) -> torch.Tensor:
-    """Attention of the new tokens over their sequences' paged KV. Returns ``out`` ([T, Hq, D])."""
+    """Attention of the new tokens over their sequences' paged KV. Returns ``out`` ([T, Hq, D]).
+
+    ``split_decode``: decode steps (one new token per sequence) on the Triton
+    path split each sequence's KV range over several programs and combine
+    them (flash-decoding), which fills the GPU at small batches. Off by
+    default until a GPU run has checked it against the oracle (its
+    interpreter tests pass); the torch reference ignores it."""
     _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -62,7 +69,8 @@ def paged_attention(
         from kvstrata.kernels._triton_attention import paged_attention_triton
 
         paged_attention_triton(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), sliding_window, out
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), sliding_window, out,
+            split_decode=split_decode,
         )
     else:
         paged_attention_ref(

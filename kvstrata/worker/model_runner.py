@@ -148,6 +148,7 @@ class ModelRunner:
         self.fused_kernels = bool(model_config.fused_kernels)
         if isinstance(self.model, LlamaForCausalLM):
             self.model.use_fused_kernels(self.fused_kernels)
+            self.model.use_split_decode(model_config.split_decode)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:

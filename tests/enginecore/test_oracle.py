@@ -32,6 +32,7 @@ MAX_NEW = 12
 DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")
 CUDA_GRAPHS = None if os.environ.get("KVSTRATA_TEST_CUDA_GRAPHS", "") != "0" else False
 FUSED = {"1": True, "0": False}.get(os.environ.get("KVSTRATA_TEST_FUSED_KERNELS", ""))
+SPLIT_DECODE = os.environ.get("KVSTRATA_TEST_SPLIT_DECODE", "") == "1"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
@@ -74,7 +75,7 @@ async def start(kv_managers, spec, mode):
     async def build(path: str, *, num_blocks: int = 256, caching: bool = True, **sched) -> AsyncEngine:
         config = EngineConfig(
             model=ModelConfig(model=path, cuda_graphs=CUDA_GRAPHS, cuda_graph_sizes=[1, 2, 4, 8, 16],
-                              fused_kernels=FUSED),
+                              fused_kernels=FUSED, split_decode=SPLIT_DECODE),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(async_scheduling=MODES[mode][0], **sched), device=DEVICE,
             speculative=SpeculativeConfig(method=spec, num_speculative_tokens=3, prompt_lookup_min=1),

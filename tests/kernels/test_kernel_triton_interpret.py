@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_builders import make_paged_batch
+from kernel_builders import dense_attention, make_paged_batch
 from kvstrata.kernels import (
     KV_LAYOUTS,
     KVCacheShape,
@@ -23,6 +23,7 @@ from kvstrata.kernels import (
     scatter_kv,
     scatter_kv_layer,
 )
+from kvstrata.kernels._triton_attention import MAX_SPLITS, decode_plan, paged_attention_triton, split_count
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ATTN_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -208,3 +209,106 @@ def test_write_then_attend_through_both_layouts(layout):
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.25).transpose(0, 1)
     torch.testing.assert_close(got, dense, atol=2e-5, rtol=2e-5)
     assert (caches[0][0] == 0).all(), "layer 0 must be untouched"
+
+
+# ---- split-K decode ---------------------------------------------------------------
+# Forced split counts and 16-position KV tiles, so small shapes still spread
+# over several splits, leave some empty, and cut windows mid-split.
+
+
+def _split(batch, scale, window=None, *, num_splits, tile_n=16):
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                           batch.query_start_loc, batch.seq_lens, scale, window, out, num_splits=num_splits,
+                           tile_n=tile_n)
+    return out
+
+
+def _reference(batch, scale, window=None):
+    return paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                           batch.query_start_loc, batch.seq_lens, scale, window, impl="torch")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("group", [1, 4, 6, 8])
+def test_decode_split_matches_torch_for_gqa_groups(group, num_splits):
+    # 3 and 1 positions: shorter than the splits (most are empty); 100: 7 tiles over 8 splits
+    batch = make_paged_batch([37, 3, 100, 1], [1, 1, 1, 1], q_heads=2 * group, kv_heads=2, seed=20 + group)
+    got = _split(batch, 0.3, num_splits=num_splits)
+    torch.testing.assert_close(got, _reference(batch, 0.3), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.double(), dense_attention(batch, 0.3), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 70])
+def test_decode_split_sliding_window_never_reads_null_block(window):
+    # NaN in the null block, which stands for every block slid out of the window
+    batch = make_paged_batch([150, 23, 9, 64], [1, 1, 1, 1], block_size=8, q_heads=8, kv_heads=2,
+                             sliding_window=window, seed=30 + window)
+    got = _split(batch, 0.25, window, num_splits=4)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, _reference(batch, 0.25, window), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_splits", [5, MAX_SPLITS])
+def test_decode_split_one_sequence(num_splits):
+    batch = make_paged_batch([257], [1], block_size=16, q_heads=8, kv_heads=1, head_dim=32, seed=40)
+    got = _split(batch, 0.2, num_splits=num_splits)
+    torch.testing.assert_close(got, _reference(batch, 0.2), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_split_low_precision(dtype):
+    batch = make_paged_batch([70, 5, 33], [1, 1, 1], q_heads=8, kv_heads=2, dtype=dtype, seed=41)
+    got = _split(batch, 0.25, num_splits=4)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, _reference(batch, 0.25), atol=ATTN_TOL[dtype], rtol=ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_finds_sequences_when_tokens_are_not_one_per_sequence(num_splits):
+    # as many tokens as sequences, but 2 + 0 + 1 + 1 new tokens: the kernel must search
+    batch = make_paged_batch([10, 5, 7, 40], [2, 0, 1, 1], q_heads=4, kv_heads=2, seed=42)
+    got = _split(batch, 0.3, num_splits=num_splits)
+    torch.testing.assert_close(got, _reference(batch, 0.3), atol=2e-5, rtol=2e-5)
+
+
+def test_decode_without_forcing_matches_torch_with_strided_out():
+    batch = make_paged_batch([300, 5, 130], [1, 1, 1], block_size=16, q_heads=6, kv_heads=3, head_dim=32, seed=43)
+    out = torch.zeros((3, 2, 6, 32))[:, 1]  # token stride 2 * Hq * D
+    got = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                          batch.query_start_loc, batch.seq_lens, 0.2, out=out)
+    assert got is out
+    torch.testing.assert_close(out, _reference(batch, 0.2), atol=2e-5, rtol=2e-5)
+
+
+def test_split_plan_is_forced_on_decode_steps_only():
+    batch = make_paged_batch([9, 4], [3, 1], seed=44)
+    with pytest.raises(ValueError, match="decode steps"):
+        _split(batch, 0.3, num_splits=2)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [(dict(num_splits=0), "num_splits"),
+                                               (dict(num_splits=MAX_SPLITS + 1), "num_splits"),
+                                               (dict(tile_n=24), "tile_n"), (dict(tile_n=8), "tile_n")])
+def test_decode_plan_rejects_bad_forced_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        decode_plan(4, 32, 8, 128, 132, **kwargs)
+
+
+def test_split_count_fills_the_sms_from_shapes_alone():
+    # 132 SMs want >= 4 * 132 = 528 programs: B * Hkv * splits
+    assert split_count(8, 8, 132) == 16  # 64 programs -> 1024
+    assert split_count(32, 8, 132) == 4  # 256 -> 1024
+    assert split_count(64, 8, 132) == 2  # 512 -> 1024
+    assert split_count(66, 8, 132) == 1  # 528: full already
+    assert split_count(256, 4, 132) == 1
+    assert split_count(1, 4, 132) == MAX_SPLITS  # capped: 128 programs
+    assert [split_count(b, 4, 132) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)] == [32, 32, 32, 32, 16, 8, 4, 2, 1]
+
+
+def test_decode_plan_tiles():
+    assert decode_plan(8, 32, 4, 64, 132) == (32, 16, 128, 4, 3)  # TinyLlama: group 8 in 16 rows
+    assert decode_plan(8, 32, 8, 128, 132).tile_n == 64
+    assert decode_plan(8, 64, 2, 128, 132).block_m == 32  # group 32
+    assert decode_plan(8, 32, 8, 128, None) == (1, 16, 128, 4, 1)  # interpreter: no split unless forced
+    assert decode_plan(8, 32, 8, 128, None, num_splits=3, tile_n=16)[:3] == (3, 16, 16)

@@ -71,6 +71,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(hidden_size, self.q_size, bias if o_bias is None else o_bias, dtype, device)
         self.sliding_window = sliding_window
         self.fused = False  # RoPE and the KV cache write in one kernel
+        self.split_decode = False  # decode attention split over the KV range (``paged_attention``)
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype, device)
@@ -109,5 +110,6 @@ class LlamaAttention(nn.Module):
             meta.seq_lens,
             self.scale,
             sliding_window=self.sliding_window,
+            split_decode=self.split_decode,
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))

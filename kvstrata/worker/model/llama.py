@@ -153,6 +153,11 @@ class LlamaForCausalLM(nn.Module):
             return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
         return norm(residual + x)
 
+    def use_split_decode(self, on: bool) -> None:
+        """Decode attention split over each sequence's KV range (flash-decoding)."""
+        for layer in self.model.layers:
+            layer.self_attn.split_decode = on
+
     def use_fused_kernels(self, on: bool) -> None:
         """Run the decoder with fused kernels (RMSNorm with the residual add,
         RoPE with the KV cache write, SiLU-and-mul) or the unfused torch ops."""

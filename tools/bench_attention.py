@@ -1,0 +1,250 @@
+"""Paged attention against torch SDPA on the same K/V laid out densely; prints one JSON object.
+
+GPU (when CUDA is present), bf16, block size 16, shuffled blocks:
+  decode   one new token per sequence, batch 1, 8, 32, 64, 256 x context
+           2048, 4096, for TinyLlama's heads (Hq 32, Hkv 4, D 64) and for
+           Hq 32, Hkv 8, D 128. Ours with split-K chosen automatically (and,
+           for reference, forced to no split) vs SDPA on [B, Hkv, ctx, D]
+           with enable_gqa (the same bytes). Goal: ratio <= 1.1.
+  prefill  4 prompts of 2048 tokens vs SDPA causal.
+Timing: CUDA events, median. ``us`` is GPU time per call, from replays of a
+CUDA graph of several calls (how decode runs in the engine); ``eager_us``
+times single eager calls, host overhead included.
+
+CPU: one tiny decode and one tiny prefill case (the torch reference path vs
+SDPA), labelled as such.
+
+--tune (GPU, a few minutes more): decode at context 4096, ratio to SDPA for
+every KV tile / warps / stages choice at batch 8, 64, 256, and for every
+split count at batch 1 to 256 with the default tiles: what ``decode_plan``
+and ``PROGRAMS_PER_SM`` in kvstrata/kernels/_triton_attention.py should say.
+
+Usage: python tools/bench_attention.py [--quick] [--tune]
+Never asserts timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels import paged_attention
+
+MODELS = {"tinyllama_hq32_hkv4_d64": (32, 4, 64), "hq32_hkv8_d128": (32, 8, 128)}
+BATCHES = (1, 8, 32, 64, 256)
+CONTEXTS = (2048, 4096)
+BLOCK_SIZE = 16
+CALLS_PER_GRAPH = 10
+
+
+def gpu_eager_time(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of one eager call, CUDA events around it."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def gpu_graph_time(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds per call of a CUDA graph of CALLS_PER_GRAPH calls of ``fn``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / CALLS_PER_GRAPH)
+    del graph
+    return statistics.median(samples)
+
+
+def cpu_time(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def make_case(batch: int, ctx: int, q_len: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              device: str, seed: int = 0) -> dict:
+    """Dense K/V [B, Hkv, ctx, D] for SDPA and the same rows in a paged cache
+    on shuffled blocks (block 0 is the null block), plus the new tokens' queries."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    per_seq = ctx // BLOCK_SIZE
+    k = torch.randn((batch, kv_heads, ctx, head_dim), generator=g, device=device, dtype=dtype)
+    v = torch.randn((batch, kv_heads, ctx, head_dim), generator=g, device=device, dtype=dtype)
+    perm = torch.randperm(batch * per_seq, generator=g, device=device) + 1
+    kc = torch.zeros((1 + batch * per_seq, BLOCK_SIZE, kv_heads, head_dim), device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    kc[perm] = k.transpose(1, 2).reshape(batch * per_seq, BLOCK_SIZE, kv_heads, head_dim)
+    vc[perm] = v.transpose(1, 2).reshape(batch * per_seq, BLOCK_SIZE, kv_heads, head_dim)
+    q = torch.randn((batch, q_heads, q_len, head_dim), generator=g, device=device, dtype=dtype)
+    query = q.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim).contiguous()
+    return dict(q_dense=q, k_dense=k, v_dense=v, query=query, key_cache=kc, value_cache=vc,
+                block_tables=perm.view(batch, per_seq).int(),
+                query_start_loc=torch.arange(0, batch * q_len + 1, q_len, device=device, dtype=torch.int32),
+                seq_lens=torch.full((batch,), ctx, device=device, dtype=torch.int32), scale=head_dim**-0.5)
+
+
+def ours(c: dict, num_splits: int | None = None, split_decode: bool = True) -> Callable[[], object]:
+    """Our decode: split-K chosen automatically (``split_decode``), the default
+    single-pass kernel (``split_decode=False``), or a forced split count."""
+    out = torch.empty_like(c["query"])
+    args = (c["query"], c["key_cache"], c["value_cache"], c["block_tables"], c["query_start_loc"], c["seq_lens"],
+            c["scale"])
+    if num_splits is None:
+        return lambda: paged_attention(*args, out=out, split_decode=split_decode)
+    from kvstrata.kernels._triton_attention import paged_attention_triton
+
+    return lambda: paged_attention_triton(*args, None, out, num_splits=num_splits)
+
+
+def sdpa(c: dict, causal: bool) -> Callable[[], object]:
+    q, k, v = c["q_dense"], c["k_dense"], c["v_dense"]
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=c["scale"], enable_gqa=True)
+
+
+def sdpa_backend(c: dict, causal: bool) -> str:
+    """The first backend, in torch's priority order, that takes this call: the one SDPA runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH):
+        try:
+            with sdpa_kernel([backend]):
+                sdpa(c, causal)()
+            return backend.name.lower()
+        except Exception:  # noqa: BLE001 - a backend that refuses the call, whatever it raises
+            continue
+    return "unknown"
+
+
+def gpu_section(quick: bool) -> dict:
+    from kvstrata.kernels._triton_attention import decode_plan
+
+    repeat = 10 if quick else 25
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res: dict = {"device": torch.cuda.get_device_name(), "sms": sms, "decode": {}, "prefill": {}}
+    for name, (hq, hkv, d) in MODELS.items():
+        for ctx in CONTEXTS:
+            for batch in BATCHES:
+                c = make_case(batch, ctx, 1, hq, hkv, d, torch.bfloat16, "cuda")
+                t_ours, t_sdpa = gpu_graph_time(ours(c), repeat), gpu_graph_time(sdpa(c, False), repeat)
+                kv_bytes = 2 * c["k_dense"].numel() * c["k_dense"].element_size()
+                res["decode"][f"{name}_b{batch}_ctx{ctx}"] = {
+                    "num_splits": decode_plan(batch, hq, hkv, d, sms).num_splits,
+                    "us": t_ours * 1e6, "sdpa_us": t_sdpa * 1e6, "ratio": t_ours / t_sdpa,
+                    "no_split_us": gpu_graph_time(ours(c, num_splits=1), repeat) * 1e6,
+                    "single_pass_us": gpu_graph_time(ours(c, split_decode=False), repeat) * 1e6,
+                    "kv_GBps": kv_bytes / t_ours / 1e9,
+                    "eager_us": gpu_eager_time(ours(c), repeat) * 1e6,
+                    "eager_sdpa_us": gpu_eager_time(sdpa(c, False), repeat) * 1e6,
+                }
+                if batch == BATCHES[0] and ctx == CONTEXTS[0]:
+                    res["decode"][f"{name}_sdpa_backend"] = sdpa_backend(c, False)
+                del c
+        c = make_case(4, 2048, 2048, hq, hkv, d, torch.bfloat16, "cuda")
+        t_ours, t_sdpa = gpu_graph_time(ours(c), repeat), gpu_graph_time(sdpa(c, True), repeat)
+        res["prefill"][f"{name}_b4_len2048"] = {"us": t_ours * 1e6, "sdpa_us": t_sdpa * 1e6, "ratio": t_ours / t_sdpa,
+                                                "sdpa_backend": sdpa_backend(c, True)}
+        del c
+    ratios = [r["ratio"] for r in res["decode"].values() if isinstance(r, dict)]
+    res["decode_worst_ratio"] = max(ratios)
+    return res
+
+
+def tune_section(repeat: int = 10) -> dict:
+    """Ratios to SDPA of explicit decode plans (see the module docstring)."""
+    from kvstrata.kernels._triton_attention import decode_plan, launch_decode
+
+    def run(c: dict, plan) -> Callable[[], object]:
+        out = torch.empty_like(c["query"])
+        return lambda: launch_decode(c["query"], c["key_cache"], c["value_cache"], c["block_tables"],
+                                     c["query_start_loc"], c["seq_lens"], c["scale"], None, out, plan, False)
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res: dict = {}
+    for name, (hq, hkv, d) in MODELS.items():
+        cases = {b: make_case(b, 4096, 1, hq, hkv, d, torch.bfloat16, "cuda") for b in BATCHES + (128,)}
+        sdpa_s = {b: gpu_graph_time(sdpa(c, False), repeat) for b, c in cases.items()}
+        res[name] = entry = {"tiles": {}, "splits": {}}
+        for tile_n in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    row = entry["tiles"][f"tile{tile_n}_warps{warps}_stages{stages}"] = {}
+                    for b in (8, 64, 256):
+                        plan = decode_plan(b, hq, hkv, d, sms)._replace(tile_n=tile_n, num_warps=warps,
+                                                                        num_stages=stages)
+                        row[b] = round(gpu_graph_time(run(cases[b], plan), repeat) / sdpa_s[b], 3)
+        for b, c in sorted(cases.items()):
+            plan = decode_plan(b, hq, hkv, d, sms)
+            entry["splits"][f"b{b}_auto{plan.num_splits}"] = {
+                s: round(gpu_graph_time(run(c, plan._replace(num_splits=s)), repeat) / sdpa_s[b], 3)
+                for s in (1, 2, 4, 8, 16, 32)}
+        del cases
+    return res
+
+
+def cpu_section() -> dict:
+    """One tiny case each: no GPU here, so 'ours' is the torch reference path."""
+    res: dict = {}
+    for kind, batch, q_len, ctx in (("decode", 4, 1, 256), ("prefill", 1, 128, 128)):
+        c = make_case(batch, ctx, q_len, 4, 2, 64, torch.float32, "cpu")
+        t_ours, t_sdpa = cpu_time(ours(c), 10), cpu_time(sdpa(c, q_len > 1), 10)
+        res[f"{kind}_b{batch}_ctx{ctx}"] = {"us": t_ours * 1e6, "sdpa_us": t_sdpa * 1e6, "ratio": t_ours / t_sdpa}
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--tune", action="store_true", help="also sweep decode tiles and split counts (GPU)")
+    args = parser.parse_args()
+    report: dict = {"torch": torch.__version__, "machine": platform.machine()}
+    if torch.cuda.is_available():
+        import triton
+
+        report["triton"] = triton.__version__
+        report["gpu"] = gpu_section(args.quick)
+        if args.tune:
+            report["tune"] = tune_section()
+    else:
+        report["note"] = ("no CUDA device: one tiny decode and one tiny prefill case on CPU, the torch reference "
+                          "path vs SDPA; the decode-vs-SDPA goal is measured on a GPU")
+        report["cpu"] = cpu_section()
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
