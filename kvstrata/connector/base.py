@@ -29,6 +29,17 @@ The scheduler side reads requests through ``ConnectorRequest`` (the engine's
 ``Request`` satisfies it) and the device block tables through
 ``BlockTables`` (the KV cache manager): it keeps no copy of either.
 
+With async scheduling the engine builds step N+1's metadata while step N
+runs, before N's ``update_connector_output``: what a metadata lends or
+waits for belongs to its step (the worker's report names it) and is settled
+when that step comes back; steps come back in order, through
+``update_connector_output`` or ``step_failed``. A save may cover KV that an
+earlier step in flight writes (the worker runs steps in order), never KV of
+a later one (a chunk whose last token is still being sampled has no block
+hash yet); ``step_failed`` must drop the saves of the steps queued behind
+the failed one, which may have read its KV. The scheduler never schedules a
+request on top of a load in flight into its blocks.
+
 A *connector* (``KVConnector``) is the configured pair: it opens any shared
 resources on the engine's event loop (the tiered store), then builds one
 scheduler side and one worker side for an engine (``ConnectorSpec``).

@@ -167,8 +167,11 @@ class MultiScheduler:
         sending: set[str] = set()
         recving: set[str] = set()
         invalid: set[int] = set()
-        for child in self.children:
-            s, r, b = child.step_failed(scheduler_output)
+        meta = scheduler_output.kv_connector_metadata
+        metas = meta.children if isinstance(meta, MultiMetadata) else [None] * len(self.children)
+        for child, m in zip(self.children, metas, strict=True):
+            # each child finds the step that failed in its own metadata
+            s, r, b = child.step_failed(msgspec.structs.replace(scheduler_output, kv_connector_metadata=m))
             sending.update(s)
             recving.update(r)
             invalid.update(b)

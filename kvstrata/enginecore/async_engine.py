@@ -86,8 +86,9 @@ class KVEventSink(Protocol):
 class AsyncEngine:
     """Owns: the EngineCore (used from the loop; its runner also from the
     step thread), one output sink per live request, the single-thread step
-    executor, the engine-loop task and its wake-up event, the input
-    processor, and the KV connector and events sink it was handed to close."""
+    executor and the stepping strategy over it (serial or overlapped), the
+    engine-loop task and its wake-up event, the input processor, and the KV
+    connector and events sink it was handed to close."""
 
     def __init__(self, core: EngineCore, executor: ThreadPoolExecutor) -> None:
         self._core = core
@@ -103,18 +104,17 @@ class AsyncEngine:
         # When the loop last made progress (computed a token, or had no work).
         self._progress_at = time.monotonic()
         self._stall_timeout_s = core.config.scheduler.stall_timeout_s
-        # Overlap scheduling with the model step (see _run). Speculative
-        # decoding proposes drafts from committed tokens only, and the KV
-        # connector's metadata is built per step in order: both keep steps serial.
+        # Overlap scheduling with the model step (_OverlappedSteps).
+        # Speculative decoding proposes drafts from committed tokens only: it
+        # keeps steps serial.
         wanted = core.config.scheduler.async_scheduling
         if wanted is None:
             device = getattr(core.runner, "device", None)
             wanted = getattr(device, "type", str(device)) == "cuda"
-        self.async_scheduling = wanted and core.proposer is None and core.kv_connector is None
-        self.num_overlapped_steps = 0  # steps scheduled while the one before them ran
+        self.async_scheduling = bool(wanted) and core.proposer is None
         if wanted and not self.async_scheduling:
-            log.info("async_scheduling_off", reason="speculative decoding" if core.proposer is not None
-                     else "a KV connector")
+            log.info("async_scheduling_off", reason="speculative decoding")
+        self._steps = (_OverlappedSteps if self.async_scheduling else _SerialSteps)(core, executor)
         self._connector: KVConnector | None = None  # a KV connector this engine opened (and closes)
         self._publisher: KVEventSink | None = None  # KV events, when cache.kv_events_endpoint is set
         self._facts = ModelFacts(max_model_len=core.max_model_len, vocab_size=core.vocab_size)
@@ -174,6 +174,11 @@ class AsyncEngine:
     @property
     def core(self) -> EngineCore:
         return self._core
+
+    @property
+    def num_overlapped_steps(self) -> int:
+        """Steps scheduled while the one before them ran (async scheduling)."""
+        return self._steps.num_overlapped
 
     # -- model facts (EngineClient) -----------------------------------------
     @property
@@ -388,72 +393,30 @@ class AsyncEngine:
                 w.set_result(None)
 
     async def _run(self) -> None:
-        """The engine loop. With async scheduling (``scheduler.async_scheduling``,
-        no speculative decoding, no KV connector) step N+1 is scheduled and
-        handed to the step thread while step N still runs: the scheduler
-        counts a placeholder for each token N will sample, the runner finds
-        that token in its own copy of the request when N+1 starts (one step
-        thread: N+1 starts after N ends), and step N's output is applied
-        while N+1 runs. A request that stopped at N gets nothing from N+1
-        (its output is dropped), and a step that fails takes the one queued
-        behind it down with it (it may have read the failed step's KV)."""
-        core = self._core
-        loop = asyncio.get_running_loop()
-        wake = self._wakeup
-        overlap = self.async_scheduling
+        """The engine loop: take the next step (queued behind the last one, or
+        scheduled now, or sleep until woken), let the stepping strategy queue
+        the one after it (``_OverlappedSteps``), apply its output; a step that
+        raises goes to ``_recover``."""
+        steps = self._steps
         polled = False  # the last step computed no token: a bare poll now waits for a wake-up
-        pending: tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput]] | None = None
         try:
-            while not self._closing or pending is not None:
-                if pending is None:
-                    woken = wake.is_set()
-                    # Cleared before looking at the state: anything that happens
-                    # from here on sets it again, so a sleep below cannot miss it.
-                    wake.clear()
+            while not self._closing or steps.queued is not None:
+                step = steps.take_queued()
+                if step is not None:
                     self._looked_again()
-                    if not core.has_work():
-                        await wake.wait()
-                        self._progress_at = time.monotonic()  # idle until now: not a stall
-                        continue
-                    so = core.schedule()
-                    if not core.should_execute(so) or (polled and not woken and _bare_poll(so)):
-                        await wake.wait()  # only a transfer completing can change anything now
-                        continue
-                    fut = loop.run_in_executor(self._executor, core.execute, so)
                 else:
-                    (so, fut), pending = pending, None
-                    self._looked_again()
-                if overlap and so.total_num_scheduled_tokens and not self._closing:
-                    nxt = core.schedule()  # while step N runs
-                    if core.should_execute(nxt):
-                        pending = (nxt, loop.run_in_executor(self._executor, core.execute, nxt))
-                        self.num_overlapped_steps += 1
+                    step = await self._next_step(polled)
+                    if step is None:
+                        continue  # slept until woken
+                so, fut = step
+                if not self._closing:
+                    steps.follow(so)
                 try:
                     out = await fut
                 except Exception as exc:
-                    self._deliver(core.fail_step(so, exc))
-                    if pending is not None:
-                        # Queued behind the failed step: its requests that the
-                        # failed step also ran are failed already (their output
-                        # is dropped); one admitted with prefix hits may have
-                        # read blocks the failed step was writing: failed too.
-                        nxt, nfut = pending
-                        pending = None
-                        try:
-                            nout = await nfut
-                        except Exception as nexc:
-                            self._deliver(core.fail_step(nxt, nexc, secondary=True))
-                        else:
-                            self._deliver(core.fail_requests(
-                                [d.req_id for d in nxt.scheduled_new_reqs if d.num_computed_tokens],
-                                f"a model step it depended on failed: {type(exc).__name__}: {exc}"))
-                            self._deliver(core.update(nxt, nout))
-                    if core.consecutive_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
-                        raise EngineDeadError(
-                            f"{core.consecutive_failed_steps} model steps failed in a row", cause=exc
-                        ) from exc
+                    await self._recover(so, exc, steps.take_queued())
                     continue
-                self._deliver(core.update(so, out))
+                self._deliver(self._core.update(so, out))
                 if self._publisher is not None:
                     self._publish_events()
                 # Let the consumers take this step's outputs (their text work)
@@ -470,6 +433,49 @@ class AsyncEngine:
                 raise  # KeyboardInterrupt, SystemExit: fail fast, then let them through
         finally:
             self._looked_again()
+
+    async def _next_step(self, polled: bool) -> _Step | None:
+        """Schedule a step and hand it to the step thread; None after sleeping
+        until woken (no work, or only a bare poll that nothing asked for)."""
+        core, wake = self._core, self._wakeup
+        woken = wake.is_set()
+        # Cleared before looking at the state: anything that happens from
+        # here on sets it again, so a sleep below cannot miss it.
+        wake.clear()
+        self._looked_again()
+        if not core.has_work():
+            await wake.wait()
+            self._progress_at = time.monotonic()  # idle until now: not a stall
+            return None
+        so = core.schedule()
+        if not core.should_execute(so) or (polled and not woken and _bare_poll(so)):
+            await wake.wait()  # only a transfer completing can change anything now
+            return None
+        return so, self._steps.submit(so)
+
+    async def _recover(self, so: SchedulerOutput, exc: Exception, queued: _Step | None) -> None:
+        """Step ``so`` raised: fail its requests. A step queued behind it may
+        have read its KV: its requests that ``so`` also ran are failed already
+        (their output is dropped), ones it admitted with prefix hits are failed
+        too, and its own failure is not counted against the model. After
+        ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row the engine dies."""
+        core = self._core
+        self._deliver(core.fail_step(so, exc))
+        if queued is not None:
+            nxt, nfut = queued
+            try:
+                nout = await nfut
+            except Exception as nexc:
+                self._deliver(core.fail_step(nxt, nexc, secondary=True))
+            else:
+                self._deliver(core.fail_requests(
+                    [d.req_id for d in nxt.scheduled_new_reqs if d.num_computed_tokens],
+                    f"a model step it depended on failed: {type(exc).__name__}: {exc}"))
+                self._deliver(core.update(nxt, nout))
+        if core.consecutive_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(
+                f"{core.consecutive_failed_steps} model steps failed in a row", cause=exc
+            ) from exc
 
     def _publish_events(self) -> None:
         events = self._core.take_kv_events()
@@ -497,6 +503,50 @@ class AsyncEngine:
         self._looked_again()
         self._executor.shutdown(wait=False)
         log.info("engine_closed")
+
+
+_Step = tuple[SchedulerOutput, "asyncio.Future[ModelRunnerOutput]"]  # a step handed to the step thread
+
+
+class _SerialSteps:
+    """Steps one at a time: schedule, execute, update, then the next.
+
+    Owns: the step queued behind the running one (``queued``; never here)
+    and the count of steps scheduled while the one before them ran."""
+
+    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor) -> None:
+        self._core = core
+        self._executor = executor
+        self.queued: _Step | None = None  # never: nothing is queued behind a step
+        self.num_overlapped = 0
+
+    def submit(self, so: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
+        """Hand ``so`` to the step thread (steps run there one at a time, in order)."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._core.execute, so)
+
+    def follow(self, so: SchedulerOutput) -> None:
+        """``so`` was handed to the step thread: nothing more to do now."""
+
+    def take_queued(self) -> _Step | None:
+        queued, self.queued = self.queued, None
+        return queued
+
+
+class _OverlappedSteps(_SerialSteps):
+    """Async scheduling: while step N runs, step N+1 is scheduled and queued
+    behind it. The scheduler counts a placeholder for each token N samples;
+    the runner finds that token in its own copy of the request when N+1
+    starts (one step thread: N+1 starts after N ends); N's output is applied
+    while N+1 runs, and a request that stopped at N gets nothing from N+1."""
+
+    def follow(self, so: SchedulerOutput) -> None:
+        """Queue the step after ``so`` (which computes tokens) while it runs."""
+        if not so.total_num_scheduled_tokens:
+            return  # a bare poll: what follows waits for its answer
+        nxt = self._core.schedule()
+        if self._core.should_execute(nxt):
+            self.queued = (nxt, self.submit(nxt))
+            self.num_overlapped += 1
 
 
 def _bare_poll(so: SchedulerOutput) -> bool:

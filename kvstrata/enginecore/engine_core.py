@@ -15,10 +15,11 @@ sees only the frozen SchedulerOutput, never the scheduler's state.
 A step that raises fails the requests it scheduled (finish_reason "error").
 The blocks that step was computing may already be registered in the prefix
 cache (allocate_slots caches blocks as it hands them out) with KV that was
-never written: their hashes are evicted, including those of requests
-aborted while the step ran, so no later request can hit them. The engine
-keeps serving; the async shell declares it dead after several failed steps
-in a row.
+never written: their hashes are evicted, including those of requests that
+stopped running while the step ran (aborted, finished, preempted: the
+scheduler notes them), so no later request can hit them. The engine keeps
+serving; the async shell declares it dead after several failed steps in a
+row.
 """
 
 from __future__ import annotations
@@ -110,10 +111,6 @@ class EngineCore:
         self.proposer: Proposer | None = make_proposer(config.speculative, self.max_model_len)
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0
-        # The outputs being executed (two with async scheduling), each with
-        # the blocks of requests aborted meanwhile that it was writing
-        # (suspect if that step fails).
-        self._in_flight: list[tuple[SchedulerOutput, list[int]]] = []
         log.info("engine_core_ready", num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  num_kv_cache_groups=len(self.kv.config.groups), max_model_len=self.max_model_len,
                  prefix_caching=self.kv.enable_caching)
@@ -146,19 +143,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids) -> list[RequestOutput]:
         """Abort live requests now (blocks freed at once); unknown or
-        finished ids are ignored. Returns the final outputs to deliver."""
-        if self._in_flight:
-            reqs = self.scheduler.requests
-            for rid in request_ids:
-                req = reqs.get(rid)
-                if req is None or req.status != RequestStatus.RUNNING:
-                    continue
-                pending = sum(so.num_scheduled_tokens.get(rid, 0) for so, _ in self._in_flight)
-                if pending:
-                    written = self._blocks_written(req, pending)
-                    for so, suspect in self._in_flight:
-                        if rid in so.num_scheduled_tokens:
-                            suspect.extend(written)
+        finished ids are ignored. Returns the final outputs to deliver.
+        The blocks a step in flight writes for them are uncached if it fails."""
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return [_final_output(r) for r in done]
 
@@ -177,25 +163,13 @@ class EngineCore:
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; it is in flight until update() or fail_step()."""
-        so = self.scheduler.schedule()
-        if so.num_scheduled_tokens:
-            self._in_flight.append((so, []))
-        return so
-
-    def _landed(self, so: SchedulerOutput) -> list[int]:
-        """``so`` is no longer in flight; the suspect blocks noted for it."""
-        for i, (s, suspect) in enumerate(self._in_flight):
-            if s is so:
-                del self._in_flight[i]
-                return suspect
-        return []
+        return self.scheduler.schedule()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model (any thread; touches only the runner)."""
         return self.runner.execute_model(scheduler_output)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        self._landed(scheduler_output)
         self.consecutive_failed_steps = 0
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.proposer is not None:
@@ -220,21 +194,14 @@ class EngineCore:
         scheduled, uncache the blocks it was writing, keep serving the rest.
         ``secondary``: it was queued behind a failed step and failed because
         of it (async scheduling): not counted as a failure of the model."""
-        suspect = self._landed(scheduler_output)
         if not secondary:
             self.num_failed_steps += 1
             self.consecutive_failed_steps += 1
         s = self.scheduler
-        failed = []
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            req = s.requests.get(rid)
-            if req is not None and req.status == RequestStatus.RUNNING:
-                suspect.extend(self._blocks_written(req, n))
-                failed.append(rid)
-        if suspect:
-            self.kv.evict_blocks(suspect)
+        failed = [rid for rid in scheduler_output.num_scheduled_tokens
+                  if (req := s.requests.get(rid)) is not None and req.status == RequestStatus.RUNNING]
         done = s.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        s.fail_step(scheduler_output)
+        s.fail_step(scheduler_output)  # uncaches what it wrote for them, and for those gone meanwhile
         message = f"model step failed: {type(exc).__name__}: {exc}"
         log.error("step_failed", error=message, num_failed_requests=len(done),
                   consecutive_failures=self.consecutive_failed_steps)
@@ -251,11 +218,6 @@ class EngineCore:
             self.kv.evict_blocks(suspect)
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
         return [_final_output(r, error=message) for r in done]
-
-    def _blocks_written(self, req: Request, num_scheduled: int) -> list[int]:
-        """Ids of the blocks this step writes for ``req`` (every group)."""
-        first = (req.num_computed_tokens - num_scheduled) // self.kv.block_size
-        return [b for group in self.kv.get_block_ids(req.request_id) for b in group[first:]]
 
     def step(self) -> list[RequestOutput]:
         """schedule + execute + update in the calling thread."""

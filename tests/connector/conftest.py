@@ -8,6 +8,7 @@ allocator and no task the test started is left running."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from conn_helpers import BLOCK, Oracle, RedisServer, build_tiny_llama, redis_available
@@ -26,6 +27,12 @@ def pytest_runtest_makereport(item, call):
     rep = yield
     setattr(item, "rep_" + rep.when, rep)
     return rep
+
+
+# Every engine these tests build without choosing a stepping mode can run
+# with async scheduling on ("1") or off ("0"): KVSTRATA_TEST_ASYNC_SCHEDULING;
+# unset, the engine's default (off on a CPU).
+ASYNC_SCHEDULING = {"1": True, "0": False}.get(os.environ.get("KVSTRATA_TEST_ASYNC_SCHEDULING", ""))
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +66,8 @@ def built() -> Built:
 def make_engine(oracle, built):
     async def make(kv_transfer=None, *, num_blocks: int = 64, caching: bool = True, device: str = "cpu",
                    speculative: SpeculativeConfig | None = None, **sched) -> AsyncEngine:
+        if ASYNC_SCHEDULING is not None:
+            sched.setdefault("async_scheduling", ASYNC_SCHEDULING)
         config = EngineConfig(
             model=ModelConfig(model=oracle.path),
             cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=caching),
@@ -70,6 +79,14 @@ def make_engine(oracle, built):
         return engine
 
     return make
+
+
+@pytest.fixture(params=["serial", "async"])
+def stepping(request) -> dict[str, bool]:
+    """``make_engine``'s scheduler option for each way of stepping: serial,
+    and async scheduling (step N+1 scheduled, its connector metadata built,
+    while step N runs). Check with ``conn_helpers.assert_stepped``."""
+    return {"async_scheduling": request.param == "async"}
 
 
 @pytest.fixture

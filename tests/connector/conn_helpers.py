@@ -89,6 +89,15 @@ async def seed_lower_tiers(core, p: list[int], outputs: dict[str, list[int]]) ->
     core.kv_connector.store.l1.clear()
 
 
+def assert_stepped(engine, stepping: dict[str, bool]) -> None:
+    """``engine`` stepped as ``stepping`` asked (the ``stepping`` fixture):
+    with async scheduling, kept on with a connector attached, steps were
+    scheduled while the one before them ran; serially, none was."""
+    overlapped = stepping["async_scheduling"]
+    assert engine.async_scheduling is overlapped
+    assert (engine.num_overlapped_steps > 0) is overlapped
+
+
 def fs_tier(path: Path, **kw: Any) -> dict:
     """A shared-filesystem tier: it cannot tell what it holds without I/O (a lookup)."""
     return {"type": "fs", "name": "fs", "options": {"path": str(path), **kw}}

@@ -1,12 +1,13 @@
 """Asynchronous loading (WAITING_FOR_REMOTE_KVS without holding anyone up),
-promotion before a synchronous load, and offload on preemption — against the
-HF oracle."""
+promotion before a synchronous load, and offload on preemption (with steps
+run serially or overlapped) — against the HF oracle."""
 
 from __future__ import annotations
 
 import asyncio
 
-from conn_helpers import N, add, disk_tier, offload_config, prompt, run_until_idle, seed_lower_tiers, step
+from conn_helpers import (N, add, assert_stepped, disk_tier, offload_config, prompt, run_until_idle,
+                          seed_lower_tiers, step)
 
 from kvstrata.connector import OffloadMetadata
 from kvstrata.enginecore import RequestStatus, SamplingParams
@@ -66,9 +67,10 @@ async def test_sync_mode_promotes_then_loads_within_the_step(oracle, make_core, 
     assert stats["connector.disk.hit_tokens"] == 64
 
 
-async def test_a_preempted_request_is_offloaded_and_resumes_by_loading(oracle, make_engine):
+async def test_a_preempted_request_is_offloaded_and_resumes_by_loading(oracle, make_engine, stepping):
     # Both 24-token prompts are admitted (12 of 16 blocks); growing by 16 tokens each, they cannot both fit.
-    engine = await make_engine(offload_config(), num_blocks=17)
+    # Overlapped, the victim's save (of KV the step in flight is writing) rides on the step after it.
+    engine = await make_engine(offload_config(), num_blocks=17, **stepping)
     prompts = [prompt(30 + i, 24) for i in range(2)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -80,6 +82,7 @@ async def test_a_preempted_request_is_offloaded_and_resumes_by_loading(oracle, m
     stats = await engine.stats()
     assert stats.num_preemptions > 0
     assert stats.extra["connector.cpu.hit_tokens"] > 0
+    assert_stepped(engine, stepping)
 
 
 async def test_an_arriving_request_has_its_disk_chunks_promoted_before_it_is_scheduled(oracle, make_core, tmp_path):

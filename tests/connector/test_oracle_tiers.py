@@ -1,5 +1,7 @@
 """Identical tokens (transformers' greedy fp32 Llama on the same weights)
-whichever tier the prefix comes from, including when the tier fails."""
+whichever tier the prefix comes from, including when the tier fails, with
+steps run serially or overlapped (async scheduling: step N+1's connector
+metadata is built while step N runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import asyncio
 
 import pytest
 import torch
-from conn_helpers import CHUNK, disk_tier, offload_config, prompt
+from conn_helpers import CHUNK, assert_stepped, disk_tier, offload_config, prompt
 
 from kvstrata.enginecore import SamplingParams
 
@@ -23,17 +25,18 @@ def tier_hits(stats, tier: str) -> float:
     return stats.extra.get(f"connector.{tier}.hit_tokens", 0.0)
 
 
-async def test_a_device_cache(oracle, make_engine):
-    engine = await make_engine(offload_config())
+async def test_a_device_cache(oracle, make_engine, stepping):
+    engine = await make_engine(offload_config(), **stepping)
     p = prompt(1, 50)
     assert await gen(engine, p) == oracle.greedy(p, N)
     assert await gen(engine, p) == oracle.greedy(p, N)
     stats = await engine.stats()
     assert stats.prefix_cache_hits == 48 and tier_hits(stats, "cpu") == 0
+    assert_stepped(engine, stepping)
 
 
-async def test_b_cpu_tier_after_device_reset(oracle, make_engine):
-    engine = await make_engine(offload_config())
+async def test_b_cpu_tier_after_device_reset(oracle, make_engine, stepping):
+    engine = await make_engine(offload_config(), **stepping)
     p = prompt(2, 50)
     assert await gen(engine, p) == oracle.greedy(p, N)
     await engine.flush_kv()
@@ -43,6 +46,7 @@ async def test_b_cpu_tier_after_device_reset(oracle, make_engine):
     # 3 full chunks of 16 stored (48 tokens); the last prompt token is always computed.
     assert stats.prefix_cache_hits == 0 and tier_hits(stats, "cpu") == 48
     assert stats.extra["kv.external_hit_tokens"] == 48
+    assert_stepped(engine, stepping)
 
 
 def store_of(engine):
@@ -51,10 +55,10 @@ def store_of(engine):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine):
+async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine, stepping):
     """The CUDA path: layer i+1's load on the load stream overlaps layer i,
     saves on the store stream, a preempted request's blocks read first."""
-    engine = await make_engine(offload_config(), device="cuda", num_blocks=33)
+    engine = await make_engine(offload_config(), device="cuda", num_blocks=33, **stepping)
     prompts = [prompt(2, 50), prompt(9, 24), prompt(19, 24)]
     assert [await gen(engine, p) for p in prompts[:1]] == [oracle.greedy(prompts[0], N)]
     await engine.flush_kv()
@@ -63,10 +67,11 @@ async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine):
     assert got == [oracle.greedy(p, 16) for p in prompts]
     stats = await engine.stats()
     assert tier_hits(stats, "cpu") >= 48
+    assert_stepped(engine, stepping)
 
 
-async def test_c_disk_tier_after_l1_cleared(oracle, make_engine, tmp_path):
-    engine = await make_engine(offload_config(tiers=(disk_tier(tmp_path / "disk"),)))
+async def test_c_disk_tier_after_l1_cleared(oracle, make_engine, tmp_path, stepping):
+    engine = await make_engine(offload_config(tiers=(disk_tier(tmp_path / "disk"),)), **stepping)
     p = prompt(3, 70)
     assert await gen(engine, p) == oracle.greedy(p, N)
     await engine.flush_kv()
@@ -79,11 +84,13 @@ async def test_c_disk_tier_after_l1_cleared(oracle, make_engine, tmp_path):
     # Promoted from disk into L1 first (no blocks held meanwhile), then loaded within the step.
     assert stats.extra["connector.sync_loads"] == 1 and stats.extra["connector.async_loads"] == 0
     assert stats.extra["store.disk.hit_tokens"] == 64
+    assert_stepped(engine, stepping)
 
 
 @pytest.mark.parametrize("load_mode", ["auto", "async"])
-async def test_e_corrupt_disk_object_is_recomputed(oracle, make_engine, tmp_path, load_mode):
-    engine = await make_engine(offload_config(load_mode=load_mode, tiers=(disk_tier(tmp_path / "disk"),)))
+async def test_e_corrupt_disk_object_is_recomputed(oracle, make_engine, tmp_path, load_mode, stepping):
+    engine = await make_engine(offload_config(load_mode=load_mode, tiers=(disk_tier(tmp_path / "disk"),)),
+                               **stepping)
     p = prompt(4, 70)
     assert await gen(engine, p) == oracle.greedy(p, N)
     await engine.flush_kv()
@@ -103,6 +110,7 @@ async def test_e_corrupt_disk_object_is_recomputed(oracle, make_engine, tmp_path
     assert stats.extra["connector.load_failed_tokens"] == 48
     # "auto" promotes first and plans around the loss; "async" has blocks allocated and rolls back.
     assert stats.extra["connector.async_loads"] == (load_mode == "async")
+    assert_stepped(engine, stepping)
 
 
 def _hashes(engine, p):
@@ -199,8 +207,8 @@ async def test_cache_salt_isolates_tenants_in_every_tier(oracle, make_engine, tm
     assert await asyncio.to_thread(redis_server.dbsize) == 3 * 2 * 4  # three tenants' 4 chunks
 
 
-async def test_a_conversation_turn_loads_the_partial_tail_saved_at_finish(oracle, make_engine):
-    engine = await make_engine(offload_config(save_partial=True))
+async def test_a_conversation_turn_loads_the_partial_tail_saved_at_finish(oracle, make_engine, stepping):
+    engine = await make_engine(offload_config(save_partial=True), **stepping)
     p = prompt(7, 50)
     first = await gen(engine, p)
     assert first == oracle.greedy(p, N)
@@ -212,3 +220,4 @@ async def test_a_conversation_turn_loads_the_partial_tail_saved_at_finish(oracle
     stats = await engine.stats()
     # 3 full chunks (48) and the partial chunk of 2 blocks (8) saved when turn 1 finished.
     assert tier_hits(stats, "cpu") == 56
+    assert_stepped(engine, stepping)

@@ -81,8 +81,8 @@ class Handover(NamedTuple):
 class LoadPlanner:
     """Owns: each request's load (a LoadTracker, from its first lookup until
     it finishes), the requests prefetched and not yet asked for, the tasks
-    it started, and the bulk loads of the step in flight (their requests are
-    retried if the step fails). Loop only."""
+    it started, and the bulk loads of each step in flight, by step (their
+    requests are retried if the step fails). Loop only."""
 
     def __init__(self, store: StorageManager, geometry: ChunkGeometry, keyer: ChunkKeyer, opts: OffloadOptions,
                  lender: Lender, metrics: TransferMetrics, events: TierEventRecorder | None, wakeup: Wakeup,
@@ -99,7 +99,8 @@ class LoadPlanner:
         self._loads: dict[str, LoadTracker] = {}
         self._prefetched: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()  # lookups (-> sources found) and fetches (-> None)
-        self._step_bulk: list[tuple[str, list[int]]] = []
+        # step -> (request, the blocks it recomputes if the step fails), per bulk load
+        self._step_bulk: dict[int, list[tuple[str, list[int]]]] = {}
 
     def tracked(self) -> list[str]:
         return list(self._loads)
@@ -403,21 +404,22 @@ class LoadPlanner:
             pos += key.num_tokens
         return by_tier
 
-    def hand_over(self) -> tuple[list[Handover], list[Handover]]:
-        """This step's loads: (within the step, layer by layer: the sync loads
-        allocated since the last step; before the forward: the async loads
-        whose fetch landed)."""
+    def hand_over(self, step: int) -> tuple[list[Handover], list[Handover]]:
+        """Step ``step``'s loads: (within the step, layer by layer: the sync
+        loads allocated since the last step; before the forward: the async
+        loads whose fetch landed)."""
         loads = list(self._loads.values())
-        layer = [self._lend(t, t.plan.objs if t.plan else [], layerwise=True)
-                 for t in loads if t.handover == "layer"]
+        layer = [self._lend(t, t.plan.objs if t.plan else []) for t in loads if t.handover == "layer"]
         landed = [t for t in loads if t.handover == "bulk" and t.fetch is not None and t.fetch.done()]
         bulk = []
+        bs = self.geo.block_size
         for t in landed:
             t.fetch = None
-            bulk.append(self._lend(t, t.fetched or [], layerwise=False))
+            self._step_bulk.setdefault(step, []).append((t.req_id, t.load_blocks[t.load_skip // bs:]))
+            bulk.append(self._lend(t, t.fetched or []))
         return layer, bulk
 
-    def _lend(self, t: LoadTracker, objs: list[MemoryObj], *, layerwise: bool) -> Handover:
+    def _lend(self, t: LoadTracker, objs: list[MemoryObj]) -> Handover:
         """Lend ``objs`` (the plan's leading chunks, references owned from now
         on by the lender) to the worker; blocks of chunks not delivered are
         reported failed, so the scheduler recomputes them."""
@@ -446,8 +448,6 @@ class LoadPlanner:
                 t.hit_tokens = max(0, first_bad - skip)
                 resave_from = plan.start + len(objs)
         self.metrics.count("load_chunks", len(transfers))
-        if not layerwise:
-            self._step_bulk.append((t.req_id, blocks[skip // bs:]))
         t.drop_plan(self.store)
         return Handover(RequestTransfer(t.req_id, transfers, failed), resave_from)
 
@@ -457,12 +457,15 @@ class LoadPlanner:
         if t is not None:
             t.load_s += seconds
 
-    def step_done(self) -> None:
-        self._step_bulk = []
+    def step_done(self, step: int) -> None:
+        """Step ``step`` came back (steps come back in order: so did those before it)."""
+        for s in [s for s in self._step_bulk if s <= step]:
+            del self._step_bulk[s]
 
-    def step_failed(self) -> tuple[list[str], list[int]]:
-        """The requests whose bulk load did not happen, and their blocks (to recompute)."""
-        loads, self._step_bulk = self._step_bulk, []
+    def step_failed(self, step: int | None) -> tuple[list[str], list[int]]:
+        """Step ``step`` failed: the requests whose bulk load it did not make,
+        and their blocks (to recompute)."""
+        loads = self._step_bulk.pop(step, []) if step is not None else []
         return [rid for rid, _ in loads], [b for _, blocks in loads for b in blocks]
 
     def preempted(self, req_id: str) -> None:

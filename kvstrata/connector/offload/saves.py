@@ -105,9 +105,9 @@ class _Bulk:
 
 class SavePlanner:
     """Owns: each tracked request's save progress, the bulk saves queued for
-    the next step, the finished requests whose blocks wait for this
-    step's bulk saves, the admission policy (its frequency sketch) and the
-    admission counters. Loop only."""
+    the next step, the finished requests whose blocks wait for the bulk
+    saves of each step in flight (by step), the admission policy (its
+    frequency sketch) and the admission counters. Loop only."""
 
     def __init__(self, store: StorageManager, geometry: ChunkGeometry, lender: Lender, metrics: TransferMetrics,
                  events: TierEventRecorder | None, *, num_layers: int, num_kv_heads: int, head_size: int,
@@ -123,7 +123,7 @@ class SavePlanner:
         self._tables: BlockTables | None = None
         self._saving: dict[str, _Saving] = {}
         self._bulk: list[_Bulk] = []
-        self._step_finishing: list[str] = []
+        self._step_finishing: dict[int, list[str]] = {}
         self._admitted = self._rejected = 0
         mode = options.save_admission if options is not None else "all"
         self._tinylfu = mode == "tinylfu"
@@ -191,6 +191,17 @@ class SavePlanner:
             s.next_save = min(s.next_save, chunk)
             s.gap = False
 
+    def load_failed(self, req_id: str, invalid: set[int]) -> None:
+        """A load into some of the request's blocks failed: it recomputes from
+        the first of them, and saves again from that block's chunk."""
+        s = self._saving.get(req_id)
+        if s is None or self._tables is None:
+            return
+        for i, b in enumerate(self._tables.get_block_ids(req_id)[0]):
+            if b in invalid:
+                self.rewind(req_id, i // self.geo.bpc)
+                return
+
     def preempted(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         s = self._saving.get(request.request_id)
         if s is not None:
@@ -221,13 +232,15 @@ class SavePlanner:
         return True
 
     # -- the step ------------------------------------------------------------------
-    def take_bulk(self) -> tuple[list[RequestTransfer], list[str]]:
-        """The queued bulk saves, lent buffers and all, and the finished
-        requests whose blocks wait for them."""
+    def take_bulk(self, step: int) -> tuple[list[RequestTransfer], list[str]]:
+        """The queued bulk saves, lent buffers and all, for step ``step``, and
+        the finished requests whose blocks wait for them."""
         bulk, self._bulk = self._bulk, []
         out = [rt for b in bulk if (rt := self._lend(b.saving, b.chunks, b.block_ids))]
-        self._step_finishing = [b.saving.request.request_id for b in bulk if b.finishing]
-        return out, list(self._step_finishing)
+        finishing = [b.saving.request.request_id for b in bulk if b.finishing]
+        if finishing:
+            self._step_finishing[step] = finishing
+        return out, list(finishing)
 
     def layer_saves(self, so: SchedulerOutput) -> list[RequestTransfer]:
         """Chunks that fill up in this step's computed tokens."""
@@ -254,6 +267,9 @@ class SavePlanner:
         if self._tables is None:
             raise RuntimeError("bind_block_tables() must be called before the first step")
         bh = req.block_hashes
+        # With async scheduling a step computes the token the step before it is
+        # still sampling: the chunk holding it has no key yet. It is saved by a
+        # later step (its blocks are written by then) or when the request ends.
         c_end = min(c_end, len(bh) // geo.bpc)
         chunks = [(c, geo.key(bh, c, geo.chunk_size), geo.chunk_size) for c in range(s.next_save, c_end)]
         s.next_save = max(s.next_save, c_end)
@@ -330,13 +346,15 @@ class SavePlanner:
                 else:
                     events.forget(key)
 
-    def step_done(self) -> None:
-        self._step_finishing = []
+    def step_done(self, step: int) -> None:
+        """Step ``step`` came back (steps come back in order: so did those before it)."""
+        for s in [s for s in self._step_finishing if s <= step]:
+            del self._step_finishing[s]
 
-    def step_failed(self) -> list[str]:
-        """The finished requests whose saves were in the failed step (their blocks may be freed)."""
-        finishing, self._step_finishing = self._step_finishing, []
-        return finishing
+    def step_failed(self, step: int | None) -> list[str]:
+        """The finished requests whose saves were in the failed step ``step``
+        (their blocks may be freed)."""
+        return self._step_finishing.pop(step, []) if step is not None else []
 
     def has_pending(self) -> bool:
         return bool(self._bulk)

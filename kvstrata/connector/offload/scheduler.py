@@ -9,6 +9,20 @@ Each planner owns its own state and answers; this class applies what one
 decides that concerns the other (chunks found in the store need no save;
 chunks a load did not deliver do), and settles the worker's report: saved
 buffers into the store, loaded ones released.
+
+Steps in flight. With async scheduling step k+1's metadata is built while
+step k runs, before k's report is in: everything step-scoped (lent
+buffers, bulk loads to retry, finished requests waiting for a save) is kept
+per step, under the step number the metadata and the report carry, and
+settled when that step comes back (steps come back in order). What a
+metadata asks for is safe to build early: a save covers chunks whose
+tokens the carrying step or an earlier one computes (the step thread runs
+steps in order; a chunk whose last token is still being sampled has no key
+yet); a load writes blocks allocated for it, after whatever earlier step
+wrote them last, and its request is not scheduled again until the
+scheduler knows whether it failed. A failed step drops the saves of the
+step queued behind it (``Lender.discard_saves``): they may have read its
+KV; so does a failed load, for its request's saves.
 """
 
 from __future__ import annotations
@@ -42,10 +56,11 @@ _STORE_FIELDS = ("hit_tokens", "miss_tokens", "bytes_in", "bytes_out", "eviction
 
 
 class OffloadScheduler:
-    """Owns: the step counter and the two planners (``loads``: each
-    request's lookup, plan and fetch; ``saves``: each request's save
-    progress and the bulk saves queued). Shares the store with the worker
-    side only through lent buffers (``lender``). Loop only."""
+    """Owns: the step counter and the planners (``loads``: each request's
+    lookup, plan and fetch; ``saves``: each request's save progress and the
+    bulk saves queued; ``segments``: CacheBlend). Shares the store with the
+    worker side only through lent buffers (``lender``), lent per step, and
+    the blocks each step in flight loads into, by request. Loop only."""
 
     def __init__(self, spec: ConnectorSpec, opts: OffloadOptions, store: StorageManager, lender: Lender,
                  *, role: str, events: TierEventRecorder | None, metrics: TransferMetrics,
@@ -74,6 +89,8 @@ class OffloadScheduler:
                                        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                                        dtype=dtype)
         self._step = itertools.count(1)
+        # step -> the blocks each request's loads of that step write, until it comes back
+        self._loading: dict[int, dict[str, set[int]]] = {}
 
     def bind_block_tables(self, tables: BlockTables) -> None:
         self.saves.bind(tables)
@@ -114,39 +131,70 @@ class OffloadScheduler:
     # -- the step --------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata | None:
         step = next(self._step)
-        layer_loads, bulk_loads = self.loads.hand_over()
+        self.lender.begin(step)
+        layer_loads, bulk_loads = self.loads.hand_over(step)
         for h in (*layer_loads, *bulk_loads):
             if h.resave_from is not None:
                 self.saves.rewind(h.transfer.req_id, h.resave_from)
-        bulk_saves, finishing = self.saves.take_bulk()
+        bulk_saves, finishing = self.saves.take_bulk(step)
         layer_saves = self.saves.layer_saves(scheduler_output) if self.save_enabled else []
         meta = OffloadMetadata(step=step, layer_loads=[h.transfer for h in layer_loads],
                                bulk_loads=[h.transfer for h in bulk_loads], bulk_saves=bulk_saves,
                                layer_saves=layer_saves, finishing=finishing,
                                blend_loads=self.segments.hand_over(),
                                num_tokens=scheduler_output.total_num_scheduled_tokens)
+        loading = _blocks_loaded(meta)
+        if loading:
+            self._loading[step] = loading
         return None if meta.is_empty else meta
 
     def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
+        """Settle the step the worker reports on (a step with no metadata has
+        no report, and nothing lent or waiting)."""
         report = runner_output.kv_connector_stats
         if isinstance(report, WorkerReport):
+            self._load_failures(report.step, set(runner_output.invalid_block_ids))
             self.saves.put(self.lender.settle(report))
             self.metrics.observe_forward(report.forward_s, report.forward_tokens)
             for rid, seconds in report.load_s.items():
                 self.loads.add_load_time(rid, seconds)
-        self.lender.release_all()  # what the worker did not report
-        self.loads.step_done()
-        self.saves.step_done()
+            self.loads.step_done(report.step)
+            self.saves.step_done(report.step)
         if self.events is not None:
             self.events.sweep_evicted(self.store.source_name(L1_SOURCE), self.store.l1_evictions, self.store.in_l1)
 
     def step_failed(self, scheduler_output: SchedulerOutput) -> tuple[list[str], list[str], list[int]]:
-        """The step raised: its buffers are released (saves dropped); returns
-        (finished requests whose blocks may be freed, requests whose bulk load
-        did not happen, the blocks they must recompute)."""
-        self.lender.release_all()
-        recving, invalid = self.loads.step_failed()
-        return self.saves.step_failed(), recving, invalid
+        """The step raised: its buffers are released (saves dropped), and so
+        are the saves of a step queued behind it (it may have read the failed
+        step's KV); returns (finished requests whose blocks may be freed,
+        requests whose bulk load did not happen, the blocks they must recompute)."""
+        meta = scheduler_output.kv_connector_metadata
+        step = meta.step if isinstance(meta, OffloadMetadata) else None
+        if step is not None:
+            self.lender.release_step(step)
+            self._step_loading(step)
+        self.lender.discard_saves()
+        recving, invalid = self.loads.step_failed(step)
+        return self.saves.step_failed(step), recving, invalid
+
+    def _load_failures(self, step: int, invalid: set[int]) -> None:
+        """The requests whose loads in ``step`` hit ``invalid`` blocks computed
+        over KV that is not there: their saves of that step and of the steps
+        after it are dropped, and they save again from the first failed
+        block's chunk (they recompute from there)."""
+        loading = self._step_loading(step)
+        if not invalid or not loading:
+            return
+        failed = {rid for rid, blocks in loading.items() if not blocks.isdisjoint(invalid)}
+        self.lender.discard_saves(failed)
+        for rid in failed:
+            self.saves.load_failed(rid, invalid)
+
+    def _step_loading(self, step: int) -> dict[str, set[int]]:
+        """Take the loads of ``step`` (and forget those of the steps before it: done)."""
+        for s in [s for s in self._loading if s < step]:
+            del self._loading[s]
+        return self._loading.pop(step, {})
 
     # -- lifecycle of requests ---------------------------------------------------------
     def request_preempted(self, request: ConnectorRequest, block_ids: BlockIds) -> None:
@@ -202,6 +250,20 @@ class OffloadScheduler:
         await self.loads.aclose()
         self.saves.close()
         self.lender.release_all()
+        self._loading.clear()
+
+
+def _blocks_loaded(meta: OffloadMetadata) -> dict[str, set[int]]:
+    """The blocks each request's loads in ``meta`` write (failed ones included)."""
+    out: dict[str, set[int]] = {}
+    for rt in (*meta.layer_loads, *meta.bulk_loads):
+        blocks = out.setdefault(rt.req_id, set())
+        blocks.update(rt.failed_block_ids)
+        for ch in rt.chunks:
+            blocks.update(ch.block_ids)
+    for bl in meta.blend_loads:
+        out.setdefault(bl.req_id, set()).update(bl.block_ids)
+    return out
 
 
 def _store_identity(spec: ConnectorSpec, chunk_size: int) -> StoreIdentity:

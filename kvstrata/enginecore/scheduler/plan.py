@@ -12,9 +12,10 @@ from kvstrata.types import CachedRequestData, NewRequestData, SchedulerOutput
 class StepPlan:
     """The running requests scheduled so far in one schedule() call, as
     parallel lists (the shape CachedRequestData wants), the tokens of every
-    scheduled request, and the requests preempted on the way."""
+    scheduled request, the requests preempted on the way, and where each
+    sync load of the step starts (``loaded_from``: its first token)."""
 
-    __slots__ = ("reqs", "prev_computed", "new_blocks", "n", "num_scheduled", "preempted", "spec")
+    __slots__ = ("reqs", "prev_computed", "new_blocks", "n", "num_scheduled", "preempted", "spec", "loaded_from")
 
     def __init__(self) -> None:
         self.reqs: list[Request] = []
@@ -24,13 +25,27 @@ class StepPlan:
         self.num_scheduled: dict[str, int] = {}
         self.preempted: list[Request] = []
         self.spec: dict[str, list[int]] = {}  # draft tokens scheduled with a request's next token
+        self.loaded_from: dict[str, int] = {}
 
     def unschedule(self, req: Request) -> int:
         """Take back ``req``'s place in this step; returns its tokens."""
         j = self.reqs.index(req)
         del self.reqs[j], self.prev_computed[j], self.new_blocks[j], self.n[j]
         self.spec.pop(req.request_id, None)
+        self.loaded_from.pop(req.request_id, None)
         return self.num_scheduled.pop(req.request_id)
+
+    def write_starts(self, new_reqs: list[Request]) -> dict[str, int]:
+        """Per scheduled request, the first token whose KV this step writes
+        (its first loaded token, else its first computed one). Reads the
+        requests' counts before this step advances them."""
+        starts = dict(zip([r.request_id for r in self.reqs], self.prev_computed, strict=True))
+        for r in new_reqs:
+            starts[r.request_id] = r.num_computed_tokens
+        for rid, pos in self.loaded_from.items():
+            if rid in starts:
+                starts[rid] = min(starts[rid], pos)
+        return starts
 
     def to_output(
         self,

@@ -21,6 +21,17 @@ The scheduler does no I/O; it runs on the event loop that owns it. Its
 helpers own their own state and return decisions it applies: ``admit``
 (waiting.py) reserves one request's blocks and returns an Admission, the
 TransferTracker (transfers.py) returns what a step's KV transfers settle.
+
+Steps in flight (two with async scheduling: step N+1 is planned before step
+N's output is applied). Each is remembered until its update or failure
+(``_InFlight``). A request that stops running while a step in flight still
+writes its KV (finished, aborted, failed, preempted) has its blocks freed
+and cached at once, and saved by the connector in a later step (steps run
+in order: that step has written them by then); the step notes the blocks it
+writes for it, uncached if it fails (the connector then drops the saves of
+the steps queued behind it). A request whose sync load rides on a step in
+flight is not scheduled again before that step's outcome is known (a failed
+block rolls it back, and the runner withheld its sample).
 """
 
 from __future__ import annotations
@@ -94,12 +105,11 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.spec_counters = SpecDecodeCounters()
         # Steps scheduled and not yet updated (two with async scheduling), by
-        # id() of their SchedulerOutput: the requests each samples a token for
-        # (their placeholders). A finished request's blocks are freed at once
-        # even if a step in flight still writes them: steps run one at a time,
-        # in order, so that step is done before any later one can use the
-        # blocks again (and a failed step takes the one behind it down too).
-        self._in_flight: dict[int, list[Request]] = {}
+        # id() of their SchedulerOutput. A finished request's blocks are freed
+        # at once even if a step in flight still writes them: steps run one at
+        # a time, in order, so that step is done before any later one can use
+        # the blocks again (and a failed step takes the one behind it down too).
+        self._in_flight: dict[int, _InFlight] = {}
         self._seq = itertools.count()
 
     # -- admission and removal --------------------------------------------
@@ -145,6 +155,8 @@ class Scheduler:
 
     def _free_request(self, req: Request) -> None:
         rid = req.request_id
+        if self._in_flight:
+            self._leave_in_flight(req)
         # A waiting or preempted request holds no blocks, unless it is parked
         # for (or done with) an async load.
         holds_blocks = self.kv.has_request(rid)
@@ -170,6 +182,19 @@ class Scheduler:
         allocate_slots, which a finished or preempted request never makes)."""
         if self.enable_caching:
             self.kv.cache_blocks(req, req.num_computed_tokens)
+
+    def _leave_in_flight(self, req: Request) -> None:
+        """``req`` stops running (its blocks are about to be freed) while
+        steps in flight may still write its KV: each notes the blocks it
+        writes for ``req``, to uncache if it fails."""
+        rid = req.request_id
+        if not self.kv.has_request(rid):
+            return
+        tables = self.kv.get_block_ids(rid)
+        for f in self._in_flight.values():
+            pos = f.starts.get(rid)
+            if pos is not None:
+                f.suspect.extend(b for group in tables for b in group[pos // self.block_size:])
 
     @property
     def num_unfinished(self) -> int:
@@ -202,9 +227,16 @@ class Scheduler:
         # The threshold shares the budget among competing prefills; a lone
         # request has nobody to share with and gets the whole budget.
         threshold = self.long_prefill_threshold if len(running) + len(self.waiting) > 1 else 0
+        # Async scheduling: a step in flight loads into these requests' blocks;
+        # they wait for its outcome (a failed block rolls them back).
+        held = self.transfers.sync_in_flight()
+        full = False  # a running request found no room: nobody new is admitted
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if held and req.request_id in held:
+                i += 1
+                continue
             nc = req.num_computed_tokens
             n = len(req.all_token_ids) + req.num_output_placeholders - nc
             ext = 0
@@ -233,11 +265,13 @@ class Scheduler:
                 blocks, i, returned = self._allocate_running(req, n, i, plan, ext)
                 budget += returned
                 if blocks is None:
+                    full = True
                     break
                 ids = blocks.get_block_ids()
                 if any(ids):
                     new_ids = ids
                 if ext:
+                    plan.loaded_from[req.request_id] = nc
                     nc = self._start_split_load(req, ext)
             # Else the tokens fit in the last block: no KV manager call.
             # A block that fills up now is registered in the prefix cache by
@@ -252,8 +286,8 @@ class Scheduler:
             i += 1
 
         new_reqs: list[Request] = []
-        if not plan.preempted and self.waiting:
-            budget = self._schedule_waiting(budget, new_reqs, num_scheduled, threshold)
+        if not (plan.preempted or full) and self.waiting:
+            budget = self._schedule_waiting(budget, new_reqs, plan, threshold)
         return self._make_output(new_reqs, plan, self.max_num_batched_tokens - budget)
 
     def _split_load(self, req: Request, nc: int, n: int) -> tuple[int, int]:
@@ -286,7 +320,11 @@ class Scheduler:
         """allocate_slots for running ``req`` (at index ``i``), preempting the
         running request with the largest sort key (lowest priority under the
         priority policy, then latest arrival) until it fits or ``req`` itself
-        is the victim. Returns (blocks or None, the index the loop continues
+        is the victim. While a step is in flight ``req`` never preempts itself:
+        it waits for that step, which may free room (requests it finishes,
+        loads it lands that waiting requests then give back); preempting it
+        would throw that step's work away, and two requests could take turns
+        at it forever. Returns (blocks or None, the index the loop continues
         from, budget given back by victims already scheduled this step)."""
         running = self.running
         returned = 0
@@ -298,6 +336,8 @@ class Scheduler:
             if self._reclaim_from_waiting(req):
                 continue  # idle blocks of a waiting request first
             victim = max(running, key=_sort_key)
+            if victim is req and self._in_flight:
+                return None, i, returned
             vi = running.index(victim)
             del running[vi]
             if vi < i:
@@ -316,6 +356,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: free the blocks (full ones stay cached),
         forget progress, back to the front of the waiting queue."""
+        if self._in_flight:
+            self._leave_in_flight(req)
         self._cache_computed_blocks(req)
         # The connector reads the victim's KV (offload on preemption) before
         # this step's loads and forward may reuse its blocks.
@@ -375,13 +417,16 @@ class Scheduler:
         meta = self.connector.build_connector_meta(out)
         if meta is not None:
             out = msgspec.structs.replace(out, kv_connector_metadata=meta)
+        self.transfers.seal(id(out))
+        num_scheduled = plan.num_scheduled
+        if num_scheduled:
+            self._in_flight[id(out)] = _InFlight(plan.write_starts(new_reqs))
         # Advance only now: the output carries the counts before this step.
         sampling: list[Request] = []
         for r, n in zip(plan.reqs, plan.n):
             r.num_computed_tokens += n
             if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
                 sampling.append(r)
-        num_scheduled = plan.num_scheduled
         for r in new_reqs:
             r.num_computed_tokens += num_scheduled[r.request_id]
             if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
@@ -391,12 +436,11 @@ class Scheduler:
         for r in sampling:
             r.num_output_placeholders += 1
         if sampling:
-            self._in_flight[id(out)] = sampling
+            self._in_flight[id(out)].sampling = sampling
         return out
 
     # -- admission ----------------------------------------------------------
-    def _schedule_waiting(self, budget: int, new_reqs: list[Request], num_scheduled: dict[str, int],
-                          threshold: int) -> int:
+    def _schedule_waiting(self, budget: int, new_reqs: list[Request], plan: StepPlan, threshold: int) -> int:
         """Admit waiting requests in policy order into ``new_reqs``; returns
         the budget left. A request parked for an async load, or one the
         connector cannot answer for yet, is skipped and keeps its place at the
@@ -422,7 +466,9 @@ class Scheduler:
                 skipped.append(req)  # parked until its async load lands
                 continue
             new_reqs.append(req)
-            num_scheduled[req.request_id] = a.num_new
+            plan.num_scheduled[req.request_id] = a.num_new
+            if a.num_external:
+                plan.loaded_from[req.request_id] = a.num_computed - a.num_external
             budget -= a.num_new
         if skipped:
             waiting.prepend_all(skipped)
@@ -460,10 +506,10 @@ class Scheduler:
         return True
 
     # -- KV transfers -------------------------------------------------------
-    def _settle(self, out: ModelRunnerOutput) -> None:
-        """Apply one step's connector results (before its sampled tokens)."""
+    def _settle(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Apply the connector results of ``so``'s step (before its sampled tokens)."""
         self.connector.update_connector_output(out)
-        st = self.transfers.settle(out)
+        st = self.transfers.settle(out, id(so))
         if not st:
             return
         if st.evict:
@@ -479,12 +525,17 @@ class Scheduler:
         """The step of ``scheduler_output`` raised (its requests already
         failed): the connector drops its buffers, loads it did not make count
         as failed, delayed frees it cannot confirm happen now, and the runner
-        is told again next step what this one should have told it."""
-        self._step_done(scheduler_output)
+        is told again next step what this one should have told it. The
+        blocks it wrote for requests that stopped running meanwhile (its own
+        failed ones too) are uncached."""
+        suspect = self._step_done(scheduler_output)
+        if suspect:
+            self.kv.evict_blocks(suspect)
         sending, recving, invalid = self.connector.step_failed(scheduler_output)
-        self.transfers.step_failed()
-        self._settle(ModelRunnerOutput(req_ids=[], sampled_token_ids=[], finished_sending=list(sending),
-                                       finished_recving=list(recving), invalid_block_ids=list(invalid)))
+        self.transfers.step_failed(id(scheduler_output))
+        self._settle(scheduler_output, ModelRunnerOutput(
+            req_ids=[], sampled_token_ids=[], finished_sending=list(sending),
+            finished_recving=list(recving), invalid_block_ids=list(invalid)))
         self.finished_req_ids.update(scheduler_output.finished_req_ids)
         self.finished_req_ids.update(scheduler_output.preempted_req_ids)
 
@@ -504,7 +555,7 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Apply one step's sampled tokens; returns the outputs to stream."""
         self._step_done(scheduler_output)
-        self._settle(runner_output)
+        self._settle(scheduler_output, runner_output)
         outputs: list[RequestOutput] = []
         stopped: list[Request] = []
         requests = self.requests
@@ -557,12 +608,17 @@ class Scheduler:
         self.counters.num_generated_tokens += num_generated
         return outputs
 
-    def _step_done(self, so: SchedulerOutput) -> None:
+    def _step_done(self, so: SchedulerOutput) -> list[int]:
         """A step in flight came back (its output, or its failure): its
-        requests no longer expect its tokens."""
-        for req in self._in_flight.pop(id(so), ()):
+        requests no longer expect its tokens. Returns the blocks it wrote for
+        requests that stopped running meanwhile."""
+        f = self._in_flight.pop(id(so), None)
+        if f is None:
+            return []
+        for req in f.sampling:
             if req.num_output_placeholders > 0:  # 0: preempted (or finished) since
                 req.num_output_placeholders -= 1
+        return f.suspect
 
     def _settle_drafts(self, req: Request | None, num_drafts: int, num_sampled: int) -> None:
         """``num_drafts`` were computed after the request's token; the runner
@@ -586,6 +642,20 @@ class Scheduler:
             logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
         )
+
+
+class _InFlight:
+    """A step scheduled and not yet updated. ``starts``: per request, the
+    first token whose KV it writes (``StepPlan.write_starts``); ``sampling``:
+    the requests it samples a token for (their placeholders); ``suspect``:
+    the blocks it writes for requests that stopped running meanwhile."""
+
+    __slots__ = ("starts", "sampling", "suspect")
+
+    def __init__(self, starts: dict[str, int]) -> None:
+        self.starts = starts
+        self.sampling: list[Request] = []
+        self.suspect: list[int] = []
 
 
 def _sort_key(req: Request) -> tuple:

@@ -15,6 +15,15 @@ requests wait on the worker, and turns one step's connector results into a
 
 A failed load is never wrong tokens: its blocks are evicted from the device
 prefix cache and recomputed.
+
+Sync loads belong to the step that makes them: recorded while it is
+planned, ``seal(step)`` names that step once its output exists, and
+``settle(out, step)`` takes exactly that step's. With async scheduling the
+next step is planned before this one is settled; a request whose sync load
+is still in flight (``sync_in_flight``) is not scheduled again until then,
+since a failed block rolls it back (the runner withheld its sample) and a
+step planned on top of the load would compute, or save, past KV that is
+not there.
 """
 
 from __future__ import annotations
@@ -62,17 +71,19 @@ class Landed:
 class TransferTracker:
     """Owns: the async loads in flight (``loading``, request ids, until the
     request is admitted or finishes), the loads the worker reported done
-    (with the position a failed block rolls them back to), this step's sync
-    loads, and the finished requests whose blocks wait for a save. Reads
-    block tables through ``block_ids`` (the KV manager's); changes nothing
-    but its own state: the Scheduler applies what it returns."""
+    (with the position a failed block rolls them back to), the sync loads
+    of the step being planned and of each step in flight (by step key), and
+    the finished requests whose blocks wait for a save. Reads block tables
+    through ``block_ids`` (the KV manager's); changes nothing but its own
+    state: the Scheduler applies what it returns."""
 
-    __slots__ = ("loading", "_landed", "_sync", "_delayed", "_block_ids", "_block_size")
+    __slots__ = ("loading", "_landed", "_planned", "_sync", "_delayed", "_block_ids", "_block_size")
 
     def __init__(self, block_size: int, block_ids: Callable[[str], tuple[list[int], ...]]) -> None:
         self.loading: set[str] = set()
         self._landed: dict[str, int | None] = {}
-        self._sync: list[Request] = []
+        self._planned: list[Request] = []  # sync loads of the step being planned
+        self._sync: dict[int, list[Request]] = {}  # step key -> its sync loads, until settled
         self._delayed: dict[str, Request] = {}
         self._block_ids = block_ids
         self._block_size = block_size
@@ -83,7 +94,16 @@ class TransferTracker:
 
     def start_sync_load(self, request: Request) -> None:
         """``request``'s external blocks are filled by the step being planned."""
-        self._sync.append(request)
+        self._planned.append(request)
+
+    def seal(self, step: int) -> None:
+        """The step being planned is ``step`` (a key the caller settles it
+        by): its sync loads are that step's from now on, but for those of
+        requests preempted while it was planned (it loads nothing for them)."""
+        loads, self._planned = self._planned, []
+        loads = [r for r in loads if r.status is _RUNNING]
+        if loads:
+            self._sync[step] = loads
 
     def delay_free(self, request: Request) -> None:
         """``request`` finished; its blocks stay held until its save is reported."""
@@ -103,6 +123,12 @@ class TransferTracker:
         (even with nothing to compute) to report them."""
         return bool(self.loading) or bool(self._delayed)
 
+    def sync_in_flight(self) -> frozenset[str]:
+        """The requests whose sync load rides on a step not settled yet."""
+        if not self._sync:
+            return frozenset()
+        return frozenset(r.request_id for loads in self._sync.values() for r in loads)
+
     def in_flight(self, request_id: str) -> bool:
         """An async load is still filling the request's blocks (they can be
         neither freed nor reused until the worker reports it)."""
@@ -116,14 +142,16 @@ class TransferTracker:
         self.loading.discard(request_id)
         return Landed(self._landed.pop(request_id))
 
-    def settle(self, out: ModelRunnerOutput) -> Settlement:
-        """Take in one step's connector results (before its sampled tokens);
-        returns what the scheduler must do. This step's sync loads are done."""
-        if not (self._sync or out.invalid_block_ids or out.finished_recving or out.finished_sending):
+    def settle(self, out: ModelRunnerOutput, step: int | None = None) -> Settlement:
+        """Take in the connector results of step ``step`` (before its sampled
+        tokens); returns what the scheduler must do. That step's sync loads
+        are done (``step`` None: those not sealed yet, for a caller that
+        settles each step before planning the next)."""
+        loads = self._take_sync(step)
+        if not (loads or out.invalid_block_ids or out.finished_recving or out.finished_sending):
             return _NOTHING
         invalid = set(out.invalid_block_ids)
         st = Settlement(sorted(invalid))
-        loads, self._sync = self._sync, []
         for req in loads:
             if req.status is not _RUNNING:
                 continue  # finished or aborted while the step ran
@@ -144,10 +172,16 @@ class TransferTracker:
                 st.free.append(req)
         return st
 
-    def step_failed(self) -> None:
-        """The step raised before filling its sync loads: forget them (their
-        requests were failed with the step)."""
-        self._sync = []
+    def step_failed(self, step: int | None = None) -> None:
+        """Step ``step`` raised before filling its sync loads: forget them
+        (their requests were failed with the step)."""
+        self._take_sync(step)
+
+    def _take_sync(self, step: int | None) -> list[Request]:
+        if step is None:
+            loads, self._planned = self._planned, []
+            return loads
+        return self._sync.pop(step, [])
 
     def _first_failed_token(self, request_id: str, invalid: set[int]) -> int | None:
         """Token position of the request's first block in ``invalid``, or None."""
