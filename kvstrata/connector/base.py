@@ -165,6 +165,19 @@ class KVConnectorWorker(Protocol):
 
     def start_load_kv(self) -> None: ...
 
+    def set_blender(self, blender: Callable[..., Any]) -> bool:
+        """Offer the model side's CacheBlend builder (``kvstrata.worker.blend``:
+        the KV of a request's segments); returns whether this worker blends
+        with it (False: it cannot, and keeps nothing)."""
+        ...
+
+    def loads_layer_by_layer(self) -> bool:
+        """After ``start_load_kv``: whether this step's forward must wait for
+        loads layer by layer. When not, the runner may run the forward whole
+        (a captured CUDA graph) and call ``save_kv_layer`` for every layer
+        after it."""
+        ...
+
     def wait_for_layer_load(self, layer: int) -> None: ...
 
     def save_kv_layer(self, layer: int) -> None: ...
@@ -266,6 +279,12 @@ class NoOpConnectorWorker:
 
     def start_load_kv(self) -> None:
         return None
+
+    def set_blender(self, blender: Callable[..., Any]) -> bool:
+        return False
+
+    def loads_layer_by_layer(self) -> bool:
+        return False
 
     def wait_for_layer_load(self, layer: int) -> None:
         return None

@@ -15,7 +15,7 @@ them reports its save done.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -214,6 +214,12 @@ class MultiWorker:
     def start_load_kv(self) -> None:
         for c in self.children:
             c.start_load_kv()
+
+    def set_blender(self, blender: Callable[..., Any]) -> bool:
+        return any([c.set_blender(blender) for c in self.children])  # every child is offered it
+
+    def loads_layer_by_layer(self) -> bool:
+        return any(c.loads_layer_by_layer() for c in self.children)
 
     def wait_for_layer_load(self, layer: int) -> None:
         for c in self.children:

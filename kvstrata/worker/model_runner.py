@@ -21,7 +21,7 @@ input token without the scheduler resending it.
 
 from __future__ import annotations
 
-from typing import Any
+
 
 import time
 
@@ -30,6 +30,7 @@ import structlog
 import torch
 
 from kvstrata.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvstrata.connector.base import KVConnectorWorker
 from kvstrata.kernels import use_triton
 from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
@@ -131,7 +132,8 @@ class ModelRunner:
         self.kv_layout = cache_config.kv_layout
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.kv_cache_backing: torch.Tensor | None = None
-        self.kv_connector: Any = None  # a KV connector's worker side, or None
+        self.kv_connector: KVConnectorWorker | None = None
+        self.can_blend = False  # CacheBlend runs here: a Llama-family model under a connector that blends
         specs = self.kv_cache_spec()
         groups = group_layer_specs(specs)  # the engine's builder groups the same way
         group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
@@ -210,22 +212,14 @@ class ModelRunner:
         self.graphs = graphs
         return graphs
 
-    def set_kv_connector(self, worker: Any) -> None:
+    def set_kv_connector(self, worker: KVConnectorWorker) -> None:
         """Attach a KV connector's worker side (``kvstrata.connector``): the
         forward pass then runs layer by layer with its load and save hooks."""
         self.kv_connector = worker
         if self.kv_caches is not None:
             worker.register_kv_caches(self.kv_caches, self.device)
         if isinstance(self.model, LlamaForCausalLM):
-            blender = SegmentBlender(self.model)
-            for w in _workers(worker):
-                if hasattr(w, "blender"):  # a connector worker that can blend (the offload one)
-                    w.blender = blender
-
-    @property
-    def can_blend(self) -> bool:
-        """CacheBlend runs here: a Llama-family model under a connector that blends."""
-        return any(getattr(w, "blender", None) is not None for w in _workers(self.kv_connector))
+            self.can_blend = worker.set_blender(SegmentBlender(self.model))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Compute every scheduled token, sample for requests that reach their end."""
@@ -248,7 +242,7 @@ class ModelRunner:
         """The model's forward over ``step`` (every row, padding included)."""
         return self.model(step.input_ids, step.positions, step.meta, self.kv_caches)
 
-    def _execute_with_connector(self, so: SchedulerOutput, conn: Any) -> ModelRunnerOutput:
+    def _execute_with_connector(self, so: SchedulerOutput, conn: KVConnectorWorker) -> ModelRunnerOutput:
         """The step with the connector's hooks: loads before (and layer by layer
         within) the forward, saves after each layer; then what it finished."""
         conn.bind_connector_metadata(so.kv_connector_metadata)
@@ -272,10 +266,18 @@ class ModelRunner:
             invalid_block_ids=sorted(invalid), kv_connector_stats=report,
         )
 
-    def _forward_layerwise(self, step: StepInputs, conn: Any) -> torch.Tensor:
+    def _forward_layerwise(self, step: StepInputs, conn: KVConnectorWorker) -> torch.Tensor:
         """The forward with the connector's hooks around each decoder layer:
         layer i's KV load is waited for before its attention reads the cache,
-        and its KV is saved once its attention wrote it."""
+        and its KV is saved once its attention wrote it. A decode step with
+        no layer-by-layer load replays its graph instead, then saves every
+        layer (the saves read what the whole forward wrote)."""
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(step) and not conn.loads_layer_by_layer():
+            hidden = graphs.run(step)
+            for i in range(len(self.kv_caches)):
+                conn.save_kv_layer(i)
+            return hidden
         return self.model(step.input_ids, step.positions, step.meta, self.kv_caches, hooks=conn)[: step.num_tokens]
 
     def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
@@ -364,10 +366,3 @@ class ModelRunner:
             batch.add(data)
         if so.scheduled_cached_reqs.req_ids:
             batch.update(so.scheduled_cached_reqs)
-
-
-def _workers(worker: Any) -> list[Any]:
-    """A connector's worker sides (a multi-connector's children, or itself)."""
-    if worker is None:
-        return []
-    return list(getattr(worker, "children", [worker]))

@@ -221,3 +221,20 @@ async def test_a_conversation_turn_loads_the_partial_tail_saved_at_finish(oracle
     # 3 full chunks (48) and the partial chunk of 2 blocks (8) saved when turn 1 finished.
     assert tier_hits(stats, "cpu") == 56
     assert_stepped(engine, stepping)
+
+
+async def test_decode_graphs_with_a_connector_save_after_the_whole_forward(oracle, make_engine, stepping):
+    """Decode steps with no layer-by-layer load replay their graph (on a CPU:
+    padded eager replays) and the connector saves every layer after it: the
+    chunks saved while decoding (``save_decode``) come back from the CPU tier exact."""
+    engine = await make_engine(offload_config(save_decode=True), **stepping)
+    graphs = engine.core.runner.capture_decode_graphs([1, 2, 4], emulate=True)
+    p = prompt(4, 30)
+    first = await gen(engine, p, 40)  # 70 tokens: chunks 16..64 are completed by decode steps
+    assert first == oracle.greedy(p, 40)
+    assert graphs.num_replays > 0
+    await engine.flush_kv()
+    assert await engine.reset_prefix_cache()
+    follow = p + first[:36]  # the decoded tokens' KV, saved after graph replays, now loaded
+    assert await gen(engine, follow) == oracle.greedy(follow, N)
+    assert tier_hits(await engine.stats(), "cpu") == 64

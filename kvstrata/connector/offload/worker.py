@@ -193,6 +193,13 @@ class OffloadWorker:
         self._invalid.update(x.block_ids)
 
     # -- layer by layer ------------------------------------------------------------
+    def set_blender(self, blender: Blender) -> bool:
+        self.blender = blender
+        return True
+
+    def loads_layer_by_layer(self) -> bool:
+        return bool(self._layer_loads)
+
     def wait_for_layer_load(self, layer: int) -> None:
         if not self._layer_loads:
             return
