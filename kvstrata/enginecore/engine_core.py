@@ -71,6 +71,7 @@ class ModelRunnerLike(Protocol):
     eos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # every id that ends generation
     model_fingerprint: str
+    can_blend: bool  # CacheBlend runs here (a Llama-family model under a connector that blends)
 
     def kv_cache_spec(self) -> Mapping[str, KVCacheSpec]: ...
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
@@ -126,7 +127,7 @@ class EngineCore:
         salt = req.cache_salt
         blend = req.sampling_params.blend
         if blend is not None:
-            if not getattr(self.runner, "can_blend", False):
+            if not self.runner.can_blend:
                 raise RequestError("blend", "this engine cannot blend: CacheBlend needs the offload connector "
                                             "(kv_transfer) and a Llama-family model")
             # Blended KV differs from a prefill's: its blocks are hit only by the same blend.

@@ -45,6 +45,7 @@ class NullModelRunner:
         self.device = device
         self.tokenizer = load_tokenizer(model_config.tokenizer or model_config.model)
         self.vocab_size: int = self.arch.vocab_size
+        self.can_blend = False
         self.max_model_len: int = check_max_model_len(model_config.max_model_len, self.arch.max_position_embeddings)
         eos = [*self.tokenizer.eos_token_ids, *self.arch.eos_token_ids]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(t for t in eos if t is not None))

@@ -67,6 +67,7 @@ class FakeRunner:
         delay_s: float = 0.0,
         layer_specs: Mapping[str, KVCacheSpec] | None = None,
     ) -> None:
+        self.can_blend = False
         self.block_size = block_size
         self.layer_specs = dict(layer_specs or fake_layer_specs(block_size))
         self.max_model_len = max_model_len
