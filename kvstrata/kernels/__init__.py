@@ -19,6 +19,10 @@ imports triton and never needs a GPU.
         -> (normed, new_residual)
     silu_and_mul(x, out=None) -> [T, I]
     rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out=None) -> q_rot
+    pack_weight(raw, qtype, (out, in)) -> PackedWeight     GGUF blocks kept packed (quant.py)
+    dequantize(packed, dtype) -> [out, in]                  bit-equal to gguf.quants.dequantize
+    quant_matmul(x, packed, bias=None, out=None, scratch=None) -> x @ W.T + bias
+    choose_cpu_path(packed, sample_tokens) -> CpuChoice    one-time CPU micro-benchmark at load
 
 All kernel entry points also take ``impl="auto" | "torch" | "triton"``.
 """
@@ -29,6 +33,19 @@ from kvstrata.kernels.cache_write import reshape_and_cache, reshape_and_cache_re
 from kvstrata.kernels.dispatch import interpret_requested, use_triton
 from kvstrata.kernels.fused import fused_add_rms_norm, rotary_and_cache, silu_and_mul
 from kvstrata.kernels.layout import KV_LAYOUTS, KVCacheShape, allocate_kv_caches
+from kvstrata.kernels.quant import (
+    CpuChoice,
+    PackedWeight,
+    QuantScratch,
+    QuantType,
+    cat_rows,
+    choose_cpu_path,
+    dequantize,
+    pack_weight,
+    quant_matmul,
+    quant_matmul_ref,
+    quant_type,
+)
 from kvstrata.kernels.streams import KVStreams, KVTransfer
 from kvstrata.kernels.transfer import (
     gather_kv,
@@ -40,19 +57,30 @@ from kvstrata.kernels.transfer import (
 )
 
 __all__ = [
+    "CpuChoice",
     "KV_LAYOUTS",
     "KVCacheShape",
     "KVStreams",
     "KVTransfer",
     "KernelArgumentError",
+    "PackedWeight",
+    "QuantScratch",
+    "QuantType",
     "allocate_kv_caches",
+    "cat_rows",
+    "choose_cpu_path",
+    "dequantize",
     "fused_add_rms_norm",
     "gather_kv",
     "gather_kv_layer",
     "gather_kv_layer_ref",
     "interpret_requested",
+    "pack_weight",
     "paged_attention",
     "paged_attention_ref",
+    "quant_matmul",
+    "quant_matmul_ref",
+    "quant_type",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "rotary_and_cache",

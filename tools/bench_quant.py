@@ -1,0 +1,187 @@
+"""Benchmark packed GGUF weights (kvstrata.kernels.quant); prints one JSON object.
+
+Two layer sets, every packed type (random blocks with sane fp16 scales):
+
+  smollm2   qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
+            (hidden 576, intermediate 1536, q 576 / kv 192); a K-quant
+            (256-weight blocks) cannot hold a 576-wide row, so only ``down``
+            is measured for those, as llama.cpp's files fall back there too
+  8b        gate [14336, 4096], down [4096, 14336]   (--quick: gate only, Q4_K and Q8_0)
+
+Per set and type:
+
+  resident_bytes   packed (the GGUF blocks), int4 (blocks + the int4 path's
+                   repacked planes, where the type has them), fp32 / bf16
+                   (the weights dequantized at load)
+  cpu              per activation dtype, per token count (1 = single-stream
+                   decode, 16 = a batch of 16): the set's summed matmul ms for
+                   "dense" (F.linear on the dequantized weights) and each packed
+                   CPU path, as ``choose_cpu_path`` measured them (weights cycled
+                   through ~64 MB of copies: a cold cache, as in a forward pass;
+                   best of --reps runs), and the path it picked per layer
+  gpu              (CUDA only) Triton quant_matmul vs F.linear on bf16 weights,
+                   ms per set, CUDA events, median of --reps after warm-up
+
+Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N]
+--quick runs one CPU thread unless --threads says otherwise: on a shared
+machine a two-thread parallel region waits whenever the other thread is
+descheduled, which swamps small matmuls (seen: 0.05 ms -> 10+ ms).
+Times depend on the machine's other load; the baseline (dense) is measured in
+the same run, interleaved with the packed paths. Never asserts timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels import PackedWeight, choose_cpu_path, dequantize, pack_weight, quant_matmul
+from kvstrata.kernels.quant import QUANT_TYPES, Int4Path
+
+SETS = {
+    "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+    "8b": {"gate": (14336, 4096), "down": (4096, 14336)},
+}
+QUICK_8B = {"types": ("Q4_K", "Q8_0"), "layers": ("gate",)}
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+TOKENS = (1, 16)
+
+
+def random_packed(qtype: str, rows: int, cols: int, seed: int, device: str = "cpu") -> PackedWeight:
+    qt = QUANT_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    nblocks = rows * cols // qt.block
+    blocks = rng.integers(0, 256, (nblocks, qt.type_size), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        d = (rng.uniform(1e-3, 1e-2, nblocks) * rng.choice([-1.0, 1.0], nblocks)).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(nblocks, 2)
+    return pack_weight(torch.from_numpy(blocks), qtype, (rows, cols), device)
+
+
+def bench_cpu(layers: dict[str, PackedWeight], reps: int) -> dict:
+    out: dict = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        totals: dict[str, dict[int, float]] = {}
+        picked = {}
+        for name, packed in layers.items():
+            choice = choose_cpu_path(packed, TOKENS, dtype=dtype, reps=reps)
+            picked[name] = choice.path
+            for path, times in choice.times_ms.items():
+                for tokens, ms in times.items():
+                    totals.setdefault(path, {}).setdefault(tokens, 0.0)
+                    totals[path][tokens] += ms
+        key = str(dtype).removeprefix("torch.")
+        out[key] = {
+            "ms": {path: {f"tokens_{t}": round(ms, 3) for t, ms in times.items()} for path, times in totals.items()},
+            "picked": picked,
+        }
+        best = {t: min(totals[p][t] for p in totals if p != "dense") for t in TOKENS}
+        out[key]["best_packed_ms"] = {f"tokens_{t}": round(ms, 3) for t, ms in best.items()}
+    dense32 = out["float32"]["ms"]["dense"]
+    for key in out:
+        out[key]["speedup_vs_dense_fp32"] = {
+            k: round(dense32[k] / v, 2) for k, v in out[key]["best_packed_ms"].items()
+        }
+    return out
+
+
+def cuda_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_gpu(layers: dict[str, PackedWeight], reps: int) -> dict:
+    res: dict = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tokens in TOKENS:
+        packed_ms = dense_ms = 0.0
+        worst = 0.0
+        for packed in layers.values():
+            w = packed.to("cuda")
+            dense = dequantize(w, torch.bfloat16)
+            x = torch.randn(tokens, w.in_features, generator=gen, device="cuda").to(torch.bfloat16)
+            packed_ms += cuda_ms(lambda: quant_matmul(x, w), reps)
+            dense_ms += cuda_ms(lambda: F.linear(x, dense), reps)
+            ref = F.linear(x.float(), dequantize(w)).double()
+            scale = x.double().abs() @ dequantize(w).double().abs().T
+            worst = max(worst, ((quant_matmul(x, w).double() - ref).abs() / scale).max().item())
+            del dense
+        res[f"tokens_{tokens}"] = {"packed_ms": round(packed_ms, 4), "dense_bf16_ms": round(dense_ms, 4),
+                                   "speedup": round(dense_ms / packed_ms, 2), "max_err_over_S": worst}
+    return res
+
+
+def bench_set(set_name: str, qtype: str, args) -> dict:
+    qt = QUANT_TYPES[qtype]
+    shapes = SETS[set_name]
+    if set_name == "8b" and args.quick:
+        shapes = {k: v for k, v in shapes.items() if k in QUICK_8B["layers"]}
+    skipped = [name for name, (_, cols) in shapes.items() if cols % qt.block]
+    layers = {name: random_packed(qtype, rows, cols, seed=i)
+              for i, (name, (rows, cols)) in enumerate(shapes.items()) if name not in skipped}
+    weights = sum(p.out_features * p.in_features for p in layers.values())
+    packed_bytes = sum(p.nbytes for p in layers.values())
+    int4_bytes = sum(p.with_cpu_path("int4").nbytes for p in layers.values() if Int4Path.available(p))
+    res = {
+        "layers": {name: list(shape) for name, shape in shapes.items() if name not in skipped},
+        "skipped_layers": skipped,
+        "resident_bytes": {
+            "packed": packed_bytes,
+            "packed_plus_int4": int4_bytes or None,
+            "fp32": 4 * weights,
+            "bf16": 2 * weights,
+        },
+    }
+    start = time.perf_counter()
+    res["cpu"] = bench_cpu(layers, args.reps)
+    res["cpu_seconds"] = round(time.perf_counter() - start, 2)
+    if torch.cuda.is_available():
+        res["gpu"] = bench_gpu(layers, max(args.reps, 20))
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer runs; 8b: one layer, two types")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's; 1 with --quick)")
+    parser.add_argument("--reps", type=int, default=None, help="runs per measurement (default 2 quick, 5)")
+    args = parser.parse_args()
+    if args.threads or args.quick:
+        torch.set_num_threads(args.threads or 1)
+    args.reps = args.reps or (2 if args.quick else 5)
+    start = time.perf_counter()
+    result: dict = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "quick": args.quick,
+        "sets": {},
+    }
+    for set_name in SETS:
+        types = QUICK_8B["types"] if set_name == "8b" and args.quick else tuple(QUANT_TYPES)
+        result["sets"][set_name] = {qtype: bench_set(set_name, qtype, args) for qtype in types}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
