@@ -66,6 +66,12 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_events_replay_endpoint: str | None = None
     kv_events_buffer_steps: int = 10_000  # batches kept for replay (both ways out)
     enable_kv_events: bool = False
+    # The events' wire shape: "vllm" (today's vLLM: maps) or "vllm-legacy"
+    # (vLLM's earlier positional arrays); with ``kv_events_int_hashes`` block
+    # hashes are sent as their low 64 bits (an unsigned int, as vLLM's int
+    # hashes), for consumers that decode ints. docs/kv_events.md.
+    kv_events_format: str = "vllm"
+    kv_events_int_hashes: bool = False
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -161,6 +167,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("cache.metrics_sample_rate must be in [0, 1]")
         if c.kv_layout not in ("per_layer", "cross_layer"):
             raise ValueError(f"cache.kv_layout must be 'per_layer' or 'cross_layer', got {c.kv_layout!r}")
+        if c.kv_events_format not in ("vllm", "vllm-legacy"):
+            raise ValueError(f"cache.kv_events_format must be 'vllm' or 'vllm-legacy', got {c.kv_events_format!r}")
+        if not isinstance(c.kv_events_int_hashes, bool):
+            raise ValueError(f"cache.kv_events_int_hashes must be true or false, got {c.kv_events_int_hashes!r}")
         _positive("scheduler.max_num_batched_tokens", s.max_num_batched_tokens)
         _positive("scheduler.max_num_seqs", s.max_num_seqs)
         _positive("scheduler.max_waiting_requests", s.max_waiting_requests)

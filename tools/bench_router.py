@@ -23,6 +23,18 @@ uncached tokens minus ``affinity`` x cached ones); ``same_cost_as_baseline`` is 
 requests where both find the same least cost (their picks may differ
 among tied replicas: the router breaks ties by the prefix's hash).
 
+Hashing per request (``hashing``), on a fresh router of the same size, two
+kinds of traffic: ``multi_turn`` (``--sessions`` conversations, each turn
+the previous prompt plus ``--turn-tokens`` new tokens, up to
+``--prompt-tokens``; the session key is the OpenAI ``user``) and ``cold``
+(new prompts, no shared prefix). Each request: ``Router.chain`` +
+``Router.choose`` on the chain (``decision_with_lazy_hashing``: the whole
+decision), then ``chain.finish()`` after it (``finish_after_decision``),
+then ``choose`` again on the finished hashes; ``before_decision`` is the
+first figure less the last (the hashing the decision waited for), and
+``total`` adds the finish. The dispatched prompt's blocks are then stored
+on the chosen replica, as its engine would report them.
+
     python tools/bench_router.py [--replicas 8 --prompt-tokens 8192 ...]
 """
 
@@ -30,10 +42,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-from array import array
 import json
 import random
+import shlex
+import sys
 import time
+from array import array
 
 from kvstrata.kv.events import BlockRemoved, BlockStored, KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
@@ -137,7 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-replicas", type=int, default=RouterConfig().max_replicas,
                     help="RouterConfig.max_replicas (the lane width)")
+    ap.add_argument("--sessions", type=int, default=32, help="multi-turn: conversations interleaved")
+    ap.add_argument("--turn-tokens", type=int, default=256, help="multi-turn: tokens each turn adds")
+    ap.add_argument("--hash-requests", type=int, default=600, help="requests of each kind of hashing traffic")
     args = ap.parse_args(argv)
+    command = shlex.join(["python", "tools/bench_router.py", *(sys.argv[1:] if argv is None else argv)])
     rng = random.Random(args.seed)
     router, naive, replicas, prompts, batches = build(args, rng)
 
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"p50_us": round(percentile(xs, 0.5), 1), "p99_us": round(percentile(xs, 0.99), 1)}
 
     out = {
+        "command": command,
         "config": {k.replace("_", "-"): v for k, v in vars(args).items()},
         "index_hashes": len(router.index),
         "ingest": {"block_events": block_events, "seconds": round(ingest_s, 3),
@@ -214,9 +233,64 @@ def main(argv: list[str] | None = None) -> dict:
         "decision_without_hashing": stats(without),
         "baseline_decision_without_hashing": stats(baseline),
         "same_cost_as_baseline": round(agree / args.requests, 4),
+        "hashing": {kind: hashing_traffic(args, kind, stats) for kind in ("multi_turn", "cold")},
     }
     print(json.dumps(out, indent=2))
     return out
+
+
+def hashing_traffic(args: argparse.Namespace, kind: str, stats) -> dict:
+    """Per request: the decision with lazy hashing, the finish after it, and
+    the hashing before the decision (see the module's docstring)."""
+    rng = random.Random(args.seed + (1 if kind == "cold" else 2))
+    identity = CacheIdentity(model_fingerprint="bench-model", kv_dtype="bfloat16", kv_layout="per_layer",
+                             block_size=args.block_size, hash_algo=args.hash_algo)
+    router = Router(identity, RouterConfig(max_replicas=args.max_replicas))
+    replicas = [f"engine-{i}" for i in range(args.replicas)]
+    for r in replicas:
+        router.reset_replica(r, epoch=1)
+    seq = dict.fromkeys(replicas, 0)
+    n, turn = args.prompt_tokens, args.turn_tokens
+    turns = max(n // (4 * turn), 1)  # each conversation: its last `turns` turns, up to n tokens
+    convs = [[rng.randrange(32_000) for _ in range(n - turns * turn)] for _ in range(args.sessions)]
+    step = [0] * args.sessions
+    decide, finish, before, total, reused = [], [], [], [], 0
+    for i in range(args.hash_requests):
+        if kind == "cold":
+            session, tokens = None, [rng.randrange(32_000) for _ in range(n)]
+        else:
+            c = i % args.sessions
+            if step[c] == turns:  # the conversation is over: a new one in its place
+                convs[c], step[c] = [rng.randrange(32_000) for _ in range(n - turns * turn)], 0
+            convs[c] = convs[c] + [rng.randrange(32_000) for _ in range(turn)]
+            step[c] += 1
+            session, tokens = f"user-{c}", convs[c]
+        tokens = array("I", tokens).tolist()  # fresh int objects, as a tokenizer hands them over
+        gc_was = gc.isenabled()
+        gc.disable()
+        t0 = time.perf_counter_ns()
+        chain = router.chain(tokens, session=session)
+        d = router.choose(chain, num_tokens=len(tokens))
+        t1 = time.perf_counter_ns()
+        hashes = chain.finish()
+        t2 = time.perf_counter_ns()
+        router.choose(hashes, num_tokens=len(tokens))
+        t3 = time.perf_counter_ns()
+        if gc_was:
+            gc.enable()
+        decide.append((t1 - t0) / 1e3)
+        finish.append((t2 - t1) / 1e3)
+        before.append(max(t1 - t0 - (t3 - t2), 0) / 1e3)
+        total.append(max(t2 - t0 - (t3 - t2), 0) / 1e3)
+        reused += chain.reused_blocks
+        ev = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=args.block_size,
+                         medium=GPU)
+        router.ingest(d.replica, seq[d.replica], KVEventBatch(ts=0.0, events=[ev]))
+        seq[d.replica] += 1
+    blocks = args.hash_requests * (n // args.block_size)
+    return {"decision_with_lazy_hashing": stats(decide), "hashing_before_decision": stats(before),
+            "finish_after_decision": stats(finish), "hashing_total": stats(total),
+            "reused_block_fraction": round(reused / blocks, 3), "requests": args.hash_requests}
 
 
 if __name__ == "__main__":

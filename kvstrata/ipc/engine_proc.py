@@ -61,8 +61,10 @@ async def serve_engine(config: EngineConfig, address: str, credentials: P.Creden
         from kvstrata.ipc.kv_feed import KVEventFeed
 
         events = await open_kv_events(config)  # the vLLM-compatible publisher, when configured
-        feed = (KVEventFeed(epoch=server.epoch, tee=events, buffer_steps=config.cache.kv_events_buffer_steps)
-                if config.cache.enable_kv_events else None)
+        c = config.cache
+        feed = (KVEventFeed(epoch=server.epoch, tee=events, buffer_steps=c.kv_events_buffer_steps,
+                            wire_format=c.kv_events_format, int_hashes=c.kv_events_int_hashes)
+                if c.enable_kv_events else None)
         try:
             engine = await AsyncEngine.start(config, kv_events=feed or events)
         except BaseException:

@@ -62,5 +62,7 @@ async def open_kv_events(config: EngineConfig) -> ZmqEventPublisher | None:
         return None
     from kvstrata.ipc.kv_publisher import ZmqEventPublisher
 
-    return await ZmqEventPublisher(endpoint, replay_endpoint=config.cache.kv_events_replay_endpoint,
-                                   buffer_steps=config.cache.kv_events_buffer_steps).start()
+    c = config.cache
+    return await ZmqEventPublisher(endpoint, replay_endpoint=c.kv_events_replay_endpoint,
+                                   buffer_steps=c.kv_events_buffer_steps, wire_format=c.kv_events_format,
+                                   int_hashes=c.kv_events_int_hashes).start()

@@ -15,6 +15,12 @@ keeps the last ``buffer_steps`` for replay, and passes it on to
 - the vLLM-compatible ZMQ publisher (``kvstrata.ipc.kv_publisher``) when
   ``cache.kv_events_endpoint`` is set, for other routers (Dynamo, llm-d).
 
+The payload is encoded once, in the shape the feed was given
+(``wire_format``, ``int_hashes``: ``cache.kv_events_format`` and
+``cache.kv_events_int_hashes``; ``kvstrata.kv.events.KVEventCodec``); the
+fleet router's decoder reads every shape. The tee publisher encodes with
+its own codec.
+
 ``epoch`` is drawn at random when the engine starts: a router that sees a new
 epoch drops everything it knew about that engine (its blocks died with the
 old process). Nothing here blocks: ``publish`` runs on the engine loop.
@@ -33,7 +39,7 @@ import msgspec
 import structlog
 
 from kvstrata.ipc import protocol as P
-from kvstrata.kv.events import KVEventBatch
+from kvstrata.kv.events import KVEventBatch, KVEventCodec
 
 if TYPE_CHECKING:  # the engine (torch) is imported after the server binds
     from kvstrata.enginecore.async_engine import AsyncEngine, KVEventSink
@@ -55,13 +61,14 @@ class KVEventFeed:
     handed (closed by ``aclose``)."""
 
     def __init__(self, *, epoch: int | None = None, buffer_steps: int = 10_000,
-                 tee: KVEventSink | None = None) -> None:
+                 tee: KVEventSink | None = None, wire_format: str = "vllm", int_hashes: bool = False) -> None:
+        self.codec = KVEventCodec(wire_format, int_hashes=int_hashes)  # ValueError naming the format
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps!r}")
         self.epoch = new_epoch() if epoch is None else epoch
         self.next_seq = 0
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._encode = self.codec.encode
         self._tee = tee
         self.listener: Callable[[int, bytes], None] | None = None
 
@@ -140,7 +147,7 @@ class KVSubscriptions:
             self._send(identity, P.UtilityResult(call_id, feed.position()))
             return
         if method == "kv_snapshot":
-            payload = self._encoder.encode(self._engine.kv_snapshot())
+            payload = feed.codec.encode(self._engine.kv_snapshot())
             self._send(identity, P.UtilityResult(call_id, {**feed.position(), "payload": payload}))
             return
         start = args[0] if args else 0

@@ -4,6 +4,12 @@ Wire format (vLLM's; every message on the PUB socket, three frames)::
 
     [topic bytes] [seq: 8-byte big-endian unsigned] [msgpack(KVEventBatch)]
 
+The batch is encoded in the shape ``wire_format`` names ("vllm": today's
+vLLM maps, the default; "vllm-legacy": vLLM's earlier positional arrays),
+with bytes block hashes or, with ``int_hashes``, their low 64 bits
+(``kvstrata.kv.events.KVEventCodec``; ``cache.kv_events_format`` and
+``cache.kv_events_int_hashes``).
+
 Sequence numbers start at 0 and have no gaps, so a subscriber that sees
 ``seq`` jump knows what it missed. It asks the ROUTER replay socket for them
 from a DEALER socket, sending one frame, the 8-byte big-endian first
@@ -44,11 +50,10 @@ import threading
 from collections import deque
 from typing import Any
 
-import msgspec
 import structlog
 import zmq
 
-from kvstrata.kv.events import KVEventBatch
+from kvstrata.kv.events import KVEventBatch, KVEventCodec, make_batch_decoder
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +83,10 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         max_queue_size: int = 100_000,
         hwm: int = 100_000,
+        wire_format: str = "vllm",
+        int_hashes: bool = False,
     ) -> None:
+        self.codec = KVEventCodec(wire_format, int_hashes=int_hashes)  # ValueError naming the format
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         if max_queue_size < 1:
@@ -237,7 +245,7 @@ class ZmqEventPublisher:
         poller.register(wake, zmq.POLLIN)
         if replay is not None:
             poller.register(replay, zmq.POLLIN)
-        encoder = msgspec.msgpack.Encoder()
+        encode = self.codec.encode
         ring: deque[tuple[int, bytes]] = deque(maxlen=self._buffer_steps)
         topic = self.topic
         while True:
@@ -248,7 +256,7 @@ class ZmqEventPublisher:
                 except queue.Empty:
                     break
                 self._taken += 1
-                payload = encoder.encode(batch)
+                payload = encode(batch)
                 seq = self.published
                 pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
                 ring.append((seq, payload))
@@ -320,8 +328,9 @@ def request_replay(
     ctx: zmq.Context, replay_endpoint: str, start_seq: int, timeout_ms: int = 5000
 ) -> list[tuple[int, KVEventBatch]]:
     """Ask a publisher's replay socket for every buffered batch from
-    ``start_seq`` on (a helper for subscribers; blocking, for their threads)."""
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    ``start_seq`` on (a helper for subscribers; blocking, for their threads).
+    Reads either wire shape and either hash kind."""
+    decoder = make_batch_decoder()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

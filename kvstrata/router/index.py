@@ -22,7 +22,15 @@ The running AND of the hashes' ints along a request's chain only loses bits,
 so bit ``lane * W + slot`` survives exactly as many blocks as that replica's
 prefix hit on that lane: the device hit (lane 0, as the engine's own lookup
 stops at the first device miss) and the tier hits beyond it. The walk stops
-as soon as no live replica has any lane left.
+as soon as no live replica has any lane left; :meth:`PrefixIndex.prefix_blocks_lazy`
+walks a :class:`kvstrata.router.hashes.PromptChain` that hashes a block only
+when the walk reaches it.
+
+Hash kinds: events carry bytes hashes, or vLLM-style int hashes (the low 64
+bits, ``cache.kv_events_int_hashes``). The first int hash seen switches the
+index to 8-byte keys (the last 8 bytes of every hash, big-endian: the same
+64 bits): every key held is cut once, and from then on every hash stored,
+removed, credited or looked up is cut to its last 8 bytes.
 
 Sequence numbers and epochs: a replica's batches carry the publisher's
 sequence number (``kvstrata.ipc.kv_publisher``: from 0, no gaps). A batch
@@ -38,11 +46,15 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from itertools import accumulate, repeat, takewhile
-from operator import and_, neg
+from operator import and_, itemgetter, neg
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvstrata.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+if TYPE_CHECKING:
+    from kvstrata.router.hashes import PromptChain
 
 # The media of kvstrata.connector.events (GPU, CPU, DISK, REMOTE; written out
 # here so the router does not import the connector, which pulls in torch).
@@ -50,6 +62,8 @@ GPU, CPU, DISK, REMOTE = "GPU", "CPU", "DISK", "REMOTE"
 MEDIA = (GPU, CPU, DISK, REMOTE)
 _LANE_OF = {GPU: 0, "device": 0, None: 0, "gpu": 0, CPU: 1, "cpu": 1, DISK: 2, "disk": 2, REMOTE: 3, "remote": 3}
 NUM_LANES = 4
+_LAST8 = itemgetter(slice(-8, None))
+_MASK64 = (1 << 64) - 1
 
 
 class IngestResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +132,7 @@ class PrefixIndex:
         self._replicas: dict[str, _Replica] = {}
         self._slots: list[_Replica | None] = []
         self.counters = IndexCounters()
+        self.low64 = False  # keys are the hashes' last 8 bytes (int hashes seen)
 
     # -- replicas ---------------------------------------------------------------
 
@@ -234,7 +249,8 @@ class PrefixIndex:
             return
         if key in rep.predictions:
             self.settle(replica, key)
-        rep.predictions[key] = list(hashes)
+        hashes = list(map(_LAST8, hashes)) if self.low64 else list(hashes)
+        rep.predictions[key] = hashes
         prov, held, raw, packed, pack = rep.provisional, rep.held[0], self._raw, self._packed, self._pack
         bit = 1 << rep.slot
         for h in hashes:
@@ -277,15 +293,45 @@ class PrefixIndex:
                 c.ignored_events += 1  # another group's copy of the same hashes, or a medium we do not know
                 continue
             if kind is BlockStored:
-                self._store(rep, lane, ev.block_hashes)
+                self._store(rep, lane, self._keys(ev.block_hashes))
                 c.block_events += len(ev.block_hashes)
             elif kind is BlockRemoved:
-                self._remove(rep, lane, ev.block_hashes)
+                self._remove(rep, lane, self._keys(ev.block_hashes))
                 c.block_events += len(ev.block_hashes)
             elif kind is AllBlocksCleared:
                 self._clear_lane(rep, lane)
             else:
                 c.ignored_events += 1
+
+    def _keys(self, hashes: list) -> list[bytes]:
+        """An event's hashes as index keys (int hashes: 8 bytes, big-endian)."""
+        if not hashes:
+            return hashes
+        if type(hashes[0]) is int:
+            if not self.low64:
+                self._to_low64()
+            return [(h & _MASK64).to_bytes(8, "big") if type(h) is int else h[-8:] for h in hashes]
+        if self.low64:
+            return [h.to_bytes(8, "big") if type(h) is int else h[-8:] for h in hashes]
+        return hashes
+
+    def _to_low64(self) -> None:
+        """Switch to 8-byte keys: every key held is cut (keys that now
+        collide merge, as they would in the engines' int hashes)."""
+        self.low64 = True
+        raw: dict[bytes, int] = {}
+        for h, v in self._raw.items():
+            k = h[-8:]
+            raw[k] = raw.get(k, 0) | v
+        self._raw = raw
+        self._packed = {k: self._pack(v) for k, v in raw.items()}
+        for rep in self._replicas.values():
+            rep.held = [set(map(_LAST8, held)) for held in rep.held]
+            prov: dict[bytes, int] = {}
+            for h, n in rep.provisional.items():
+                prov[h[-8:]] = prov.get(h[-8:], 0) + n
+            rep.provisional = prov
+            rep.predictions = {key: list(map(_LAST8, hs)) for key, hs in rep.predictions.items()}
 
     def _store(self, rep: _Replica, lane: int, hashes: list[bytes]) -> None:
         held = rep.held[lane]
@@ -349,7 +395,8 @@ class PrefixIndex:
 
     def lanes_of(self, block_hash: bytes) -> tuple[int, int, int, int]:
         """The four cumulative lanes of one hash, each a slot bitmask."""
-        v, w, full = self._packed.get(block_hash, 0), self.width, self._full
+        key = block_hash[-8:] if self.low64 else block_hash
+        v, w, full = self._packed.get(key, 0), self.width, self._full
         return (v & full, (v >> w) & full, (v >> (2 * w)) & full, (v >> (3 * w)) & full)
 
     def lane_mask(self, slots_mask: int) -> int:
@@ -361,8 +408,32 @@ class PrefixIndex:
         """For the slots in ``live`` (a slot bitmask): bit ``lane * W + slot``
         -> the number of leading blocks of ``hashes`` that slot holds on that
         lane (or better). Bits absent from the result hit 0 blocks."""
-        acc = list(takewhile(bool, accumulate(map(self._packed.get, hashes, repeat(0)), and_,
-                                             initial=self.lane_mask(live))))
+        return self._runs(self._walk(hashes, self.lane_mask(live)))
+
+    def prefix_blocks_lazy(self, chain: PromptChain, live: int) -> dict[int, int]:
+        """:meth:`prefix_blocks` of a chain hashed on demand: the blocks it
+        already knows are walked in C; past them, each next block is hashed
+        only while some live replica still holds every block before it."""
+        known = chain.start()
+        n = len(known)
+        acc = self._walk(known, self.lane_mask(live))
+        if len(acc) == n + 1:  # no known block lost every replica: hash on
+            get, low, extend = self._packed.get, self.low64, chain.extend_one
+            v = acc[-1]
+            while (h := extend()) is not None:
+                v &= get(h[-8:] if low else h, 0)
+                if not v:
+                    break
+                acc.append(v)
+        return self._runs(acc)
+
+    def _walk(self, hashes: list[bytes], start: int) -> list[int]:
+        """The running AND along ``hashes`` from ``start`` while non-zero."""
+        keys = map(_LAST8, hashes) if self.low64 else hashes
+        return list(takewhile(bool, accumulate(map(self._packed.get, keys, repeat(0)), and_, initial=start)))
+
+    @staticmethod
+    def _runs(acc: list[int]) -> dict[int, int]:
         out: dict[int, int] = {}
         n, i = len(acc), 0
         while i < n:  # one step per distinct value: at most 4 * live replicas + 1

@@ -11,7 +11,12 @@
     round-robin  the next live replica after the last one dispatched to
 
 ``Router.choose`` is pure: it returns a :class:`Decision` and changes
-nothing. The caller applies it (``note_dispatched`` adds the request's load
+nothing but the prompt's own chain. It takes the prompt's hashes, or
+better a :class:`PromptChain` (``Router.chain``): then the kv policy hashes
+a block only while some live replica still holds the prefix before it, and
+the other policies hash nothing; ``chain.finish()`` completes the chain
+after the decision (for ``note_dispatched`` and the engine). Each call's
+duration, lazy hashing included, is kept in ``Router.decision_ns``. The caller applies it (``note_dispatched`` adds the request's load
 and moves the round-robin cursor) and keeps loads current (``set_load``),
 liveness (``mark_dead`` / ``mark_alive``) and the index (``ingest``,
 ``reset_replica``) fed from the engines.
@@ -19,6 +24,8 @@ liveness (``mark_dead`` / ``mark_alive``) and the index (``ingest``,
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -27,7 +34,7 @@ import xxhash
 from kvstrata.kv.events import KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.kv.types import BlockHash
-from kvstrata.router.hashes import PromptHasher
+from kvstrata.router.hashes import PromptChain, PromptHasher
 from kvstrata.router.index import MEDIA, IngestResult, PrefixIndex
 from kvstrata.router.load import ReplicaLoad, overloaded
 
@@ -52,7 +59,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     conversation where its prefix is rather than caching it twice; 0 scores
     the expected prefill work alone; 2, the default, hit 0.91-0.96 of one big
     cache's rate in ``tools/bench_trace_router.py`` where 1 hit 0.89-0.94,
-    with the same load balance and TTFT)."""
+    with the same load balance and TTFT). ``chain_cache_prompts``: the
+    prompts whose chains the hasher remembers (keys: sessions and first
+    blocks; 0: none), so a follow-up turn hashes only its new tail."""
 
     policy: str = "kv"
     medium_weights: dict[str, float] = msgspec.field(
@@ -64,6 +73,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_replicas: int = 16
     replay_window: int = 10_000
     affinity: float = 2.0
+    chain_cache_prompts: int = 512
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -80,6 +90,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"affinity must be >= 0, got {self.affinity!r}")
         if self.decode_weight < 0 or self.load_skip_min_tokens < 0:
             raise ValueError("decode_weight and load_skip_min_tokens must be >= 0")
+        if self.chain_cache_prompts < 0:
+            raise ValueError(f"chain_cache_prompts must be >= 0, got {self.chain_cache_prompts!r}")
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,11 +120,13 @@ def _seed(replica: str) -> int:
 
 class Router:
     """Owns: the prefix index, each replica's load and liveness, the
-    round-robin cursor. Single-threaded (the server's event loop)."""
+    round-robin cursor, the hasher's LRU of recent chains, the recent
+    decision times. Single-threaded (the server's event loop)."""
 
     def __init__(self, identity: CacheIdentity, config: RouterConfig | None = None) -> None:
         self.config = config = config if config is not None else RouterConfig()
-        self.hasher = PromptHasher(identity)
+        self.hasher = PromptHasher(identity, max_prompts=config.chain_cache_prompts)
+        self.decision_ns: deque[int] = deque(maxlen=4096)  # each choose(), lazy hashing included
         self.block_size = identity.block_size
         self.index = PrefixIndex(max_replicas=config.max_replicas, shared_remote=config.shared_remote,
                                  replay_window=config.replay_window)
@@ -123,7 +137,7 @@ class Router:
         self._live_mask = 0
         self._live: list[tuple[str, int]] = []  # (replica, slot) of the live ones, slot order
         self._rr_last = -1  # slot of the last dispatch
-        self._policies: dict[str, Callable[[list[BlockHash], str | None, int], Decision]] = {
+        self._policies: dict[str, Callable[[list[BlockHash] | PromptChain, str | None, int], Decision]] = {
             "kv": self._choose_kv, "session": self._choose_session, "round-robin": self._choose_round_robin,
         }
 
@@ -174,14 +188,25 @@ class Router:
     # -- decisions ------------------------------------------------------------------
 
     def hash_prompt(self, token_ids: Sequence[int], *, lora_name: str | None = None,
-                    cache_salt: str | None = None) -> list[BlockHash]:
-        return self.hasher.hash_prompt(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+                    cache_salt: str | None = None, session: str | None = None) -> list[BlockHash]:
+        """The prompt's whole chain at once (reusing a remembered prefix of
+        ``session``'s last prompt or of a prompt with the same first block)."""
+        return self.hasher.hash_prompt(token_ids, lora_name=lora_name, cache_salt=cache_salt, session=session)
 
-    def choose(self, request_hashes: list[BlockHash], session_key: str | None = None, *,
+    def chain(self, token_ids: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+              session: str | None = None) -> PromptChain:
+        """The prompt's chain, hashed on demand: give it to :meth:`choose`,
+        then ``finish()`` it (after the decision) for ``note_dispatched``."""
+        return self.hasher.chain(token_ids, lora_name=lora_name, cache_salt=cache_salt, session=session)
+
+    def choose(self, request_hashes: list[BlockHash] | PromptChain, session_key: str | None = None, *,
                num_tokens: int | None = None, policy: str | None = None) -> Decision:
-        """The replica for a request whose prompt has ``request_hashes``
-        (``num_tokens`` long; by default its full blocks). Changes nothing.
-        Raises NoLiveReplicaError when no replica is live."""
+        """The replica for a request whose prompt has ``request_hashes`` (a
+        list, or a :class:`PromptChain` hashed only as far as the decision
+        needs; ``num_tokens`` long, by default its full blocks, or the
+        chain's prompt). Changes nothing but the chain. Raises
+        NoLiveReplicaError when no replica is live."""
+        t0 = time.perf_counter_ns()
         if not self._live_mask:
             raise NoLiveReplicaError(f"no live replica (known: {self.index.replicas}, dead: {sorted(self._dead)})")
         name = self.config.policy if policy is None else policy
@@ -189,16 +214,22 @@ class Router:
         if choose is None:
             raise ValueError(f"router policy must be one of {', '.join(POLICIES)}; got {name!r}")
         if num_tokens is None:
-            num_tokens = len(request_hashes) * self.block_size
-        return choose(request_hashes, session_key, num_tokens)
+            num_tokens = (request_hashes.num_tokens if isinstance(request_hashes, PromptChain)
+                          else len(request_hashes) * self.block_size)
+        d = choose(request_hashes, session_key, num_tokens)
+        self.decision_ns.append(time.perf_counter_ns() - t0)
+        return d
 
-    def note_dispatched(self, decision: Decision, num_tokens: int, hashes: list[BlockHash] | None = None, *,
+    def note_dispatched(self, decision: Decision, num_tokens: int,
+                        hashes: list[BlockHash] | PromptChain | None = None, *,
                         key: str | None = None) -> None:
         """Apply a decision: the request's uncached prompt joins the replica's
         queued prefill, one more request runs there, round-robin moves on;
-        with ``hashes`` (the prompt's) and ``key`` (the request's id), the
+        with ``hashes`` (the prompt's; a PromptChain is finished here) and ``key`` (the request's id), the
         replica is credited with them ahead of its events until
         :meth:`note_settled` (``PrefixIndex.predict``)."""
+        if isinstance(hashes, PromptChain):
+            hashes = hashes.finish()
         if hashes:
             if key is None:
                 raise ValueError("note_dispatched(hashes=...) needs key=: the request's id, "
@@ -217,13 +248,13 @@ class Router:
         confirmed it (``PrefixIndex.settle``). Returns the hashes withdrawn."""
         return self.index.settle(replica, key)
 
-    def _choose_round_robin(self, hashes: list[BlockHash], session_key: str | None, num_tokens: int) -> Decision:
+    def _choose_round_robin(self, hashes: list[BlockHash] | PromptChain, session_key: str | None, num_tokens: int) -> Decision:
         live = self._live_mask
         after = live >> (self._rr_last + 1)  # live slots after the cursor, else wrap to the lowest
         slot = (self._rr_last + 1 + ((after & -after).bit_length() - 1)) if after else (live & -live).bit_length() - 1
         return Decision(replica=self.index.replica_at(slot), policy="round-robin", reason="next live replica")
 
-    def _choose_session(self, hashes: list[BlockHash], session_key: str | None, num_tokens: int) -> Decision:
+    def _choose_session(self, hashes: list[BlockHash] | PromptChain, session_key: str | None, num_tokens: int) -> Decision:
         if session_key is None:
             d = self._choose_kv(hashes, None, num_tokens)
             return msgspec.structs.replace(d, policy="session", reason=f"no session key; {d.reason}")
@@ -233,9 +264,14 @@ class Router:
         reason = "session key's replica" if pick == first else f"session key's replica {first} is dead: its next choice"
         return Decision(replica=pick, policy="session", reason=reason)
 
-    def _choose_kv(self, hashes: list[BlockHash], session_key: str | None, num_tokens: int) -> Decision:
+    def _choose_kv(self, hashes: list[BlockHash] | PromptChain, session_key: str | None,
+                   num_tokens: int) -> Decision:
         index, w = self.index, self.index.width
-        hits = index.prefix_blocks(hashes, self._live_mask)
+        if isinstance(hashes, PromptChain):
+            hits = index.prefix_blocks_lazy(hashes, self._live_mask)
+            hashes = hashes.known  # block 0 at least, when the prompt has a full block
+        else:
+            hits = index.prefix_blocks(hashes, self._live_mask)
         w0, w1, w2, w3 = self._weights
         bs, decode_weight, affinity = self.block_size, self.config.decode_weight, self.config.affinity
         live, all_loads = self._live, self._loads
