@@ -3,9 +3,14 @@
 Requests are decoded with one typed decoder each; a wrong type or a missing
 field is a ``RequestValidationError`` naming the field (the server answers 400
 with ``error.param`` set). Unknown fields are ignored, as OpenAI clients send
-many. Only n=1 and unbatched prompts are supported; asking for more is a 400.
-``blend`` (a kvstrata extension, ``BlendRequest``) asks for CacheBlend: the
-prompt is then tokenized here, segment by segment (``apply_blend``).
+many (but the whole body must be UTF-8). Only n=1 and unbatched prompts are
+supported; asking for more is a 400. ``blend`` (a kvstrata extension,
+``BlendRequest``) asks for CacheBlend: ``blend_prompt`` turns it into a
+``SegmentedPrompt`` (tokenized piece by piece by the engine client's text
+path) or, for token spans, the request's ``BlendSpec``. Sampling fields a
+request leaves unset take the checkpoint's defaults (its
+generation_config.json), then OpenAI's. ``/tokenize`` and ``/detokenize``
+have vLLM's shapes.
 
 Only the shape of the JSON is checked here. Values (ranges, token ids,
 lengths) are checked once, by the engine client's input processor
@@ -16,11 +21,12 @@ to the same 400 naming the field.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from kvstrata.text.segments import SegmentError, segments_in, split_on
+from kvstrata.text.prompts import ChatPrompt, Prompt, SegmentedPrompt, TextPrompt
 from kvstrata.types import DEFAULT_BLEND_RATIO, BlendSpec, Logprobs, SamplingParams
 
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
@@ -55,10 +61,10 @@ class BlendRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None  # None: the checkpoint's default, else OpenAI's (_UNSET_SAMPLING)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []
@@ -96,8 +102,10 @@ class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
 
 
-def decode_request(body: bytes, typ: type) -> Any:
+def decode_request(body: bytes | bytearray, typ: type) -> Any:
     try:
+        if not body.isascii():  # msgspec checks the strings it keeps, not the keys and values it skips
+            body.decode("utf-8")
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as e:
         msg = str(e)
@@ -115,30 +123,42 @@ def _missing_field(msg: str) -> str | None:
     return m.group(1) if m else None
 
 
-def sampling_params(req: _SamplingFields, *, default_max_tokens: int = 16,
-                    max_tokens: int | None = None) -> SamplingParams:
-    """Map OpenAI fields to SamplingParams (their values are the engine client's to check)."""
+# What a sampling field is when neither the request nor the checkpoint sets it.
+_UNSET_SAMPLING: Mapping[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+
+
+def sampling_params(req: _SamplingFields, *, default_max_tokens: int = 16, max_tokens: int | None = None,
+                    defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+    """Map OpenAI fields to SamplingParams (their values are the engine client's
+    to check). A field left unset takes ``defaults`` (the checkpoint's
+    generation config: ``Tokenizer.generation_defaults``), then OpenAI's;
+    ``max_tokens`` then ``default_max_tokens``."""
     if req.n != 1:
         raise RequestValidationError(f"n: only n=1 is supported, got {req.n}", "n")
+    defaults = defaults or {}
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     logprobs = req.top_logprobs if isinstance(req.logprobs, bool) else req.logprobs
     if req.logprobs is True and logprobs is None:
         logprobs = 0
     if req.logprobs is False:
         logprobs = None
+    picked = {name: value if (value := getattr(req, name)) is not None else defaults.get(name, unset)
+              for name, unset in _UNSET_SAMPLING.items()}
     mt = max_tokens if max_tokens is not None else req.max_tokens
+    if mt is None:
+        mt = defaults.get("max_tokens", default_max_tokens)
     return SamplingParams(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        seed=req.seed, max_tokens=default_max_tokens if mt is None else mt,
-        min_tokens=req.min_tokens, stop_token_ids=list(req.stop_token_ids), stop=stop,
-        ignore_eos=req.ignore_eos, logprobs=logprobs)
+        **picked, seed=req.seed, max_tokens=mt, min_tokens=req.min_tokens,
+        stop_token_ids=list(req.stop_token_ids), stop=stop, ignore_eos=req.ignore_eos, logprobs=logprobs)
 
 
-def apply_blend(req: _SamplingFields, prompt: str | list[int], params: SamplingParams,
-                tokenizer: Any, *, add_special: bool = True) -> tuple[str | list[int], SamplingParams]:
-    """With ``req.blend``: the prompt as token ids tokenized piece by piece
-    (``kvstrata.text.segments``; ``add_special``: with the tokenizer's
-    special tokens, as a text prompt is) and the params carrying the BlendSpec."""
+def blend_prompt(req: _SamplingFields, prompt: str | list[int] | ChatPrompt,
+                 params: SamplingParams) -> tuple[Prompt, SamplingParams]:
+    """With ``req.blend``: the prompt with its segments (``SegmentedPrompt``,
+    for ``segments`` or ``separator``), or the params carrying token
+    ``spans`` (``BlendSpec``); nothing is tokenized here. Which of the three
+    is given is checked here; the segments themselves and every value, once,
+    by the engine client (a 400 naming the field)."""
     b = req.blend
     if b is None:
         return prompt, params
@@ -148,25 +168,16 @@ def apply_blend(req: _SamplingFields, prompt: str | list[int], params: SamplingP
                                      f"{given or 'none'}", "blend")
     ratio = DEFAULT_BLEND_RATIO if b.recompute_ratio is None else b.recompute_ratio
     if b.spans is not None:
-        if not isinstance(prompt, list):
+        if isinstance(prompt, str):
             raise RequestValidationError("blend.spans: needs a prompt of token ids (for text, give "
                                          "blend.segments or blend.separator)", "blend.spans")
-        ids, spans = prompt, [(int(s), int(e)) for s, e in b.spans]
-    else:
-        if not isinstance(prompt, str):
-            raise RequestValidationError(f"blend.{given[0]}: needs a text prompt (for token ids, give blend.spans)",
-                                         f"blend.{given[0]}")
-        if tokenizer is None:
-            raise RequestValidationError("blend: this engine has no tokenizer; give token ids and blend.spans",
-                                         "blend")
-        try:
-            ids, spans = (segments_in(tokenizer, prompt, b.segments, add_special=add_special)
-                          if b.segments is not None
-                          else split_on(tokenizer, prompt, b.separator or "", add_special=add_special))
-        except SegmentError as e:
-            raise RequestValidationError(str(e), e.field) from None
-    # The spec's values (ratio, spans) are checked once, by the engine client (a 400 naming the field).
-    return ids, msgspec.structs.replace(params, blend=BlendSpec(segments=spans, recompute_ratio=float(ratio)))
+        spec = BlendSpec(segments=[(int(s), int(e)) for s, e in b.spans], recompute_ratio=float(ratio))
+        return prompt, msgspec.structs.replace(params, blend=spec)
+    if not isinstance(prompt, (str, ChatPrompt)):
+        raise RequestValidationError(f"blend.{given[0]}: needs a text prompt (for token ids, give blend.spans)",
+                                     f"blend.{given[0]}")
+    return SegmentedPrompt(prompt=prompt, segments=b.segments, separator=b.separator,
+                           recompute_ratio=float(ratio)), params
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -260,9 +271,15 @@ class ErrorResponse(msgspec.Struct, frozen=True):
 
 
 class ModelCard(msgspec.Struct, frozen=True):
+    """vLLM's model card: ``root`` the checkpoint the model was loaded from
+    (``vllm bench serve`` loads its tokenizer from it), ``parent`` the base
+    model of an adapter (None: a base model)."""
+
     id: str
     created: int
     owned_by: str = "kvstrata"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
     object: str = "model"
 
@@ -270,6 +287,52 @@ class ModelCard(msgspec.Struct, frozen=True):
 class ModelList(msgspec.Struct, frozen=True):
     data: list[ModelCard]
     object: str = "list"
+
+
+# --- /tokenize and /detokenize, vLLM's shapes ------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest
+    (``messages``): exactly one of the two. ``add_special_tokens`` defaults
+    as there: True for a prompt, False for messages (their template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+
+
+def tokenize_prompt(req: TokenizeRequest) -> Prompt:
+    """The prompt a /tokenize request names, for the engine client's text path."""
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestValidationError("give exactly one of prompt or messages", "prompt")
+    if req.continue_final_message:
+        raise RequestValidationError("continue_final_message: not supported", "continue_final_message")
+    if req.prompt is not None:
+        return TextPrompt(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
+    assert req.messages is not None
+    return ChatPrompt(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                      add_special_tokens=bool(req.add_special_tokens))
+
+
+class TokenizeResponse(msgspec.Struct, frozen=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, frozen=True):
+    prompt: str
 
 
 # --- log-probabilities in OpenAI's shapes ----------------------------------------

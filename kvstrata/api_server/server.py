@@ -1,18 +1,27 @@
 """``kvstrata serve``: an OpenAI-compatible HTTP server around any
-``EngineClient`` (in process, or the multiprocess client).
+``EngineClient`` (in process, the multiprocess client, a fleet).
 
     POST /v1/completions        POST /v1/chat/completions   (stream: SSE)
     GET  /v1/models             GET  /v1/models/{id}
+    POST /tokenize              POST /detokenize            (vLLM's shapes)
     GET  /health                GET  /metrics
     GET  /fleet                 (a fleet of replicas: their state and the router's)
 
-A request naming a model this server does not serve is 404
-``model_not_found`` (OpenAI's shape). Validation errors are 400 with ``error.param`` naming the field: a body of
+A request is checked cheapest first, and no prompt holds the event loop:
+
+    Content-Type (415 unless JSON) -> body decoded, all of it UTF-8 (400)
+    -> ``model`` (404 ``model_not_found``, OpenAI's shape) -> fields (400)
+    -> the engine client's one text path (``kvstrata.text.prompts``): bounds
+       on characters, messages and segments before tokenizing, long texts
+       tokenized in a worker thread without the GIL (400 naming the field)
+
+Validation errors are 400 with ``error.param`` naming the field: a body of
 the wrong shape here, a value out of range from the engine client's
 ``RequestError``. An overloaded engine is 503 (retry), a dead one 503 and
-/health fails. A client
-that disconnects mid-request has its request aborted (handler cancellation is
-on, and the generator's close aborts it).
+/health fails. A client that disconnects has its request aborted (handler
+cancellation is on, and the generator's close aborts it), costs one debug
+line, and is counted as ``client_disconnected`` in
+``kvstrata_http_requests_total``, before its first chunk or after.
 """
 
 from __future__ import annotations
@@ -25,11 +34,12 @@ from typing import Any
 
 import msgspec
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from kvstrata.enginecore.client import EngineClient
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
-from kvstrata.text.chat import chat_prompt, chat_text
+from kvstrata.text.chat import chat_prompt
+from kvstrata.text.prompts import ChatPrompt, Prompt, PromptTokenizer
 from kvstrata.types import RequestOutput, SamplingParams
 from kvstrata.api_server import openai_types as T
 from kvstrata.api_server.metrics import ServerMetrics, render_metrics
@@ -37,6 +47,8 @@ from kvstrata.api_server.metrics import ServerMetrics, render_metrics
 log = structlog.get_logger(__name__)
 _json = msgspec.json.Encoder()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+MAX_BODY_BYTES = 16 * 1024 * 1024
+DISCONNECTED = "client_disconnected"  # the outcome of a request whose client left
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None,
@@ -53,23 +65,38 @@ def _model_not_found(name: str) -> web.Response:
 
 
 def _chat_prompt(tokenizer: Any, messages: list[T.ChatMessage]) -> str | list[int]:
-    """The model's chat template (token ids), or the plain format; bad
-    messages (or a template refusing them) are a 400 naming the field."""
-    return _rendered(chat_prompt, tokenizer, messages)
-
-
-def _chat_text(tokenizer: Any, messages: list[T.ChatMessage]) -> tuple[str, bool]:
-    """The rendered chat prompt as text (for blend segments found in it)."""
-    return _rendered(chat_text, tokenizer, messages)
-
-
-def _rendered(render: Any, tokenizer: Any, messages: list[T.ChatMessage]) -> Any:
+    """The model's chat template (token ids), or the plain format, rendered
+    on the caller's thread (for tools; requests go through the engine
+    client's text path); bad messages are a 400 naming the field."""
     try:
-        return render(tokenizer, messages)
+        return chat_prompt(tokenizer, messages)
     except ValueError as e:
         msg = str(e)
         param = msg.split(":", 1)[0] if msg.startswith("messages") else "messages"
         raise T.RequestValidationError(msg, param) from None
+
+
+class _UnsupportedMediaType(Exception):
+    pass
+
+
+async def _read_body(request: web.Request) -> bytearray:
+    """The body, read into one buffer that the JSON decoder reads as it is
+    (``request.read()`` copies it once more: 10-20 ms of the loop for 16 MiB)."""
+    declared = request.content_length
+    if declared is not None and declared > MAX_BODY_BYTES:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=declared)
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=len(body))
+    return body
+
+
+def _client_left(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 @web.middleware
@@ -84,15 +111,23 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
             raise
         kind = "invalid_request_error" if e.status < 500 else "server_error"
         return _error(e.status, e.reason or str(e), kind)
+    except ConnectionError:  # the client left while we wrote: nobody to answer
+        log.debug(DISCONNECTED, path=request.path)
+        return _error(499, "client disconnected", "invalid_request_error")
     except Exception as e:  # noqa: BLE001 - the last line of defence: never text/plain
         log.exception("request_handler_failed", path=request.path)
         return _error(500, f"internal error: {type(e).__name__}", "server_error")
 
 
 class OpenAIServer:
-    """Owns: the HTTP routes and the server-side metrics. The engine is owned
+    """Owns: the HTTP routes, the server-side metrics, and a text path over
+    the engine's tokenizer for /tokenize and /detokenize. The engine is owned
     by whoever built this server (it closes it). ``model_name`` and
-    ``max_model_len`` default to the engine's."""
+    ``max_model_len`` default to the engine's. A request leaving ``max_tokens``
+    unset gets ``default_max_tokens`` on /v1/completions and, on
+    /v1/chat/completions, the rest of the context (until EOS or the context
+    ends, as vLLM does); unset sampling fields take the checkpoint's
+    generation config (``Tokenizer.generation_defaults``)."""
 
     def __init__(self, engine: EngineClient, *, model_name: str | None = None, max_model_len: int | None = None,
                  default_max_tokens: int = 16) -> None:
@@ -100,65 +135,118 @@ class OpenAIServer:
         self.model_name = model_name or engine.model_name
         self.max_model_len = engine.max_model_len if max_model_len is None else max_model_len
         self.default_max_tokens = default_max_tokens
+        tokenizer = engine.tokenizer
+        self.sampling_defaults = {} if tokenizer is None else dict(tokenizer.generation_defaults)
+        self.text = PromptTokenizer(tokenizer, self.max_model_len)
+        self.root = engine.config.model.model or self.model_name  # the checkpoint, as vLLM's card's ``root``
         self.metrics = ServerMetrics()
         self._created = int(time.time())
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[_json_errors])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id}", self.model),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
             web.get("/fleet", self.fleet),
         ])
         return app
 
-    # --- endpoints ------------------------------------------------------------------
+    async def _decode(self, request: web.Request, typ: type) -> Any:
+        """The JSON body as ``typ``: _UnsupportedMediaType for a body that says
+        it is not JSON (none said is taken as JSON), RequestValidationError
+        for a malformed one, 413 past ``MAX_BODY_BYTES``."""
+        ctype = request.headers.get(hdrs.CONTENT_TYPE)
+        if ctype is not None and not _is_json(request.content_type):
+            raise _UnsupportedMediaType(f"Content-Type must be application/json, got {request.content_type}")
+        return T.decode_request(await _read_body(request), typ)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def _request(self, request: web.Request, typ: type) -> Any:
+        """Decode and check ``model``; a ``web.Response`` (415, 400, 404) when the request stops here."""
         try:
-            req = T.decode_request(await request.read(), T.CompletionRequest)
-            params = T.sampling_params(req, default_max_tokens=self.default_max_tokens)
-            prompt = T.completion_prompt(req)
-            prompt, params = T.apply_blend(req, prompt, params, self.engine.tokenizer)
+            req = await self._decode(request, typ)
+        except _UnsupportedMediaType as e:
+            self.metrics.count_request("invalid")
+            return _error(415, str(e), "invalid_request_error", "Content-Type")
         except T.RequestValidationError as e:
             self.metrics.count_request("invalid")
             return _error(400, str(e), "invalid_request_error", e.param)
         if not self._serves(req.model):
             self.metrics.count_request("invalid")
             return _model_not_found(req.model)
+        return req
+
+    # --- endpoints ------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self._request(request, T.CompletionRequest)
+        if isinstance(req, web.Response):
+            return req
+        try:
+            params = T.sampling_params(req, default_max_tokens=self.default_max_tokens,
+                                       defaults=self.sampling_defaults)
+            prompt, params = T.blend_prompt(req, T.completion_prompt(req), params)
+        except T.RequestValidationError as e:
+            self.metrics.count_request("invalid")
+            return _error(400, str(e), "invalid_request_error", e.param)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         return await self._serve(request, req, prompt, params, rid, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self._request(request, T.ChatCompletionRequest)
+        if isinstance(req, web.Response):
+            return req
         try:
-            req = T.decode_request(await request.read(), T.ChatCompletionRequest)
             mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            params = T.sampling_params(req, default_max_tokens=self.default_max_tokens, max_tokens=mt)
-            if req.blend is not None and req.blend.spans is None:  # segments of the rendered text
-                text, special = _chat_text(self.engine.tokenizer, req.messages)
-                prompt, params = T.apply_blend(req, text, params, self.engine.tokenizer, add_special=special)
-            else:
-                prompt = _chat_prompt(self.engine.tokenizer, req.messages)
-                prompt, params = T.apply_blend(req, prompt, params, self.engine.tokenizer)
+            params = T.sampling_params(req, default_max_tokens=self.max_model_len, max_tokens=mt,
+                                       defaults=self.sampling_defaults)
+            prompt, params = T.blend_prompt(req, ChatPrompt(messages=req.messages), params)
         except T.RequestValidationError as e:
             self.metrics.count_request("invalid")
             return _error(400, str(e), "invalid_request_error", e.param)
-        if not self._serves(req.model):
-            self.metrics.count_request("invalid")
-            return _model_not_found(req.model)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return await self._serve(request, req, prompt, params, rid, chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt or messages -> ``{count, max_model_len,
+        tokens, token_strs}``; 400 when it cannot fit ``max_model_len``."""
+        req = await self._request(request, T.TokenizeRequest)
+        if isinstance(req, web.Response):
+            return req
+        try:
+            ids = (await self.text.ids(T.tokenize_prompt(req))).ids  # the text path refuses what cannot fit
+        except T.RequestValidationError as e:
+            return _error(400, str(e), "invalid_request_error", e.param)
+        except RequestError as e:
+            return _error(400, str(e), "invalid_request_error", e.field)
+        tok = self.text.tokenizer
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs and tok is not None else None
+        body = T.TokenizeResponse(len(ids), self.max_model_len, ids, strs)
+        return web.Response(body=_json.encode(body), content_type="application/json")
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: ``{tokens}`` -> ``{prompt}`` (special tokens kept)."""
+        req = await self._request(request, T.DetokenizeRequest)
+        if isinstance(req, web.Response):
+            return req
+        try:
+            text = await self.text.decode(req.tokens)
+        except RequestError as e:
+            return _error(400, str(e), "invalid_request_error", e.field)
+        return web.Response(body=_json.encode(T.DetokenizeResponse(text)), content_type="application/json")
 
     def _serves(self, name: str | None) -> bool:
         """A request may leave ``model`` out; if it names one, it must be ours."""
         return name is None or name == self.model_name
 
     def _card(self) -> T.ModelCard:
-        return T.ModelCard(id=self.model_name, created=self._created, max_model_len=self.max_model_len)
+        return T.ModelCard(id=self.model_name, created=self._created, root=self.root,
+                           max_model_len=self.max_model_len)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.Response(body=_json.encode(T.ModelList([self._card()])), content_type="application/json")
@@ -202,8 +290,8 @@ class OpenAIServer:
     # --- generation ------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, req: T.CompletionRequest | T.ChatCompletionRequest,
-                     prompt: str | list[int], params: SamplingParams, rid: str, *, chat: bool) -> web.StreamResponse:
-        start = time.perf_counter()
+                     prompt: Prompt, params: SamplingParams, rid: str, *, chat: bool) -> web.StreamResponse:
+        timer = _Timer(self.metrics, time.perf_counter())
         with structlog.contextvars.bound_contextvars(request_id=rid):
             routing = {"session_key": req.user} if req.user and getattr(self.engine, "takes_session_key", False) else {}
             agen = self.engine.generate(prompt, params, request_id=rid, priority=req.priority,
@@ -212,15 +300,14 @@ class OpenAIServer:
                 try:
                     first = await anext(agen)  # errors before any byte is sent become 4xx/5xx
                 except RequestError as e:
-                    self.metrics.count_request("invalid")
+                    timer.count("invalid")
                     return _error(400, str(e), "invalid_request_error", e.field)
                 except EngineOverloadedError as e:
-                    self.metrics.count_request("overloaded")
+                    timer.count("overloaded")
                     return _error(503, str(e), "overloaded")
                 except EngineDeadError as e:
-                    self.metrics.count_request("engine_dead")
+                    timer.count("engine_dead")
                     return _error(503, str(e), "engine_dead")
-                timer = _Timer(self.metrics, start)
                 want_lp = params.logprobs is not None
                 if req.stream:
                     return await self._stream(request, req, _chain(first, agen), rid, timer, chat=chat,
@@ -228,8 +315,12 @@ class OpenAIServer:
                 try:
                     return await self._complete(_chain(first, agen), rid, timer, chat=chat, logprobs=want_lp)
                 except EngineDeadError as e:
-                    self.metrics.count_request("engine_dead")
+                    timer.count("engine_dead")
                     return _error(503, str(e), "engine_dead")
+            except asyncio.CancelledError:  # aiohttp cancels the handler of a closed connection
+                if _client_left(request):
+                    self._disconnected(timer)
+                raise
             finally:
                 await agen.aclose()
 
@@ -238,19 +329,18 @@ class OpenAIServer:
         text: list[str] = []
         lps: list = []
         last: RequestOutput | None = None
-        n_out = 0
         async for out in outs:
             timer.output(out)
             text.append(out.text_delta)
-            n_out += len(out.new_token_ids)
             if out.logprobs:
                 lps.extend(out.logprobs)
             last = out
         assert last is not None and last.finished  # the generator ends with the finished output
         if last.finish_reason == "error":
+            timer.count("error")
             return _error(500, last.error or "request failed", "engine_error")
-        usage = self._usage(last, n_out)
-        timer.finish(last, n_out)
+        usage = self._usage(last, timer.n_out)
+        timer.finish(last)
         now = int(time.time())
         tok = self.engine.tokenizer
         if chat:
@@ -267,19 +357,18 @@ class OpenAIServer:
                       outs: AsyncIterator[RequestOutput], rid: str,
                       timer: "_Timer", *, chat: bool, logprobs: bool = False) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
-        await resp.prepare(request)
         now = int(time.time())
         model = self.model_name
         tok = self.engine.tokenizer
         text_offset = 0
-        n_out = 0
-        if chat:
-            await resp.write(_sse(T.ChatChunk(rid, now, model, [T.ChatStreamChoice(0, T.ChatResponseMessage("assistant", ""))])))
         last: RequestOutput | None = None
         try:
+            await resp.prepare(request)  # a client gone before the headers fails here
+            if chat:
+                await resp.write(_sse(T.ChatChunk(rid, now, model, [T.ChatStreamChoice(
+                    0, T.ChatResponseMessage("assistant", ""))])))
             async for out in outs:
                 timer.output(out)
-                n_out += len(out.new_token_ids)
                 last = out
                 # Every output that carries tokens gets a chunk, even with no
                 # text yet (a partial UTF-8 sequence): the first chunk leaves
@@ -297,34 +386,27 @@ class OpenAIServer:
                     text_offset += len(out.text_delta)
                     chunk = T.CompletionResponse(rid, now, model, [T.CompletionChoice(0, out.text_delta, fr, lp)])
                 await resp.write(_sse(chunk))
-        except ConnectionError:  # the client went away mid-write: one quiet line
-            self._disconnected(n_out)
-            return resp  # _serve closes the generator: that aborts the request
-        except asyncio.CancelledError:  # aiohttp cancels the handler of a closed connection
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                self._disconnected(n_out)
-            raise
+            assert last is not None and last.finished
+            timer.finish(last)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = self._usage(last, timer.n_out)
+                tail: Any = (T.ChatChunk(rid, now, model, [], usage) if chat
+                             else T.CompletionResponse(rid, now, model, [], usage))
+                await resp.write(_sse(tail))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client went away (before the headers or mid-write): one quiet line
+            self._disconnected(timer)  # _serve closes the generator: that aborts the request
         except EngineDeadError as e:  # headers are sent: report in-band, then end the stream
-            self.metrics.count_request("engine_dead")
+            timer.count("engine_dead")
             await resp.write(_sse(T.ErrorResponse(T.ErrorBody(message=str(e), type="engine_dead", code=503))))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-            return resp
-        assert last is not None and last.finished
-        timer.finish(last, n_out)
-        if req.stream_options is not None and req.stream_options.include_usage:
-            usage = self._usage(last, n_out)
-            tail: Any = (T.ChatChunk(rid, now, model, [], usage) if chat
-                         else T.CompletionResponse(rid, now, model, [], usage))
-            await resp.write(_sse(tail))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
         return resp
 
-    def _disconnected(self, n_out: int) -> None:
-        self.metrics.count_request("disconnected")
-        log.debug("client_disconnected", tokens_sent=n_out)
+    def _disconnected(self, timer: "_Timer") -> None:
+        timer.count(DISCONNECTED)
+        log.debug(DISCONNECTED, tokens_sent=timer.n_out)
 
     def _usage(self, last: RequestOutput, n_out: int) -> T.Usage:
         p = last.num_prompt_tokens
@@ -332,18 +414,22 @@ class OpenAIServer:
 
 
 class _Timer:
-    """Per-request latency bookkeeping for the server histograms."""
+    """One request's latency bookkeeping for the server histograms, its
+    output token count, and its outcome (counted once)."""
 
-    __slots__ = ("m", "start", "last")
+    __slots__ = ("m", "start", "last", "n_out", "counted")
 
     def __init__(self, metrics: ServerMetrics, start: float) -> None:
         self.m = metrics
         self.start = start
         self.last: float | None = None
+        self.n_out = 0
+        self.counted = False
 
     def output(self, out: RequestOutput) -> None:
         if not out.new_token_ids:
             return
+        self.n_out += len(out.new_token_ids)
         now = time.perf_counter()
         if self.last is None:
             self.m.ttft.observe(now - self.start)
@@ -351,11 +437,17 @@ class _Timer:
             self.m.itl.observe(now - self.last)
         self.last = now
 
-    def finish(self, last: RequestOutput, n_out: int) -> None:
+    def count(self, outcome: str) -> None:
+        """The request's outcome in ``kvstrata_http_requests_total`` (the first one given)."""
+        if not self.counted:
+            self.counted = True
+            self.m.count_request(outcome)
+
+    def finish(self, last: RequestOutput) -> None:
         self.m.e2e.observe(time.perf_counter() - self.start)
-        self.m.count_request(last.finish_reason or "unknown")
+        self.count(last.finish_reason or "unknown")
         self.m.prompt_tokens += last.num_prompt_tokens
-        self.m.generation_tokens += n_out
+        self.m.generation_tokens += self.n_out
 
 
 async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -364,6 +456,11 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
         return
     async for out in rest:
         yield out
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or (content_type.startswith("application/")
+                                                    and content_type.endswith("+json"))
 
 
 def _sse(obj: Any) -> bytes:

@@ -7,9 +7,10 @@ the load tests type the engine as an ``EngineClient`` and call nothing else.
         async for out in engine.generate("Hello", SamplingParams(max_tokens=8)):
             print(out.text_delta, end="")
 
-``generate`` takes text or token ids; the client tokenizes, checks the
-request once, detokenizes and applies stop strings
-(``kvstrata.enginecore.processing``); the engine core sees ids only.
+``generate`` takes a ``kvstrata.text.prompts.Prompt`` (text, token ids, a
+conversation, blend segments); the client tokenizes, checks the request
+once, detokenizes and applies stop strings (``kvstrata.enginecore.processing``);
+the engine core sees ids only.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol, Self
 
 from kvstrata.config import EngineConfig
-from kvstrata.errors import RequestError
-from kvstrata.text.chat import chat_prompt
+from kvstrata.text.prompts import ChatPrompt, Prompt
 from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 
@@ -62,7 +62,7 @@ class EngineClient(Protocol):
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -84,7 +84,8 @@ class EngineClient(Protocol):
         """``generate`` on a conversation (``{"role", "content"}`` dicts or
         objects), rendered with the model's chat template (or the plain
         format for a checkpoint without one). Implementations call
-        ``generate_chat``."""
+        ``generate_chat``; bad messages raise RequestError naming the field
+        at the first ``anext``."""
         ...
 
     async def abort(self, request_id: str) -> None:
@@ -133,12 +134,9 @@ def served_model_name(config: EngineConfig) -> str:
 
 async def generate_chat(client: EngineClient, messages: Sequence[Any], params: SamplingParams | None = None,
                         **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
-    """What every ``EngineClient.chat`` does: render, then ``generate``."""
-    try:
-        prompt = chat_prompt(client.tokenizer, messages)
-    except ValueError as e:  # a bad message or a template that refuses the conversation
-        raise RequestError("messages", str(e)) from None
-    agen = client.generate(prompt, params, **kwargs)
+    """What every ``EngineClient.chat`` does: ``generate`` on a ``ChatPrompt``
+    (rendered and tokenized by the client's one text path)."""
+    agen = client.generate(ChatPrompt(messages=list(messages)), params, **kwargs)
     try:
         async for out in agen:
             yield out

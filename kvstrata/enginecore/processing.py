@@ -6,10 +6,14 @@ text on the way out.
     engine ──► RequestOutput (ids) ──► OutputProcessor.process ──► RequestOutput (+ text)
 
 Both run in the client's own coroutine (``AsyncEngine.generate`` in
-process, ``MPEngineClient.generate`` in the client process), never in the
-engine step. Every check of a request's fields lives here
-(``validate_request``), once; the HTTP layer checks only the shape of its
-JSON, the engine core trusts what it is given.
+process, ``MPEngineClient.generate`` in the client process, ``FleetClient``
+once for all its replicas), never in the engine step. Text of every kind
+(a text, a conversation, blend segments) becomes ids through the one text
+path, ``kvstrata.text.prompts.PromptTokenizer``: bounds first, long texts
+tokenized in a worker thread without the GIL. Every check of a request's
+fields lives here (``validate_request``), once per request; the HTTP layer
+checks only the shape of its JSON, the engine core trusts what it is given
+(the ZMQ engine server checks again: any local process may connect to it).
 
 Stop strings are text, so they are the client's: when one matches, the
 output processor ends the stream (finish_reason "stop", stop_reason the
@@ -19,7 +23,6 @@ string) and the client aborts the request in the engine. Stop token ids
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import msgspec
@@ -27,13 +30,9 @@ import msgspec
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import RequestError
 from kvstrata.text.detokenizer import IncrementalDetokenizer
+from kvstrata.text.prompts import Prompt, PromptTokenizer, SegmentedPrompt
 from kvstrata.text.tokenizer import Tokenizer
-from kvstrata.types import RequestOutput, SamplingParams
-
-# Text prompts longer than this (characters) are tokenized in a worker
-# thread, so that a long prompt never holds the event loop (a 4 KiB prompt
-# tokenizes in well under a millisecond; a 1 MiB one takes ~100 ms).
-TOKENIZE_IN_THREAD_CHARS = 4096
+from kvstrata.types import BlendSpec, RequestOutput, SamplingParams
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,19 +91,24 @@ def validate_request(req: EngineRequest, facts: ModelFacts) -> None:
 
 
 class InputProcessor:
-    """Turns what a caller gives (text or ids, parameters) into a checked
-    ``EngineRequest``. Owns nothing mutable: the tokenizer (None: prompts
-    must be token ids) and the engine's facts."""
+    """Turns what a caller gives (a ``kvstrata.text.prompts.Prompt``:
+    text, a conversation, blend segments or ids; parameters) into a checked
+    ``EngineRequest``. Owns nothing mutable: the engine's facts and the text
+    path over the tokenizer (None: prompts must be token ids)."""
 
-    __slots__ = ("tokenizer", "facts")
+    __slots__ = ("facts", "text")
 
     def __init__(self, facts: ModelFacts, tokenizer: Tokenizer | None) -> None:
         self.facts = facts
-        self.tokenizer = tokenizer
+        self.text = PromptTokenizer(tokenizer, facts.max_model_len)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.text.tokenizer
 
     async def process(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -112,32 +116,19 @@ class InputProcessor:
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> EngineRequest:
-        """Tokenize (off the loop when long) and check; raises RequestError."""
+        """Tokenize (bounded first; off the loop when long) and check; raises RequestError."""
+        ids, spans = await self.text.ids(prompt)
+        params = SamplingParams() if params is None else params
+        if spans is not None:
+            assert isinstance(prompt, SegmentedPrompt)
+            params = _replace(params, blend=BlendSpec(segments=spans, recompute_ratio=prompt.recompute_ratio))
         req = EngineRequest(
             request_id=uuid.uuid4().hex if request_id is None else request_id,
-            prompt_token_ids=await self.tokenize(prompt),
-            sampling_params=SamplingParams() if params is None else params,
+            prompt_token_ids=ids, sampling_params=params,
             priority=priority, cache_salt=cache_salt, lora_name=lora_name,
         )
         validate_request(req, self.facts)
         return req
-
-    async def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            tokenizer = self._text_tokenizer(prompt)
-            if len(prompt) > TOKENIZE_IN_THREAD_CHARS:
-                return await asyncio.to_thread(tokenizer.encode, prompt)
-            return tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt)
-        raise RequestError("prompt", f"must be a str or a list of token ids, got {type(prompt).__name__}")
-
-    def _text_tokenizer(self, prompt: str) -> Tokenizer:
-        if not prompt:
-            raise RequestError("prompt", "must not be empty")
-        if self.tokenizer is None:
-            raise RequestError("prompt", "this engine has no tokenizer; pass token ids")
-        return self.tokenizer
 
 
 class OutputProcessor:

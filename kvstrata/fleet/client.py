@@ -4,9 +4,11 @@
     fleet = await FleetClient.start([Replica("engine-0", "local", local_connector(config)), ...])
     async for out in fleet.generate("Hello", SamplingParams(max_tokens=8)): ...
 
-Per request, on the server's loop: tokenize once (the replicas share one
-model: the first replica up sets the fleet's cache identity, and a replica
-whose identity differs is refused), hash the
+Per request, on the server's loop: tokenize and check once, for every
+replica (the replicas share one model: the first replica up sets the
+fleet's cache identity, and a replica whose identity differs is refused;
+the replica's client sends the checked request as it is,
+``MPEngineClient.generate_request``), hash the
 prompt's blocks as the engines do, ``Router.choose`` (pure), apply the
 decision (the replica's load), and stream from that replica. The router's
 index is fed by every replica's KV events, which arrive over the replica's
@@ -53,6 +55,7 @@ from kvstrata.ipc import protocol as P
 from kvstrata.kv.events import KVEventBatch, make_batch_decoder
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.router import NoLiveReplicaError, ReplicaLoad, Router, RouterConfig
+from kvstrata.text.prompts import Prompt
 from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 
@@ -274,7 +277,7 @@ class FleetClient:
              **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
         return generate_chat(self, messages, params, **kwargs)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
                        lora_name: str | None = None,
                        session_key: str | None = None) -> AsyncGenerator[RequestOutput, None]:
@@ -309,8 +312,7 @@ class FleetClient:
             self.counters.routed[replica.name] += 1
             streamed = False
             waiting = uncached
-            agen = replica.client.generate(ids, req.sampling_params, request_id=req.request_id,  # type: ignore[union-attr]
-                                           priority=priority, cache_salt=cache_salt, lora_name=lora_name)
+            agen = replica.client.generate_request(req)  # type: ignore[union-attr]
             try:
                 async for out in agen:
                     if waiting:

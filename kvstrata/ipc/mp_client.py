@@ -38,8 +38,10 @@ import zmq
 from kvstrata.config import EngineConfig
 from kvstrata.enginecore.client import generate_chat, served_model_name
 from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
+from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
+from kvstrata.text.prompts import Prompt
 from kvstrata.text.tokenizer import Tokenizer, load_model_tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
 from kvstrata.ipc.addresses import EngineAddress, check_address, make_address
@@ -230,14 +232,27 @@ class MPEngineClient:
 
     # --- the EngineClient API --------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
                        cache_salt: str | None = None,
                        lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         self._check_alive()
-        assert self._inputs is not None and self.info is not None
+        assert self._inputs is not None
         req = await self._inputs.process(prompt, params, request_id=request_id, priority=priority,
                                          cache_salt=cache_salt, lora_name=lora_name)
+        agen = self.generate_request(req)
+        try:
+            async for out in agen:
+                yield out
+        finally:
+            await agen.aclose()
+
+    async def generate_request(self, req: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request already made and checked by an ``InputProcessor``
+        holding this engine's facts (a fleet processes each request once for
+        all its replicas). The engine checks it again: it trusts no client."""
+        self._check_alive()
+        assert self._inputs is not None and self.info is not None
         rid = req.request_id
         frame = self._encoder.encode(P.AddRequest(rid, req.prompt_token_ids, req.sampling_params, req.priority,
                                                   req.cache_salt, req.lora_name))

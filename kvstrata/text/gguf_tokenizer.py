@@ -22,6 +22,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from kvstrata.text.chat import ChatTemplate
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# llama.cpp's recommended sampling, when the file carries it
+_SAMPLING_KEYS = ("general.sampling.temp", "general.sampling.top_p", "general.sampling.top_k",
+                  "general.sampling.min_p")
 
 # tokenizer.ggml.pre -> the split pattern its merges were learned with
 # (None: GPT-2's, which ByteLevel applies itself).
@@ -41,6 +44,7 @@ class GGUFTokenizerParts(NamedTuple):
     bos_token_id: int | None
     chat_template: ChatTemplate | None
     eos_token_ids: tuple[int, ...] = ()  # EOS, end-of-turn, end-of-message: every id that ends a reply
+    metadata_sampling: dict[str, Any] = {}  # the file's ``general.sampling.*`` (llama.cpp's sampling defaults)
 
 
 def read_gguf_tokenizer(path: str | Path, metadata: GGUFMetadata | None = None) -> GGUFTokenizerParts:
@@ -68,7 +72,8 @@ def read_gguf_tokenizer(path: str | Path, metadata: GGUFMetadata | None = None) 
         template = ChatTemplate(template_text, f"{path.name} (tokenizer.chat_template)",
                                 bos_token=tokens[bos] if bos is not None else "",
                                 eos_token=tokens[eos] if eos is not None else "")
-    return GGUFTokenizerParts(tok, eos, bos, template, tuple(dict.fromkeys(int(t) for t in ends if t is not None)))
+    return GGUFTokenizerParts(tok, eos, bos, template, tuple(dict.fromkeys(int(t) for t in ends if t is not None)),
+                              {k: v for k in _SAMPLING_KEYS if (v := meta.get(k)) is not None})
 
 
 def _open_metadata(path: Path) -> GGUFMetadata:

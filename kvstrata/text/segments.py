@@ -1,4 +1,4 @@
-"""Prompts with CacheBlend segments: text -> token ids and segment spans.
+"""Prompts with CacheBlend segments: text -> pieces -> token ids and segment spans.
 
 A segment's KV is reused wherever it sits only if its tokens do not depend
 on what surrounds it, so the prompt is tokenized piece by piece: the text
@@ -7,10 +7,15 @@ segment on its own, each text between two segments, the text after the
 last. The spans returned are the segments' ``[start, end)`` in those ids.
 
 Segments are given either as the segment texts, which must appear in the
-prompt in order (``segments_in``), or as a separator string that splits the
-prompt (``split_on``): ``head SEP passage SEP passage SEP question`` makes
-every piece between the first and the last separator a segment; the
-separators stay in the prompt, as text between segments.
+prompt in order (``segment_pieces``), or as a separator string that splits
+the prompt (``separator_pieces``): ``head SEP passage SEP passage SEP
+question`` makes every piece between the first and the last separator a
+segment; the separators stay in the prompt, as text between segments.
+Cutting is pure string work (``str.find``, ``str.split``) and refuses more
+than ``max_segments`` segments before any piece is tokenized; ``join_pieces``
+puts the pieces' ids together. ``segments_in`` and ``split_on`` do the
+three steps on the caller's thread (the server's path,
+``kvstrata.text.prompts``, tokenizes long prompts in a worker thread).
 
 Errors are ``SegmentError`` naming the field (``blend.segments[i]``,
 ``blend.separator``), for a 400 that says what is wrong.
@@ -18,7 +23,12 @@ Errors are ``SegmentError`` naming the field (``blend.segments[i]``,
 
 from __future__ import annotations
 
+import itertools
+
 from kvstrata.text.tokenizer import Tokenizer
+from kvstrata.types import MAX_BLEND_SEGMENTS
+
+Pieces = list[tuple[str, bool]]  # (text, is a segment), in prompt order
 
 
 class SegmentError(ValueError):
@@ -27,12 +37,13 @@ class SegmentError(ValueError):
         self.field = field
 
 
-def segments_in(tokenizer: Tokenizer, text: str, segments: list[str], *,
-                add_special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
-    """Ids and spans of ``segments``, found in ``text`` in order."""
+def segment_pieces(text: str, segments: list[str], *, max_segments: int = MAX_BLEND_SEGMENTS) -> Pieces:
+    """``text`` cut around ``segments``, found in it in order."""
     if not segments:
         raise SegmentError("blend.segments", "must hold at least one segment")
-    pieces: list[tuple[str, bool]] = []  # (text, is a segment)
+    if len(segments) > max_segments:
+        raise SegmentError("blend.segments", f"must hold at most {max_segments} segments, got {len(segments)}")
+    pieces: Pieces = []
     pos = 0
     for i, seg in enumerate(segments):
         if not isinstance(seg, str) or not seg:
@@ -45,39 +56,68 @@ def segments_in(tokenizer: Tokenizer, text: str, segments: list[str], *,
         pieces += [(text[pos:at], False), (seg, True)]
         pos = at + len(seg)
     pieces.append((text[pos:], False))
-    return _encode(tokenizer, pieces, add_special)
+    return pieces
 
 
-def split_on(tokenizer: Tokenizer, text: str, separator: str, *,
-             add_special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
-    """Ids and spans of the pieces of ``text`` between the first and the last ``separator``."""
+def separator_pieces(text: str, separator: str, *, max_segments: int = MAX_BLEND_SEGMENTS) -> Pieces:
+    """``text`` cut at ``separator``: the pieces between its first and last occurrence are segments."""
     if not isinstance(separator, str) or not separator:
         raise SegmentError("blend.separator", "must be a non-empty string")
     parts = text.split(separator)
     if len(parts) < 3:
         raise SegmentError("blend.separator", f"must occur at least twice in the prompt (head, segments, "
                                               f"question), found {len(parts) - 1} time(s)")
-    pieces: list[tuple[str, bool]] = [(parts[0], False)]
-    for part in parts[1:-1]:
+    inner = parts[1:-1]
+    found = sum(1 for _ in itertools.islice(filter(None, inner), max_segments + 1))  # stops past the limit
+    if not found:
+        raise SegmentError("blend.separator", "leaves no non-empty segment between separators")
+    if found > max_segments:
+        raise SegmentError("blend.separator", f"makes more than {max_segments} segments")
+    pieces: Pieces = [(parts[0], False)]
+    for part in inner:
         pieces += [(separator, False), (part, True)]
     pieces += [(separator, False), (parts[-1], False)]
-    if not any(seg for seg, is_seg in pieces if is_seg):
-        raise SegmentError("blend.separator", "leaves no non-empty segment between separators")
-    return _encode(tokenizer, pieces, add_special)
+    return pieces
 
 
-def _encode(tokenizer: Tokenizer, pieces: list[tuple[str, bool]],
-            add_special: bool) -> tuple[list[int], list[tuple[int, int]]]:
-    """The pieces tokenized one by one (special tokens, if any, with the first)."""
+def join_pieces(pieces: Pieces, encoded: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The prompt's ids (each piece's ``encoded`` ids in order) and the segments' spans."""
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
-    first = add_special
-    for piece, is_segment in pieces:
-        if not piece and not first:
-            continue  # nothing to tokenize (the special tokens, if wanted, come with the first piece)
-        toks = tokenizer.encode(piece, add_special_tokens=first)
-        first = False
+    for (_, is_segment), toks in zip(pieces, encoded, strict=True):
         if is_segment and toks:
             spans.append((len(ids), len(ids) + len(toks)))
         ids += toks
     return ids, spans
+
+
+def encode_pieces(tokenizer: Tokenizer, pieces: Pieces, add_special: bool, *, batch: bool = False) -> list[list[int]]:
+    """Each piece's ids: the tokenizer's special tokens (``add_special``) with
+    the first piece only, empty pieces none. ``batch``: through the
+    tokenizer's batch call (which releases the GIL: for a worker thread)."""
+    texts = [p for p, _ in pieces]
+    out: list[list[int]] = []
+    if add_special and texts:
+        out.append(tokenizer.encode(texts[0], True) if not batch else tokenizer.encode_batch(texts[:1], True)[0])
+        texts = texts[1:]
+    todo = [t for t in texts if t]
+    if batch and todo:
+        done = iter(tokenizer.encode_batch(todo, False))
+    else:
+        done = iter([tokenizer.encode(t, False) for t in todo])
+    out += [next(done) if t else [] for t in texts]
+    return out
+
+
+def segments_in(tokenizer: Tokenizer, text: str, segments: list[str], *,
+                add_special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids and spans of ``segments``, found in ``text`` in order."""
+    pieces = segment_pieces(text, segments)
+    return join_pieces(pieces, encode_pieces(tokenizer, pieces, add_special))
+
+
+def split_on(tokenizer: Tokenizer, text: str, separator: str, *,
+             add_special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids and spans of the pieces of ``text`` between the first and the last ``separator``."""
+    pieces = separator_pieces(text, separator)
+    return join_pieces(pieces, encode_pieces(tokenizer, pieces, add_special))

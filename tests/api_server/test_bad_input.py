@@ -59,10 +59,10 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
-    def post(self, path: str, body: bytes) -> tuple[int, str, bytes]:
+    def post(self, path: str, body: bytes, content_type: str | None = "application/json") -> tuple[int, str, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
-            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            conn.request("POST", path, body=body, headers={} if content_type is None else {"Content-Type": content_type})
             r = conn.getresponse()
             return r.status, r.getheader("Content-Type", ""), r.read()
         finally:
@@ -128,6 +128,34 @@ def test_undecodable_bodies_are_400_json(server, raw):
         assert status == 400, (status, data[:200])
         assert_clean_answer(status, ctype, data)
     assert_still_serving(server)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": [1, 2], "max_tokens": 2, "\xff\xfe": 1}',  # in a key nobody reads
+    b'{"prompt": [1, 2], "max_tokens": 2, "extra": "\xc3\x28"}',  # in a value nobody reads
+    b'{"prompt": [1, 2], "max_tokens": 2, "extra": {"\xed\xa0\x80": [1]}}',  # an encoded surrogate
+])
+def test_invalid_utf8_anywhere_in_the_body_is_400(server, raw):
+    status, ctype, data = server.post("/v1/completions", raw)
+    assert status == 400, (status, data[:200])
+    assert_clean_answer(status, ctype, data)
+    assert "not valid UTF-8" in json.loads(data)["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("text/plain", 415), ("text/plain; charset=utf-8", 415), ("application/x-www-form-urlencoded", 415),
+    ("multipart/form-data; boundary=x", 415),
+    ("application/json", 200), ("application/json; charset=utf-8", 200), ("application/vnd.api+json", 200),
+    (None, 200),  # none said: taken as JSON
+])
+def test_only_json_bodies_are_read(server, content_type, status):
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    for path in ("/v1/completions", "/tokenize"):
+        got, ctype, data = server.post(path, body if path != "/tokenize" else b'{"prompt": "hi"}', content_type)
+        assert got == status, (path, content_type, data[:200])
+        assert_clean_answer(got, ctype, data)
+        if status == 415:
+            assert "application/json" in json.loads(data)["error"]["message"]
 
 
 _junk = st.recursive(

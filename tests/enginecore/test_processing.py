@@ -15,7 +15,6 @@ from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
 from kvstrata.enginecore.builder import build_engine_core
 from kvstrata.enginecore.engine_core import EngineCore
 from kvstrata.enginecore.processing import (
-    TOKENIZE_IN_THREAD_CHARS,
     InputProcessor,
     ModelFacts,
     OutputProcessor,
@@ -23,6 +22,7 @@ from kvstrata.enginecore.processing import (
 )
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import RequestError
+from kvstrata.text.prompts import INLINE_CHARS, ChatPrompt, SegmentedPrompt
 from kvstrata.text.tokenizer import ByteTokenizer
 from kvstrata.types import RequestOutput, SamplingParams
 
@@ -120,6 +120,7 @@ class _RecordingTokenizer(ByteTokenizer):
     __slots__ = ("threads",)
 
     def __init__(self) -> None:
+        super().__init__()
         self.threads: list[str] = []
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -130,10 +131,10 @@ class _RecordingTokenizer(ByteTokenizer):
 async def test_long_text_prompts_are_tokenized_off_the_loop():
     tok = _RecordingTokenizer()
     inputs = InputProcessor(ModelFacts(max_model_len=1 << 20, vocab_size=258), tok)
-    short = await inputs.process("x" * TOKENIZE_IN_THREAD_CHARS, request_id="short")
-    long = await inputs.process("y" * (TOKENIZE_IN_THREAD_CHARS + 1), request_id="long")
-    assert len(short.prompt_token_ids) == TOKENIZE_IN_THREAD_CHARS + 1  # BOS + bytes
-    assert len(long.prompt_token_ids) == TOKENIZE_IN_THREAD_CHARS + 2
+    short = await inputs.process("x" * INLINE_CHARS, request_id="short")
+    long = await inputs.process("y" * (INLINE_CHARS + 1), request_id="long")
+    assert len(short.prompt_token_ids) == INLINE_CHARS + 1  # BOS + bytes
+    assert len(long.prompt_token_ids) == INLINE_CHARS + 2
     main = threading.current_thread().name
     assert tok.threads[0] == main and tok.threads[1] != main
 
@@ -204,3 +205,19 @@ def test_outputs_without_tokens_or_tokenizer_pass_through():
     plain = OutputProcessor(None, req("r", stop=["x"]))
     out = RequestOutput(request_id="r", new_token_ids=[ord("x")])
     assert plain.process(out) is out and not plain.finished
+
+
+async def test_conversations_and_blend_segments_take_the_same_text_path():
+    """A ChatPrompt is rendered and tokenized by the processor (the plain
+    format here); a SegmentedPrompt's spans and ratio become the request's BlendSpec."""
+    inputs = InputProcessor(ModelFacts(max_model_len=256, vocab_size=258), ByteTokenizer())
+    chat = await inputs.process(ChatPrompt(messages=[{"role": "user", "content": "hi"}]), request_id="c")
+    assert chat.prompt_token_ids == ByteTokenizer().encode("<|user|>\nhi\n<|assistant|>\n")
+    seg = await inputs.process(SegmentedPrompt(prompt="head AAA mid BBB q", segments=["AAA", "BBB"],
+                                               recompute_ratio=0.5), SamplingParams(max_tokens=2), request_id="s")
+    blend = seg.sampling_params.blend
+    assert blend is not None and blend.recompute_ratio == 0.5 and seg.sampling_params.max_tokens == 2
+    assert [bytes(seg.prompt_token_ids[s:e]).decode() for s, e in blend.segments] == ["AAA", "BBB"]
+    with pytest.raises(RequestError) as info:
+        await inputs.process(SegmentedPrompt(prompt="head AAA", segments=["ZZZ"]), request_id="bad")
+    assert info.value.field == "blend.segments[0]"
