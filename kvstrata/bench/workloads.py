@@ -9,8 +9,9 @@ workloads exercise prefix caching the way chat traffic does:
 
 Lengths are in words of a fixed synthetic vocabulary of two-syllable words:
 about one token per word with byte-pair tokenizers, five with the default
-model's byte-level tokenizer (four letters and a space). Everything is
-seeded: same seed, same workload.
+model's byte-level tokenizer (four letters and a space). ``chat`` asks real
+questions instead (``kvstrata run``'s default: the answers are worth
+reading). Everything is seeded: same seed, same workload.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class Conversation(msgspec.Struct, frozen=True):
     turns: list[Turn]
     system: str = ""
     arrival_s: float | None = None  # trace arrival; None: the driver decides
+    # Load-test replies run to their max_tokens; a chat's replies end where
+    # a chat's do: at EOS, or where the model starts the user's next line.
+    ignore_eos: bool = True
+    stop: list[str] = []
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -86,6 +91,50 @@ def multi_turn(num: int, *, turns: int, system_len: int, input_len: tuple[int, i
         ts = [Turn(words(rng, _between(rng, *input_len)), _between(rng, *output_len),
                    words(rng, _between(rng, *output_len))) for _ in range(max(1, turns))]
         convs.append(Conversation(f"c{i}", ts, system=system))
+    return convs
+
+
+# The ``chat`` workload: one shared system prompt (about 170 tokens, so it
+# is stored and found in the tiers like any long shared prefix) and
+# questions the default model answers in a sentence or two.
+CHAT_SYSTEM = (
+    "System: You are the help desk of the Riverside Public Library. Answer the visitor's question in one or "
+    "two short sentences, plainly and politely. If you do not know, say so. The library opens at nine in the "
+    "morning and closes at eight in the evening, Monday to Saturday; on Sunday it opens from noon to five. "
+    "Members may borrow up to twelve books, four films and two board games at a time, for three weeks; "
+    "a loan can be renewed twice, online or at the desk, unless another member has reserved the item. "
+    "Late returns cost twenty cents a day per item. The reading room on the second floor is for quiet study; "
+    "the children's corner on the ground floor hosts a story hour every Wednesday at four. "
+    "Printing costs ten cents a page, and the wireless network is free for everyone."
+)
+CHAT_QUESTIONS = (
+    "What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
+    "What is 12 times 7?", "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?",
+    "Translate 'good morning' to Spanish.", "Give me one tip for better sleep.", "How many days are in a leap year?",
+    "What is the largest planet in our solar system?", "What do bees make?", "Name a mammal that can fly.",
+    "What is the chemical symbol for gold?", "How many continents are there?", "What language is spoken in Brazil?",
+    "Suggest a name for a pet goldfish.", "What is the opposite of 'ancient'?", "What does a thermometer measure?",
+    "Which ocean is the largest?", "What is the freezing point of water in Fahrenheit?",
+    "Write a haiku about the sea.", "What is photosynthesis, in one sentence?", "Who painted the Mona Lisa?",
+    "How many legs does a spider have?", "What is the square root of 81?", "Recommend a book for a rainy day.",
+    "What is the main ingredient of guacamole?", "How do I say 'thank you' in French?",
+    "What gas do plants take in?", "What is the tallest mountain on Earth?", "Give me a synonym for 'happy'.",
+    "When does the library open on Sunday?", "How many books can I borrow at once?",
+    "How much does printing cost?", "Can I renew a loan online?", "When is story hour for children?",
+)
+
+
+def chat(num: int, *, turns: int, output_len: tuple[int, int], seed: int = 0) -> list[Conversation]:
+    """Chats of real questions (``CHAT_QUESTIONS``, a seeded pick per
+    conversation, no repeats within one) behind one shared system prompt;
+    replies end at EOS. The same seed gives the same conversations on every
+    machine: no dataset involved."""
+    rng = random.Random(seed)
+    convs = []
+    for i in range(num):
+        questions = rng.sample(CHAT_QUESTIONS, k=min(max(1, turns), len(CHAT_QUESTIONS)))
+        convs.append(Conversation(f"chat{i}", [Turn(q, _between(rng, *output_len)) for q in questions],
+                                  system=CHAT_SYSTEM, ignore_eos=False, stop=["\nUser:"]))
     return convs
 
 
@@ -201,7 +250,7 @@ def trace(path: str, *, seed: int = 0) -> list[Conversation]:
 
 
 WORKLOADS: dict[str, Callable[..., list[Conversation]]] = {
-    "random": random_lengths, "shared-prefix": shared_prefix, "multi-turn": multi_turn,
+    "random": random_lengths, "shared-prefix": shared_prefix, "multi-turn": multi_turn, "chat": chat,
     "sharegpt": sharegpt, "trace": trace,
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from kvstrata.config import EngineConfig, KVTransferConfig
+from kvstrata.config import CacheConfig, EngineConfig, KVTransferConfig
 from kvstrata.enginecore.client import EngineClient
 from kvstrata.errors import EngineDeadError
 from kvstrata.bench import workloads as W
@@ -21,6 +22,23 @@ from kvstrata.bench.report import format_report
 from kvstrata.bench.runner import make_workload, model_name, run_bench, save_outputs
 
 log = structlog.get_logger(__name__)
+
+# `kvstrata run`'s workload and KV sizes. 12 chats of 3 turns, 4 requests at
+# a time, in rounds (each round in a seeded shuffled order): a chat's next
+# turn comes after some of the others spoke, so a 48-block device cache has
+# kept some histories and evicted others (the system prompt, used by every
+# request, stays). The evicted ones come back from the CPU tier or, past its
+# 32 MiB (SmolLM2's KV is 45 KiB a token), from disk: on this workload about
+# 8% and 17% of the tokens the device missed. Chunks of one block (16
+# tokens), since a turn adds only a few dozen tokens to a chat; every chunk
+# saved (save_admission "all", where a server's default keeps one-off
+# chunks off the disk), so the next run, with the same seed and so the same
+# chats, finds the whole run on disk.
+RUN_DEFAULTS = dict(num_requests=12, workload="chat", turns=3, output_len=(8, 32), input_len=(8, 24),
+                    prefix_len=48, concurrency=4, turn_order="round")
+RUN_DEVICE_BLOCKS = 48
+RUN_CPU_TIER_MIB = 32
+RUN_CHUNK_TOKENS = 16
 
 
 def run_async(coro: Any) -> Any:
@@ -165,46 +183,93 @@ def with_tiers(config: EngineConfig, args: argparse.Namespace) -> tuple[EngineCo
     later run hits what an earlier one stored. A ``kv_transfer`` section given
     in the config (TOML, env, flags) is used as it is; ``--no-tiers`` or the
     null executor (which runs no model, so has no KV to move) keep the device
-    cache alone."""
+    cache alone. With tiers, the device cache is ``--device-blocks`` blocks
+    unless the config sizes it."""
     if config.kv_transfer is not None:
         return config, f"device prefix cache + the {config.kv_transfer.connector!r} connector from the config"
     if args.no_tiers or config.executor != "model":
         return config, "device prefix cache only"
-    root = args.kv_store_dir or os.path.join(
-        os.environ.get("KVSTRATA_CACHE_DIR") or os.path.expanduser("~/.cache/kvstrata"), "kv-store")
-    root = os.path.abspath(root)
+    root = os.path.abspath(kv_store_dir(args))
     options = {
-        "chunk_size": 64,
+        "chunk_size": RUN_CHUNK_TOKENS,
+        "save_admission": "all",
         "store": {
             "save_partial_chunks": True,
             "cpu": {"capacity_bytes": args.cpu_tier_mib << 20},
             "tiers": [{"type": "disk", "options": {"path": root, "capacity_bytes": args.disk_tier_mib << 20}}],
         },
     }
+    config = with_device_blocks(config, args.device_blocks)
     config = msgspec.structs.replace(config, kv_transfer=KVTransferConfig(connector="offload", options=options))
-    return config, (f"device prefix cache + CPU tier ({args.cpu_tier_mib} MiB) "
-                    f"+ disk tier ({args.disk_tier_mib} MiB at {root})")
+    device = (f"{config.cache.num_blocks} blocks = {(config.cache.num_blocks - 1) * config.cache.block_size} tokens"
+              if config.cache.num_blocks else f"{config.cache.kv_cache_memory_mib} MiB")
+    return config, (f"device prefix cache ({device}) + CPU tier ({args.cpu_tier_mib} MiB) "
+                    f"+ disk tier ({args.disk_tier_mib} MiB at {root}: {stored_note(root)})")
+
+
+def kv_store_dir(args: argparse.Namespace) -> str:
+    return args.kv_store_dir or os.path.join(
+        os.environ.get("KVSTRATA_CACHE_DIR") or os.path.expanduser("~/.cache/kvstrata"), "kv-store")
+
+
+def with_device_blocks(config: EngineConfig, blocks: int | None) -> EngineConfig:
+    """``blocks`` device KV blocks (``RUN_DEVICE_BLOCKS`` when None), unless
+    the config sized the cache itself. The default model's context (8192)
+    is capped at what the pool holds here, as the builder would do with a
+    warning; another model's maximum is known only once it is loaded."""
+    cache = config.cache
+    if blocks is None:
+        if cache.num_blocks is not None or cache.kv_cache_memory_mib != CacheConfig().kv_cache_memory_mib:
+            return config
+        blocks = RUN_DEVICE_BLOCKS
+    if blocks < 2:
+        raise ValueError(f"--device-blocks must be >= 2, got {blocks}")
+    model = config.model
+    pool_tokens = (blocks - 1) * cache.block_size
+    if model.max_model_len is None and (model.model or "").endswith(".gguf"):
+        from kvstrata.worker.model.smollm2 import GGUF_NAME  # imported by resolve_model already
+
+        if os.path.basename(model.model or "") == GGUF_NAME:
+            model = msgspec.structs.replace(model, max_model_len=pool_tokens)
+    return msgspec.structs.replace(config, cache=msgspec.structs.replace(cache, num_blocks=blocks), model=model)
+
+
+def stored_note(root: str) -> str:
+    """What earlier runs left in the disk tier's directory."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(dirpath, name)).st_size
+    return f"{total / 2**20:.1f} MiB stored by earlier runs" if total else "empty"
+
+
+WORKLOAD_NOTES = {
+    "chat": "chats of real questions behind one system prompt (seeded: the same every run)",
+    "multi-turn": "synthetic multi-turn chats",
+    "sharegpt": "ShareGPT V3 conversations",
+}
 
 
 def run_main_job(args: argparse.Namespace, config: EngineConfig) -> int:
-    if args.workload is None:
-        args.workload = "sharegpt" if W.sharegpt_available() else "multi-turn"
-    config, tiers_note = with_tiers(config, args)
     try:
+        config, tiers_note = with_tiers(config, args)
         convs = make_workload(args)
-    except W.WorkloadUnavailable as e:
+    except (ValueError, W.WorkloadUnavailable) as e:
         print(f"kvstrata run: {e}", file=sys.stderr)
         return 2
-    source = ("ShareGPT V3 conversations" if args.workload == "sharegpt" else
-              "synthetic multi-turn chats (install kvstrata[bench] for ShareGPT)" if args.workload == "multi-turn"
-              else f"the {args.workload} workload")
-    print(f"kvstrata run: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} requests of {source}\n"
+    source = WORKLOAD_NOTES.get(args.workload, f"the {args.workload} workload")
+    print(f"kvstrata run: {len(convs)} conversations, {sum(len(c.turns) for c in convs)} requests: {source}, "
+          f"{args.concurrency or 'all'} at a time, in {args.turn_order} order\n"
           f"  engine: {model_name(config)} ({config.executor} executor, device {config.device}) "
-          f"over {args.target}; KV: {tiers_note}", flush=True)
+          f"over {args.target}\n  KV: {tiers_note}", flush=True)
     report, result = run_async(run_bench(args, config, convs, desc="turns"))
     report["tiers"] = tiers_note
     save_outputs(args, report, result)
     print(format_report(report), flush=True)
+    if "disk" in (report.get("prefix_cache") or {}) and args.workload == "chat":
+        print("The disk tier keeps what this run computed: run it again (same --kv-store-dir) and the same "
+              "chats are found there ('hit rate disk').", flush=True)
     return 0 if report["num_errors"] == 0 else 1
 
 

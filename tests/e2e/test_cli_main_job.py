@@ -1,6 +1,7 @@
 """`kvstrata run`, the README's first command: the engine subprocess with the
 default model (SmolLM2-135M-Instruct's GGUF, fetched into the cache once), a
-small multi-turn workload, the printed report."""
+small slice of the default chat workload, the printed report with the
+model's answers, and a second run that finds the first one's KV on disk."""
 
 from __future__ import annotations
 
@@ -12,46 +13,57 @@ import sys
 
 def _kvstrata(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvstrata", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "KVSTRATA_LOG_LEVEL": "WARNING"})
+                          timeout=timeout, env={**os.environ, "KVSTRATA_LOG_LEVEL": "INFO"})
 
 
-_SMALL_JOB = ("--workload", "multi-turn", "--num-requests", "2", "--turns", "2", "--output-len", "3:3", "--input-len", "2:4",
-              "--prefix-len", "8", "--no-progress")
+# 2 chats of 2 turns, 4 tokens per answer: the smallest run whose second
+# turns reuse the first ones' KV
+_SMALL_JOB = ("--num-requests", "2", "--turns", "2", "--output-len", "4:4")
 
 
-def test_main_job_runs_to_completion_with_a_small_workload(tmp_path):
-    out = tmp_path / "report.json"
-    proc = _kvstrata("run", *_SMALL_JOB, "--kv-store-dir", str(tmp_path / "kv"), "--output", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert (report["num_requests"], report["num_completed"], report["num_errors"]) == (4, 4, 0)
-    assert report["output_tokens"] == 12  # 4 turns x 3 tokens (ignore_eos)
-    assert report["executor"] == "model" and report["target"] == "zmq"
-    assert report["workload"] in ("multi-turn", "sharegpt")
-    # turn 2 of each chat extends turn 1's prompt: its full blocks are device hits
-    assert report["prefix_cache"]["device"]["hit_tokens"] > 0
-    assert report["preemptions"] == 0
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        assert set(report[key]) == {"mean", "p50", "p90", "p99"}
-    assert "requests        4/4 ok" in proc.stdout
-    assert "hit rate device" in proc.stdout
-    assert "synthetic multi-turn" in proc.stdout or "ShareGPT" in proc.stdout
-    assert "CPU tier" in proc.stdout and "disk tier" in proc.stdout
-
-
-def test_a_second_main_job_hits_what_the_first_stored_on_disk(tmp_path):
-    """The disk tier survives the engine process: a fresh engine (cold device
-    cache, empty CPU tier) finds the first run's chunks on disk."""
-    first, second = tmp_path / "first.json", tmp_path / "second.json"
+def test_main_job_shows_the_answers_and_a_second_run_finds_the_kv_on_disk(tmp_path):
     store = str(tmp_path / "kv")
-    for out in (first, second):
-        proc = _kvstrata("run", *_SMALL_JOB, "--prefix-len", "80", "--kv-store-dir", store, "--output", str(out))
+    runs = []
+    for n in (1, 2):
+        out = tmp_path / f"run{n}.json"
+        proc = _kvstrata("run", *_SMALL_JOB, "--kv-store-dir", store, "--output", str(out))
         assert proc.returncode == 0, proc.stderr[-3000:]
-    cold = json.loads(first.read_text())["prefix_cache"]
-    warm = json.loads(second.read_text())["prefix_cache"]
-    assert cold.get("disk", {}).get("hit_tokens", 0) == 0
-    assert warm["disk"]["hit_tokens"] > 0
-    assert json.loads(second.read_text())["output_tokens"] == 12
+        runs.append((proc, json.loads(out.read_text())))
+    (first, cold), (second, warm) = runs
+
+    assert (cold["num_requests"], cold["num_completed"], cold["num_errors"]) == (4, 4, 0)
+    assert cold["executor"] == "model" and cold["target"] == "zmq" and cold["workload"] == "chat"
+    assert cold["preemptions"] == 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(cold[key]) == {"mean", "p50", "p90", "p99"}
+    # the second turns extend the first ones: device hits; nothing on disk yet
+    assert cold["prefix_cache"]["device"]["hit_tokens"] > 0
+    assert cold["prefix_cache"]["disk"]["hit_tokens"] == 0
+    # a fresh engine (cold device cache, empty CPU tier) finds the same chats on disk
+    assert warm["prefix_cache"]["disk"]["hit_tokens"] > 0
+    assert warm["prompt_tokens"] == cold["prompt_tokens"]  # the same seeded chats, not ShareGPT's
+    assert [a["prompt"] for a in warm["answers"]] == [a["prompt"] for a in cold["answers"]]
+
+    # what the model answered: a few turns, then one whole conversation
+    answers = cold["answers"]
+    assert [(a["conversation"], a["turn"]) for a in answers] == [("chat0", 1), ("chat1", 2)]
+    assert all(a["prompt"].endswith("?") or a["prompt"].endswith(".") for a in answers)
+    assert all(a["answer"] for a in answers)
+    example = cold["example_conversation"]
+    assert example["conversation"] == "chat0" and "Riverside Public Library" in example["system"]
+    assert [m["role"] for m in example["messages"]] == ["user", "assistant"] * 2
+    text = first.stdout
+    assert "requests        4/4 ok" in text and "hit rate disk" in text
+    assert "answers         2 of 4 turns" in text and f"{answers[0]['prompt']!r} -> " in text
+    assert text.rstrip().splitlines()[-1].startswith("The disk tier keeps")
+    assert "example conversation (chat0):" in text and "  assistant  " in text
+    assert "empty" in text and "MiB stored by earlier runs" in second.stdout
+
+    # off a terminal: logs on stderr only, progress as whole lines, no redraws
+    for proc in (first, second):
+        assert '"event"' not in proc.stdout and '"engine_ready"' in proc.stderr
+        assert "\r" not in proc.stderr
+        assert "turns: 4/4 (100%)" in proc.stderr
 
 
 def test_config_errors_name_the_field_and_exit_2():

@@ -57,3 +57,34 @@ def test_an_unknown_gguf_tensor_is_refused_by_name(tiny, tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="attn_mystery"):
         load_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K],
+                         ids=lambda q: q.name)
+def test_dequantized_bytes_equal_gguf_quants(tmp_path, qtype):
+    """Random bytes (any scale, NaN and infinity included) read back as
+    gguf.quants reads them, bit for bit: the whole-tensor numpy paths
+    (in place) and the types left to gguf.quants (the K-quants) alike."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    from kvstrata.worker.model.gguf_file import GGUFCheckpoint
+
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = 6, 512
+    raw = np.random.default_rng(int(qtype)).integers(0, 256, size=(rows, cols // block * type_size), dtype=np.uint8)
+    path = tmp_path / f"raw-{qtype.name}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_embedding_length, cols), (w.add_feed_forward_length, 64),
+                       (w.add_head_count, 4), (w.add_layer_norm_rms_eps, 1e-6)):
+        add(value)
+    w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with np.errstate(all="ignore"):  # NaN and infinite scales
+        got = dict(GGUFCheckpoint(path).tensors())["model.embed_tokens.weight"]
+        want = dequantize(raw, qtype).reshape(rows, cols)
+    assert got.shape == (rows, cols)
+    assert np.array_equal(got.numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))  # bit for bit

@@ -41,7 +41,7 @@ from safetensors import safe_open
 from kvstrata.text.gguf_tokenizer import GGUFMetadata
 from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig, parse_arch_config, with_generation_eos
 from kvstrata.worker.model.fingerprint import checkpoint_fingerprint
-from kvstrata.worker.model.gguf_file import GGUFCheckpoint, is_gguf_path
+from kvstrata.worker.model.gguf_file import GGUFCheckpoint, GGUFTensor, is_gguf_path
 from kvstrata.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -156,7 +156,7 @@ def _slices(arch: LlamaArchConfig) -> dict[str, list[int]]:
 
 def build_model(
     raw_config: dict[str, Any],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | GGUFTensor]],
     *,
     dtype: str = "float32",
     device: str = "cpu",
@@ -164,9 +164,10 @@ def build_model(
 ) -> tuple[LlamaForCausalLM, LlamaArchConfig]:
     """The model ``raw_config`` (a config.json dict) describes, in ``dtype``
     (or "auto") on ``device``, filled from ``tensors``: (Hugging Face name,
-    tensor) pairs in any order, each needed one exactly once, nothing extra,
-    shapes exact. Errors are ``CheckpointError`` naming ``source`` and the
-    tensor or field; on error no model is returned."""
+    tensor, or a ``GGUFTensor`` read straight into its parameter) pairs in
+    any order, each needed one exactly once, nothing extra, shapes exact.
+    Errors are ``CheckpointError`` naming ``source`` and the tensor or
+    field; on error no model is returned."""
     arch = parse_arch_config(raw_config, source)
     model = LlamaForCausalLM(arch, _DTYPES[resolve_dtype(dtype, arch.checkpoint_dtype)], device)
     _fill_tensors(model, arch, ((name, t, source) for name, t in tensors), Path(source))
@@ -179,7 +180,8 @@ def _load_gguf(path: str, dtype: str, device: str) -> LoadedCheckpoint:
     ck = GGUFCheckpoint(path)
     raw = ck.hf_config()
     dtype_name = resolve_dtype(dtype, "float32")
-    model, arch = build_model(raw, ck.tensors(), dtype=dtype_name, device=device, source=str(ck.path))
+    # each tensor is dequantized straight into its parameter (GGUFTensor.read_into)
+    model, arch = build_model(raw, ck.tensor_sources(), dtype=dtype_name, device=device, source=str(ck.path))
     fingerprint = checkpoint_fingerprint(raw, [ck.path], dtype_name)
     log.info("checkpoint_loaded", path=str(ck.path), dtype=dtype_name, format="gguf",
              num_layers=arch.num_hidden_layers, fingerprint=fingerprint[:16])
@@ -261,12 +263,13 @@ def _copy(
     piece: int,
     offsets: dict[str, list[int]],
     name: str,
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | GGUFTensor,
     key: str,
     file_name: str,
     shapes_only: bool = False,
 ) -> None:
-    """Copy checkpoint ``tensor`` into ``param`` (or its ``piece`` of a fused one), casting the dtype."""
+    """Copy checkpoint ``tensor`` (a tensor, or a GGUF one read on demand)
+    into ``param`` (or its ``piece`` of a fused one), casting the dtype."""
     fused = name.split(".")[-2]
     dest = param.data
     if fused in offsets:
@@ -277,5 +280,9 @@ def _copy(
         raise CheckpointError(
             f"model: tensor {key!r} in {file_name!r} has shape {shape}, expected {tuple(dest.shape)} from config.json"
         )
-    if not shapes_only:
+    if shapes_only:
+        return
+    if isinstance(tensor, GGUFTensor):
+        tensor.read_into(dest)
+    else:
         dest.copy_(tensor)
