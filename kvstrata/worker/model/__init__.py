@@ -6,7 +6,11 @@ loading and the default random model.
     default_model_dir(seed) -> Path     (built once, cached on disk)
 """
 
-from kvstrata.worker.model.attention import AttentionMetadata
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvstrata.worker.model.config import (
     CheckpointError,
     LlamaArchConfig,
@@ -14,9 +18,31 @@ from kvstrata.worker.model.config import (
     UnsupportedArchitectureError,
     parse_arch_config,
 )
-from kvstrata.worker.model.default_model import DEFAULT_MODEL_CONFIG, default_model_dir
-from kvstrata.worker.model.llama import LlamaForCausalLM
-from kvstrata.worker.model.loader import LoadedCheckpoint, build_model, load_checkpoint
+
+if TYPE_CHECKING:
+    from kvstrata.worker.model.attention import AttentionMetadata
+    from kvstrata.worker.model.default_model import DEFAULT_MODEL_CONFIG, default_model_dir
+    from kvstrata.worker.model.llama import LlamaForCausalLM
+    from kvstrata.worker.model.loader import LoadedCheckpoint, build_model, load_checkpoint
+
+# What needs torch is imported on first use (PEP 562), so finding a
+# checkpoint (``smollm2.locate_smollm2``, the CLI) does not pay for torch.
+_LAZY = {
+    "AttentionMetadata": "attention",
+    "DEFAULT_MODEL_CONFIG": "default_model",
+    "default_model_dir": "default_model",
+    "LlamaForCausalLM": "llama",
+    "LoadedCheckpoint": "loader",
+    "build_model": "loader",
+    "load_checkpoint": "loader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 __all__ = [
     "DEFAULT_MODEL_CONFIG",

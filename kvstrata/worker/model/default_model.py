@@ -24,11 +24,12 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    import torch
 
 from kvstrata.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
@@ -88,6 +89,9 @@ def default_model_dir(seed: int = 0, root: Path | None = None, config: dict[str,
 
 def write_random_checkpoint(directory: Path, config: dict[str, Any], seed: int) -> None:
     """Write ``config`` and seeded N(0, 0.02) weights (norms at 1) as an HF checkpoint."""
+    import torch  # here, not at import: locating a checkpoint (the CLI) needs no torch
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {name: _init(shape, name, gen) for name, shape in _tensor_shapes(config)}
@@ -96,6 +100,8 @@ def write_random_checkpoint(directory: Path, config: dict[str, Any], seed: int) 
 
 
 def _init(shape: tuple[int, ...], name: str, gen: torch.Generator) -> torch.Tensor:
+    import torch
+
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     return torch.empty(shape).normal_(0.0, _INIT_STD, generator=gen)
