@@ -4,7 +4,7 @@ lookup and pin goes through it.
     put(key, obj)    L1 at once; each write-through tier asynchronously now,
                      each write-back tier when L1 evicts the object
     lookup(keys)     how many leading chunks some tier has (one contiguous
-                     prefix across tiers); optionally pins them (``unpin``)
+                     prefix across tiers)
     locate(keys)     the same, as the source of each of those chunks
     get(keys)        the leading chunks, each from the fastest tier that has
                      it; lower-tier chunks are read into L1 (promoted)
@@ -14,7 +14,8 @@ Without I/O, for a caller that must not wait (the connector's scheduler side)::
     probe(keys)      sources of the leading chunks the tiers know of without
                      I/O, and whether that answer is definite
     take_ready(keys) references to the leading chunks ready in memory now
-    pin(keys, srcs)  pins in those sources; ``release_pins(pins)`` undoes them
+    pin(keys, srcs)  pins in those sources (from ``probe`` or ``locate``);
+                     ``release_pins(pins)`` undoes them. The one way to pin
     holds(key)       some tier is known to have it
 
 A *source* is where a chunk is: ``L1_SOURCE`` (0) is L1, ``i + 1`` is
@@ -55,8 +56,7 @@ log = structlog.get_logger(__name__)
 
 
 class StorageManager:
-    """Owns: the L1 tier, the lower tiers (fastest first), the pins taken by
-    lookups (key -> the tiers that pinned it, innermost last), the objects L1
+    """Owns: the L1 tier, the lower tiers (fastest first), the objects L1
     evicted that are still being written back, the lookup counters and the
     write listener. Loop-owned; no locks. (Pins taken by ``pin`` belong to
     the caller, who hands them back to ``release_pins``.)"""
@@ -74,7 +74,6 @@ class StorageManager:
         self._back = [t for t in self.tiers if t.write_back]
         self._through_shared = [t for t in self._through if t.kind not in LOCAL_KINDS]
         self._through_local = [t for t in self._through if t.kind in LOCAL_KINDS]
-        self._pins: dict[ChunkKey, list[int]] = {}
         self._l1_only: set[ChunkKey] = set()  # put with lower=False, still in L1
         self._flushing: dict[ChunkKey, MemoryObj] = {}
         self._sources = Sources(self.l1, self.tiers, self._flushing)
@@ -220,16 +219,10 @@ class StorageManager:
             f.add_done_callback(done)
 
     # --- lookup --------------------------------------------------------
-    async def lookup(self, keys: Sequence[ChunkKey], *, pin: bool = False) -> int:
-        """Number of leading ``keys`` that some tier holds. With ``pin``,
-        each of those is pinned in the tier that has it (where the tier can
-        pin) until ``unpin``."""
-        srcs = await self.locate(keys)
-        if pin:
-            for key, src in zip(keys, srcs):
-                if self._sources.pin(key, src):
-                    self._pins.setdefault(key, []).append(src)
-        return len(srcs)
+    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """Number of leading ``keys`` that some tier holds. To keep them,
+        ``pin(keys, await locate(keys))``."""
+        return len(await self.locate(keys))
 
     async def locate(self, keys: Sequence[ChunkKey]) -> list[int]:
         """The source of each leading key some tier holds (as many as
@@ -267,17 +260,6 @@ class StorageManager:
             missing = rest
         n = missing[0] if missing else len(keys)
         return n, src, metas
-
-    def unpin(self, keys: Sequence[ChunkKey]) -> None:
-        """Undo one ``lookup(pin=True)`` for each key (unknown keys ignored)."""
-        for key in keys:
-            stack = self._pins.get(key)
-            if not stack:
-                continue
-            src = stack.pop()
-            if not stack:
-                del self._pins[key]
-            self._sources.unpin(key, src)
 
     # --- without I/O ---------------------------------------------------
     def probe(self, keys: Sequence[ChunkKey]) -> tuple[list[int], bool]:
@@ -320,8 +302,10 @@ class StorageManager:
             self._write_through(key, obj, self._through_local)
 
     def pin(self, keys: Sequence[ChunkKey], srcs: Sequence[int]) -> list[Pin]:
-        """Pin each key in the source that ``srcs`` names, where that tier can
-        pin; returns the pins taken, to hand back to ``release_pins``."""
+        """Pin each key in the source that ``srcs`` names (as ``probe`` or
+        ``locate`` answered), where that tier can pin; returns the pins taken,
+        to hand back to ``release_pins``. The store's only pin: the caller
+        owns its pins, so two callers' pins never mix."""
         return [(key, src) for key, src in zip(keys, srcs, strict=True) if self._sources.pin(key, src)]
 
     def release_pins(self, pins: Sequence[Pin]) -> None:
@@ -477,7 +461,6 @@ class StorageManager:
             self._closed = True
             for t in self.tiers:
                 await aguard(t, "aclose", t.aclose(), None)
-            self._pins.clear()
             self._l1_only.clear()
             self.l1.clear()
 

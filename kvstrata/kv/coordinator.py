@@ -248,6 +248,15 @@ class HybridCoordinator(KVCacheCoordinator):
                 del hits[gid][hit_length // m.block_size :]  # type: ignore[index]
         return tuple(h if h is not None else [] for h in hits), hit_length
 
+    def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
+        """Cache up to the last hit boundary (a multiple of ``alignment``) at
+        or before ``num_tokens``, as vLLM's hybrid coordinator does. A block
+        past it serves no hit until the request reaches the next boundary
+        (a window block there is needed only by a hit ending at that
+        boundary), and is cached then: caching it now would publish a
+        ``BlockStored`` no request can hit."""
+        super().cache_blocks(request, num_tokens // self.alignment * self.alignment)
+
 
 def make_coordinator(
     config: KVCacheConfig, *, enable_caching: bool, pool: BlockPool, hash_block_size: int

@@ -17,6 +17,7 @@ import redis
 import torch
 
 from kvstrata.io import ChunkKey, MemoryObj, StorageManager
+from kvstrata.io.sources import Pin
 
 IDENT = "0123456789abcdef0123456789abcdef"
 SHAPE = (2, 1024)  # float32: 8 KiB, two pages
@@ -54,6 +55,12 @@ async def put_all(store: StorageManager, ids) -> None:
     for i in ids:
         assert put_pattern(store, i) is not None
         await store.drain()
+
+
+async def pin_leading(store: StorageManager, keys: list[ChunkKey]) -> list[Pin]:
+    """Pin the leading ``keys`` some tier holds, where ``locate`` finds them."""
+    srcs = await store.locate(keys)
+    return store.pin(keys[: len(srcs)], srcs)
 
 
 async def get_ids(store: StorageManager, ids) -> list[int]:

@@ -5,8 +5,10 @@ disk full, files and directories removed under the tier)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -20,11 +22,12 @@ from io_helpers import (
     get_ids,
     key,
     pattern,
+    pin_leading,
     put_all,
     writes_denied,
 )
 
-from kvstrata.io.backends.fileformat import MAGIC, VERSION, parse_header
+from kvstrata.io.backends.fileformat import MAGIC, SUFFIX, VERSION, ObjectFiles, parse_header
 
 
 def odirect_works(d) -> bool:
@@ -121,10 +124,10 @@ async def test_capacity_is_enforced_by_the_policy(make_store, disk_tier_spec, tm
     assert [i for i in range(4) if disk.has(key(i))] == [0, 2, 3]
     assert store.stats().tier("disk").usage_bytes == 3 * FILE_BYTES
     store.l1.remove(key(2))
-    assert await store.lookup([key(2)], pin=True) == 1  # pinned on disk
+    assert await pin_leading(store, [key(2)]) == [(key(2), 1)]  # pinned on disk
     await put_all(store, [4])
     assert [i for i in range(5) if disk.has(key(i))] == [2, 3, 4]  # 2 is LRU but pinned
-    store.unpin([key(2)])
+    store.release_pins([(key(2), 1)])
     assert len(list((tmp_path / "disk" / IDENT).glob("*.kvs"))) == 3
 
 
@@ -215,6 +218,72 @@ async def test_a_full_disk_evicts_by_policy_and_keeps_taking_puts(make_store, di
     assert disk.has(key(25)) and not disk.has(key(0))
     assert store.stats().tier("disk").faults == 0
     assert await get_ids(store, [25]) == [25]
+
+
+class SmallMedium(ObjectFiles):
+    """A filesystem with room for ``room`` object files (ENOSPC past that),
+    whose unlinks land late: each waits (at most 0.5 s) for a write to end
+    first, as threads on a loaded host may order them."""
+
+    def __init__(self, root, room: int) -> None:
+        super().__init__(root, use_odirect=False, fsync=False)
+        self.room = room
+        self._wrote = threading.Event()
+
+    def _files(self) -> int:
+        return len(list(self.root.rglob(f"*{SUFFIX}")))
+
+    def write(self, key, *args):
+        try:
+            if self._files() >= self.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(key, *args)
+        finally:
+            self._wrote.set()
+
+    def remove(self, key):
+        self._wrote.clear()
+        self._wrote.wait(0.5)
+        return super().remove(key)
+
+    def free_bytes(self) -> int:
+        return max(0, self.room - self._files()) * FILE_BYTES
+
+
+async def _full_at_three_files(make_store, disk_tier_spec, tmp_path):
+    """A tier configured for 1 MiB on a medium with room for 3 files, after
+    the put of a fourth hit the wall: capacity lowered to 3 files, 0 evicted."""
+    store = await make_store(cpu_objs=16, tiers=[disk_tier_spec(tmp_path / "disk", capacity_bytes=1 << 20)])
+    disk = disk_of(store)
+    medium = disk.files = SmallMedium(disk.files.root, room=3)
+    await put_all(store, range(4))
+    d = store.stats().tier("disk")
+    assert (disk.capacity, d.dropped_puts, d.faults) == (3 * FILE_BYTES, 1, 0)
+    assert [i for i in range(4) if disk.has(key(i))] == [1, 2]
+    return store, disk, medium
+
+
+async def test_a_put_writes_only_after_the_unlinks_that_made_its_room(make_store, disk_tier_spec, tmp_path):
+    """At capacity, put 5 evicts 1 and its write must not run beside that
+    unlink: on a full filesystem it would hit the wall, be dropped, and
+    lower the capacity for good."""
+    store, disk, _ = await _full_at_three_files(make_store, disk_tier_spec, tmp_path)
+    await put_all(store, [4, 5])  # 4 fits; 5 evicts 1 (LRU)
+    assert [i for i in range(6) if disk.has(key(i))] == [2, 4, 5]
+    d = store.stats().tier("disk")
+    assert (disk.capacity, d.dropped_puts, d.faults) == (3 * FILE_BYTES, 1, 0)
+
+
+async def test_a_lowered_capacity_comes_back_when_the_filesystem_has_room_again(make_store, disk_tier_spec,
+                                                                                 tmp_path):
+    store, disk, medium = await _full_at_three_files(make_store, disk_tier_spec, tmp_path)
+    medium.room = 5  # another user of the filesystem freed two files' worth
+    await put_all(store, [4])  # lands at the old capacity, then sees the room
+    assert disk.capacity == 5 * FILE_BYTES
+    await put_all(store, [5, 6])
+    assert [i for i in range(7) if disk.has(key(i))] == [1, 2, 4, 5, 6]
+    d = store.stats().tier("disk")
+    assert (d.dropped_puts, d.evictions, d.faults) == (1, 1, 0)
 
 
 async def test_write_back_tier_is_written_on_eviction_only(make_store, disk_tier_spec, tmp_path):

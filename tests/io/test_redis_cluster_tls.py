@@ -7,6 +7,8 @@ options are errors that name the field."""
 
 from __future__ import annotations
 
+import ssl
+
 import pytest
 import redis
 from io_helpers import IDENT, get_ids, key, put_all
@@ -27,8 +29,12 @@ def tls_cluster(tmp_path_factory):
 
 
 def spec(c: RedisClusterProcs, **kw) -> TierSpec:
-    opts = dict(startup_nodes=[f"{h}:{p}" for h, p in c.startup_nodes], health=HEALTH,
-                socket_timeout_s=1.0, connect_timeout_s=0.5)
+    """The tier's own timeouts (connect 2 s, socket 5 s): the connect timeout
+    covers the TLS handshake too (an RSA key exchange on both sides), which
+    on a loaded host takes far longer than a plain TCP connect; the faults
+    tested here (a refused certificate, plain text to a TLS port) are
+    answered at once and never wait for a timeout."""
+    opts = dict(startup_nodes=[f"{h}:{p}" for h, p in c.startup_nodes], health=HEALTH)
     opts.update(kw)
     return TierSpec(type=T, options=opts)
 
@@ -52,6 +58,23 @@ async def test_round_trip_over_tls_with_the_ca(make_store, tls_cluster):
     for port in owners:
         with redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=ca) as r:
             assert r.ping()
+
+
+async def test_every_connection_shares_the_tiers_one_context(make_store, tls_cluster, monkeypatch):
+    """Ten reads at once open several connections to each master; none
+    builds a TLS context of its own (redis-py's default: the CA store parsed
+    on the loop, inside the connect timeout, per connection; on a loaded
+    host that blocked the loop for seconds and timed connects out)."""
+    ca = str(tls_cluster.tls[0])
+    ids = list(range(10))
+    store = await make_store(cpu_objs=16, tiers=[spec(tls_cluster, ssl=True, ssl_ca_certs=ca)])
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    await put_all(store, ids)
+    evict_l1(store, ids)
+    assert await get_ids(store, ids) == ids
+    assert built == []
 
 
 async def test_without_the_ca_or_without_tls_the_tier_is_unavailable_and_l1_serves(make_store, tls_cluster):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import ssl
 
 import pytest
 import structlog
@@ -71,6 +72,27 @@ async def test_tls_connection(make_store, redis_factory, tmp_path):
     evict_l1(store, [0])
     assert await get_ids(store, [0]) == [0]
     assert store.stats().tier("redis").available
+
+
+async def test_tls_connections_share_the_tiers_one_context(make_store, redis_factory, tmp_path, monkeypatch):
+    """The context (its CA store parsed) is built once, off the loop, at
+    start; none per connection (redis-py's default, on the loop and inside
+    the connect timeout: on a loaded host, concurrent connects time out)."""
+    server, crt = _tls_server(redis_factory, tmp_path)
+    store = await make_store(tiers=[redis_spec(server, ssl=True, ssl_ca_certs=str(crt))])
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    await put_all(store, [0, 1, 2, 3])
+    evict_l1(store, [0, 1, 2, 3])
+    assert await get_ids(store, [0, 1, 2, 3]) == [0, 1, 2, 3]  # reads at once: several connections
+    assert built == []
+
+
+async def test_unreadable_tls_files_are_a_config_error_at_start(make_store, tmp_path):
+    with pytest.raises(ValueError, match="cannot load the TLS files"):
+        await make_store(tiers=[TierSpec(type="redis", options=dict(
+            port=1, ssl=True, ssl_ca_certs=str(tmp_path / "missing.pem")))])
 
 
 async def test_tls_without_a_ca_verifies_against_the_system_store(make_store, redis_factory, tmp_path):

@@ -8,7 +8,7 @@ import asyncio
 import msgspec
 import pytest
 import torch
-from io_helpers import DTYPE, SHAPE, get_ids, key, pattern, put_all, put_pattern
+from io_helpers import DTYPE, SHAPE, get_ids, key, pattern, pin_leading, put_all, put_pattern
 
 from kvstrata.io import CPUConfig, StorageManager, StoreConfig, StoreIdentity, TierSpec
 
@@ -110,19 +110,20 @@ async def test_get_reads_the_fastest_tier_that_has_the_chunk(make_store, disk_ti
     assert (s.tier("fs").hit_chunks, s.tier("fs").miss_chunks) == (1, 0)
 
 
-async def test_pins_keep_chunks_from_eviction_until_unpinned(make_store):
+async def test_pins_keep_chunks_from_eviction_until_released(make_store):
     store = await make_store(cpu_objs=2)
     put_pattern(store, 0)
     put_pattern(store, 1)
-    assert await store.lookup([key(0), key(1)], pin=True) == 2
-    assert await store.lookup([key(0)], pin=True) == 1
+    both = await pin_leading(store, [key(0), key(1), key(9)])
+    assert both == [(key(0), 0), (key(1), 0)]  # the leading chunks held, each where it is
+    again = await pin_leading(store, [key(0)])
     assert store.outstanding().pinned == 2
     assert store.allocate(SHAPE, DTYPE) is None
-    store.unpin([key(0), key(1)])
+    store.release_pins(both)
     assert store.outstanding().pinned == 1  # key 0 still pinned once
     assert put_pattern(store, 2) is not None
     assert store.l1.contains(key(0)) and not store.l1.contains(key(1))
-    store.unpin([key(0), key(0), key(9)])  # extra and unknown unpins are ignored
+    store.release_pins(again)
     assert store.outstanding().pinned == 0
 
 
@@ -261,10 +262,10 @@ async def test_pin_pins_in_the_named_source_and_release_pins_undoes_exactly_thos
     pins = store.pin([key(0), key(1)], srcs)
     assert pins == [(key(0), 0), (key(1), 1)]
     assert store.l1.pinned_count() == 1 and store.tiers[0].pinned_count() == 1
-    lookup_pins = await store.lookup([key(0)], pin=True)  # lookup's own pins stay apart
+    other = await pin_leading(store, [key(0)])  # another caller's pin stays apart
     store.release_pins(pins)
-    assert store.outstanding().pinned == lookup_pins == 1
-    store.unpin([key(0)])
+    assert store.outstanding().pinned == len(other) == 1
+    store.release_pins(other)
     assert store.outstanding().pinned == 0
 
 

@@ -43,7 +43,7 @@ class StoreModel(RuleBasedStateMachine):
         self.corrupt: set[int] = set()
         self.l1_pins: Counter[int] = Counter()
         self.disk_pins: Counter[int] = Counter()
-        self.pin_stack: dict[int, list[str]] = {}
+        self.held: list[tuple[list, list[tuple[int, str]]]] = []  # (pins taken, model's (key, tier))
         self.corrupt_found = 0
 
     # --- model helpers -------------------------------------------------
@@ -127,25 +127,32 @@ class StoreModel(RuleBasedStateMachine):
                 o.release()
         self.runner.run(self.store.drain())
 
-    @rule(ks=key_lists, pin=st.booleans())
-    def lookup(self, ks, pin):
+    @rule(ks=key_lists)
+    def lookup(self, ks):
         n = next((i for i, k in enumerate(ks) if k not in self.l1 and k not in self.disk), len(ks))
-        assert self.runner.run(self.store.lookup([key(k) for k in ks], pin=pin)) == n
-        if pin:
-            for k in ks[:n]:
-                tier = "l1" if k in self.l1 else "disk"
-                (self.l1_pins if tier == "l1" else self.disk_pins)[k] += 1
-                self.pin_stack.setdefault(k, []).append(tier)
+        assert self.runner.run(self.store.lookup([key(k) for k in ks])) == n
 
     @rule(ks=key_lists)
-    def unpin(self, ks):
-        self.store.unpin([key(k) for k in ks])
-        for k in ks:
-            stack = self.pin_stack.get(k)
-            if stack:
-                pins = self.l1_pins if stack.pop() == "l1" else self.disk_pins
-                if pins[k]:
-                    pins[k] -= 1
+    def pin(self, ks):
+        n = next((i for i, k in enumerate(ks) if k not in self.l1 and k not in self.disk), len(ks))
+        keys = [key(k) for k in ks]
+        srcs = self.runner.run(self.store.locate(keys))
+        pins = self.store.pin(keys[: len(srcs)], srcs)
+        tiers = ["l1" if k in self.l1 else "disk" for k in ks[:n]]
+        assert pins == [(key(k), 0 if t == "l1" else 1) for k, t in zip(ks, tiers)]  # where the model has them
+        for k, t in zip(ks, tiers):
+            (self.l1_pins if t == "l1" else self.disk_pins)[k] += 1
+        self.held.append((pins, list(zip(ks, tiers))))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release_pins(self, data):
+        pins, model = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.store.release_pins(pins)
+        for k, t in model:
+            pins_of = self.l1_pins if t == "l1" else self.disk_pins
+            if pins_of[k]:  # a forgotten disk file took its pins with it
+                pins_of[k] -= 1
 
     @rule(k=keys_st)
     def remove(self, k):
@@ -189,7 +196,8 @@ class StoreModel(RuleBasedStateMachine):
 
     def teardown(self):
         try:
-            self.store.unpin([key(k) for k, stack in self.pin_stack.items() for _ in stack])
+            for pins, _ in self.held:
+                self.store.release_pins(pins)
             assert self.store.outstanding().pinned == 0
             self.runner.run(self.store.aclose())
             assert self.store.l1.allocator.num_live == 0

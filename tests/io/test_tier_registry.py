@@ -110,7 +110,8 @@ async def test_a_broken_user_tier_never_raises_into_the_caller(make_store, user_
     store.tiers[0].fail = True  # every call now raises
     for i in range(3):
         put_pattern(store, i)
-    assert await store.lookup([key(0)], pin=True) == 0
+    assert await store.lookup([key(0)]) == 0
+    assert store.pin([key(0)], [1]) == []  # the tier's pin raised: no pin taken
     assert await store.get([key(0)]) == []
     objs = await store.get([key(2)])
     assert len(objs) == 1

@@ -4,6 +4,7 @@ import pytest
 
 from kvstrata.kv import (
     BlockHashesView,
+    BlockStored,
     HybridCoordinator,
     MambaSpec,
     NoPrefixCacheCoordinator,
@@ -177,3 +178,54 @@ def test_sliding_window_caches_every_block_when_each_can_end_a_hit():
     r0 = make_request("r0", range(17), block_size=4)
     m.allocate_slots(r0, 17)
     assert len(list(m.block_pool.hash_maps[1].items())) == 4
+
+
+def _stored(events, group_idx):
+    """(parent hash, block hashes, token count) of each BlockStored of a group."""
+    return [(e.parent_block_hash, e.block_hashes, len(e.token_ids)) for e in events
+            if isinstance(e, BlockStored) and e.group_idx == group_idx]
+
+
+def test_window_blocks_past_the_last_aligned_boundary_wait_until_a_hit_can_reach_them():
+    """vLLM's case: full attention on 32-token blocks beside a 32-token window
+    on 16-token blocks (hits end on multiples of 32), one request of 112
+    tokens. No hit can end at 128 yet, so window block 6 (tokens 96-111)
+    serves none: blocks 0-5 are cached and announced, block 6 is not (a
+    BlockStored for it would be a hit the router counts and cannot get).
+    Once the request reaches 128 tokens, blocks 6 and 7 are cached together."""
+    m = make_manager(20, specs=[full_spec(32), _sw(16, 32)], enable_events=True)
+    r0 = make_request("r0", range(112), block_size=16)
+    m.allocate_slots(r0, 112)
+    full_ids, sw_ids = m.get_block_ids("r0")
+    assert (len(full_ids), len(sw_ids)) == (4, 7)
+    h = r0.block_hashes
+    assert sorted(b.block_id for _, b in m.block_pool.hash_maps[1].items()) == sorted(sw_ids[:6])
+    assert sorted(b.block_id for _, b in m.block_pool.hash_maps[0].items()) == sorted(full_ids[:3])
+    events = m.take_events()
+    assert _stored(events, 1) == [(None, h[:6], 96)]
+    assert _stored(events, 0) == [(None, [h[1], h[3], h[5]], 96)]
+
+    r0.num_computed_tokens = 112
+    r0.append_output_token_ids(range(1000, 1016))  # 128 tokens now
+    m.allocate_slots(r0, 16)
+    full_ids, sw_ids = m.get_block_ids("r0")
+    events = m.take_events()
+    assert _stored(events, 1) == [(h[5], h[6:8], 32)]
+    assert _stored(events, 0) == [(h[5], [h[7]], 32)]
+    m.free(r0)
+    hit, n_hit = m.get_computed_blocks(make_request("r1", [*range(112), *range(1000, 1017)], block_size=16))
+    assert n_hit == 128
+    assert hit.get_block_ids() == (full_ids, [0] * 6 + sw_ids[6:8])
+
+
+def test_a_request_ending_between_aligned_boundaries_caches_what_its_aligned_hit_uses():
+    """The same 112 tokens, freed there: the hit a later request gets is 96
+    tokens, from exactly the blocks that were cached."""
+    m = make_manager(20, specs=[full_spec(32), _sw(16, 32)])
+    r0 = make_request("r0", range(112), block_size=16)
+    m.allocate_slots(r0, 112)
+    full_ids, sw_ids = m.get_block_ids("r0")
+    m.free(r0)
+    hit, n_hit = m.get_computed_blocks(make_request("r1", range(113), block_size=16))
+    assert n_hit == 96
+    assert hit.get_block_ids() == (full_ids[:3], [0] * 4 + sw_ids[4:6])

@@ -7,12 +7,22 @@ exceed ``capacity_bytes``; the policy picks victims among entries that are not
 pinned and not being read. All file I/O runs on the tier's bounded thread
 pool, scheduled by its priority executor.
 
+An evicted object's file is unlinked by a DELETE job; a put writes only
+after every unlink submitted before it has landed, so the room an eviction
+made is on the filesystem, not only in the count, when the put needs it::
+
+    submit_put: evict v (index and count now) -> DELETE(v) -> PUT(k)
+    PUT(k) job: wait for DELETE(v) (running or done: it outranks puts) -> write
+
 A full filesystem (ENOSPC, EDQUOT) is not a fault: the disk holds less than
-``capacity_bytes``, so the capacity is lowered to the bytes in use and the
-policy evicts to make room, as it does at capacity; the put that hit the
-wall is dropped and later ones land. Faults (EACCES/EPERM, EROFS, EIO, the
-directory gone) make the tier unavailable (see ``Health``): reads miss, puts
-drop, until a retry succeeds. A single missing file is just a miss; a
+``capacity_bytes``, so the capacity is lowered to the bytes of ours on it
+and the policy evicts to make room, as it does at capacity; the put that
+hit the wall is dropped and later ones land. While lowered, every landed
+put or unlink asks the filesystem how much room it has (statvfs) and the
+capacity rises again to what fits, up to ``capacity_bytes``: a full disk
+costs capacity only while it stays full. Faults (EACCES/EPERM, EROFS, EIO,
+the directory gone) make the tier unavailable (see ``Health``): reads miss,
+puts drop, until a retry succeeds. A single missing file is just a miss; a
 corrupt one is a miss, counted, logged and deleted.
 """
 
@@ -51,8 +61,9 @@ class _Entry:
 
 class DiskTier:
     """Owns: the index, the policy, the used/reserved byte counts, the keys
-    being written or deleted, the executor, the thread pool and the health
-    state. Loop-owned; threads only run ``ObjectFiles`` calls."""
+    being written, the files being unlinked (key -> bytes, DELETE job), the
+    capacity now (at most the configured one), the executor, the thread pool
+    and the health state. Loop-owned; threads only run ``ObjectFiles`` calls."""
 
     kind = "disk"
 
@@ -68,7 +79,7 @@ class DiskTier:
         self._health = Health(name, opts.health)
         self._index: dict[ChunkKey, _Entry] = {}
         self._writing: dict[ChunkKey, int] = {}
-        self._deleting: set[ChunkKey] = set()
+        self._deleting: dict[ChunkKey, tuple[int, asyncio.Future | None]] = {}
         self._used = 0
         self._reserved = 0
         self._pool: ThreadPoolExecutor | None = None
@@ -128,7 +139,8 @@ class DiskTier:
         self._writing[key] = size
         self._reserved += size
         obj.ref_up()
-        return self._exec.submit(Priority.PUT, self._put_job, key, obj, size,
+        unlinks = [f for _, f in self._deleting.values() if f is not None]
+        return self._exec.submit(Priority.PUT, self._put_job, key, obj, size, unlinks,
                                  on_drop=partial(self._unreserve, key, obj, size))
 
     def _unreserve(self, key: ChunkKey, obj: MemoryObj, size: int) -> None:
@@ -136,10 +148,16 @@ class DiskTier:
         self._reserved -= size
         obj.release()
 
-    async def _put_job(self, key: ChunkKey, obj: MemoryObj, size: int) -> bool:
+    async def _put_job(self, key: ChunkKey, obj: MemoryObj, size: int, unlinks: list[asyncio.Future]) -> bool:
+        """Write after ``unlinks`` (the DELETE jobs submitted before this put,
+        which the room counted for it may depend on) have landed. They
+        outrank puts in the executor, so they are running or done by now:
+        waiting cannot hold up their own start."""
         assert self._pool is not None
         full = False
         try:
+            if unlinks:
+                await asyncio.wait(unlinks)
             written = await run_in_thread(self._pool, self.files.write, key, obj.numpy_bytes(),
                                           obj.shape, dtype_name(obj.dtype), obj.layout)
         except OSError as e:
@@ -159,18 +177,40 @@ class DiskTier:
         self.counters.bytes_in += obj.nbytes
         if self._used > self.capacity:  # header larger than estimated (never with this format)
             self._make_room(0)
+        await self._regrow()
         return True
+
+    def _on_medium(self) -> int:
+        """Bytes of ours on the filesystem or about to be: the index, the
+        writes in flight, the files not yet unlinked."""
+        return self._used + self._reserved + sum(n for n, _ in self._deleting.values())
 
     def _medium_full(self, size: int) -> None:
         """The filesystem ran out of room before our capacity did: what we
-        hold now is what fits. Lower the capacity to it and evict (by
+        hold there now is what fits. Lower the capacity to it and evict (by
         policy) room for one more object of ``size`` bytes."""
-        new_capacity = max(size, self._used + self._reserved)
+        new_capacity = max(size, self._on_medium())
         if new_capacity < self.capacity:
             log.warning("disk_tier_full", tier=self.name, capacity_bytes=self.capacity,
                         new_capacity_bytes=new_capacity, used_bytes=self._used)
             self.capacity = new_capacity
         self._make_room(size)
+
+    async def _regrow(self) -> None:
+        """A lowered capacity rises to what fits now (ours on the filesystem
+        plus its free room), up to the configured one. Writes in flight are
+        not yet in the free room nor counted here: never an overestimate."""
+        if self.capacity >= self._opts.capacity_bytes or self._closed:
+            return
+        assert self._pool is not None
+        try:
+            free = await run_in_thread(self._pool, self.files.free_bytes)
+        except OSError:
+            return  # the next write says more
+        fits = min(self._opts.capacity_bytes, self._used + sum(n for n, _ in self._deleting.values()) + free)
+        if fits > self.capacity:
+            log.info("disk_tier_room_back", tier=self.name, capacity_bytes=self.capacity, new_capacity_bytes=fits)
+            self.capacity = fits
 
     def _make_room(self, size: int) -> bool:
         """Evict until ``size`` more bytes fit; False (nothing changed beyond
@@ -181,9 +221,8 @@ class DiskTier:
             victims = self.policy.victims(1, self._evictable)
             if not victims:
                 return False
-            self._forget(victims[0])
             self.counters.evictions += 1
-            self._submit_delete(victims[0])
+            self._submit_delete(victims[0], self._forget(victims[0]))
         return True
 
     def _evictable(self, key: ChunkKey) -> bool:
@@ -223,11 +262,11 @@ class DiskTier:
             self.counters.bytes_out += dst.nbytes
             return True
         if self._index.get(key) is entry:
-            self._forget(key)
+            size = self._forget(key)
             if status is ReadStatus.CORRUPT:
                 self.counters.corrupt += 1
                 log.warning("object_corrupt", tier=self.name, key=key.name)
-                self._submit_delete(key)
+                self._submit_delete(key, size)
         return False
 
     # --- remove, pins --------------------------------------------------
@@ -235,14 +274,16 @@ class DiskTier:
         e = self._index.get(key)
         if e is None or e.pins or e.readers:
             return False
-        self._forget(key)
-        self._submit_delete(key)
+        self._submit_delete(key, self._forget(key))
         return True
 
-    def _submit_delete(self, key: ChunkKey) -> None:
-        self._deleting.add(key)
-        self._exec.submit(Priority.DELETE, self._delete_job, key,
-                          on_drop=partial(self._deleting.discard, key))
+    def _submit_delete(self, key: ChunkKey, size: int) -> None:
+        """Unlink the file of ``key`` (``size`` bytes), already out of the index."""
+        self._deleting[key] = (size, None)
+        fut = self._exec.submit(Priority.DELETE, self._delete_job, key,
+                                on_drop=partial(self._deleting.pop, key, None))
+        if fut is not None:
+            self._deleting[key] = (size, fut)
 
     async def _delete_job(self, key: ChunkKey) -> None:
         assert self._pool is not None
@@ -251,18 +292,22 @@ class DiskTier:
         except OSError as e:
             self.counters.faults += 1
             self._health.fault(e)
+            return
         finally:
-            self._deleting.discard(key)
+            self._deleting.pop(key, None)
+        await self._regrow()
 
     def _add(self, key: ChunkKey, entry: _Entry) -> None:
         self._index[key] = entry
         self._used += entry.size
         self.policy.on_put(key)
 
-    def _forget(self, key: ChunkKey) -> None:
+    def _forget(self, key: ChunkKey) -> int:
+        """Drop ``key`` from the index; returns its file's size."""
         entry = self._index.pop(key)
         self._used -= entry.size
         self.policy.on_remove(key)
+        return entry.size
 
     def pin(self, key: ChunkKey) -> bool:
         e = self._index.get(key)

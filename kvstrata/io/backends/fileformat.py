@@ -219,6 +219,11 @@ class ObjectFiles:
     def remove(self, key: ChunkKey) -> bool:
         return _unlink_quiet(self.path_for(key))
 
+    def free_bytes(self) -> int:
+        """Bytes the filesystem under root has room for now (statvfs)."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
     def scan(self) -> tuple[list[tuple[Header, float]], int]:
         """Headers of every object file under root (with mtime), oldest first.
         Removes temp files left by a crash and files with a bad header;

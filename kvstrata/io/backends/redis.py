@@ -20,6 +20,7 @@ client and key layout, ``redis_cluster.RedisClusterTier`` a Redis Cluster's
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from kvstrata.io.backends.base import ObjectMeta
+from kvstrata.io.backends.redis_tls import SharedContextSSLConnection, tls_context
 from kvstrata.io.backends.shared import SharedMediumTier
 from kvstrata.io.config import RedisOptions
 from kvstrata.io.executors import Priority, run_in_thread
@@ -85,30 +87,18 @@ class RedisStoreBase(SharedMediumTier):
     async def start(self) -> None:
         """Connect and probe; a medium that is down leaves the tier
         unavailable (retried later), it does not raise."""
-        self._client = self._connect()
+        tls = await asyncio.to_thread(tls_context, self._opts, self.name) if self._opts.ssl else None
+        self._client = self._connect(tls)
         self._pool = ThreadPoolExecutor(self._opts.io_threads, thread_name_prefix=f"kvstrata-{self.name}")
         try:
             await self._probe()
         except self.faults as e:
             self._fault(e)
 
-    def _connect(self):
+    def _connect(self, tls: ssl.SSLContext | None):
+        """The client; with ``tls`` (the tier's one context, ``redis_tls``)
+        every connection speaks TLS on it."""
         raise NotImplementedError
-
-    def _tls_kwargs(self) -> dict:
-        """The client's TLS arguments ({} without ``ssl``): the server is
-        verified (its CA, else the system store, and its host name) unless
-        ``ssl_insecure_skip_verify`` says otherwise."""
-        o = self._opts
-        if not o.ssl:
-            return {}
-        kw = dict(ssl_ca_certs=o.ssl_ca_certs, ssl_certfile=o.ssl_certfile, ssl_keyfile=o.ssl_keyfile,
-                  ssl_check_hostname=o.ssl_check_hostname, ssl_cert_reqs="required")
-        if o.ssl_insecure_skip_verify:
-            log.warning("redis_tls_verification_disabled", tier=self.name,
-                        reason="ssl_insecure_skip_verify is set: any certificate is accepted")
-            kw.update(ssl_cert_reqs="none", ssl_check_hostname=False)
-        return kw
 
     async def _probe(self) -> None:
         raise NotImplementedError
@@ -263,14 +253,14 @@ class RedisTier(RedisStoreBase):
     def __init__(self, opts: RedisOptions, *, name: str = "redis", write_back: bool = False) -> None:
         super().__init__(opts, name=name, write_back=write_back)
 
-    def _connect(self) -> aioredis.Redis:
+    def _connect(self, tls: ssl.SSLContext | None) -> aioredis.Redis:
         o = self._opts
         pool = aioredis.BlockingConnectionPool(
             host=o.host, port=o.port, db=o.db, username=o.username, password=o.password,
             socket_timeout=o.socket_timeout_s, socket_connect_timeout=o.connect_timeout_s,
             max_connections=o.max_connections, timeout=o.socket_timeout_s,
             retry=Retry(NoBackoff(), 1),
-            **({"connection_class": aioredis.SSLConnection, **tls} if (tls := self._tls_kwargs()) else {}),
+            **({"connection_class": SharedContextSSLConnection, "shared_ssl_context": tls} if tls else {}),
         )
         return aioredis.Redis(connection_pool=pool)
 

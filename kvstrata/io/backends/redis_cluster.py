@@ -22,6 +22,7 @@ node is reached over TLS, verified as the single-server tier verifies.
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import structlog
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -38,6 +39,7 @@ from redis.exceptions import (
 
 from kvstrata.io.backends.base import Health
 from kvstrata.io.backends.redis import RedisStoreBase, ShardDown
+from kvstrata.io.backends.redis_tls import SharedContextSSLConnection
 from kvstrata.io.config import RedisClusterOptions
 from kvstrata.io.keys import ChunkKey
 
@@ -60,16 +62,25 @@ class RedisClusterTier(RedisStoreBase):
         self._shards: dict[str, Health] = {}
         self._refresh = False  # refresh the slot map before the next request
 
-    def _connect(self) -> RedisCluster:
+    def _connect(self, tls: ssl.SSLContext | None) -> RedisCluster:
         o = self._opts
-        return RedisCluster(
+        client = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in o.nodes()],
             username=o.username, password=o.password,
             socket_timeout=o.socket_timeout_s, socket_connect_timeout=o.connect_timeout_s,
             max_connections=o.max_connections, require_full_coverage=False,
             retry=Retry(NoBackoff(), 0),
-            **({"ssl": True, **tls} if (tls := self._tls_kwargs()) else {}),
         )
+        if tls is not None:
+            # RedisCluster takes no connection class; its nodes are made from
+            # the nodes manager's connection kwargs (the startup nodes already
+            # were), where redis-py injects its own per-connection options too.
+            client.nodes_manager.connection_kwargs.update(
+                connection_class=SharedContextSSLConnection, shared_ssl_context=tls)
+            for node in client.nodes_manager.startup_nodes.values():
+                node.connection_class = SharedContextSSLConnection
+                node.connection_kwargs["shared_ssl_context"] = tls
+        return client
 
     async def _probe(self) -> None:
         await self._client.initialize()  # the slot map from any reachable node

@@ -79,9 +79,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         can serve a hit only if it is among those before the first aligned L
         at or after its end. With one-block alignment that is every block;
         beside bigger blocks (a hybrid model) most window blocks never can,
-        and are not cached. (Mainline vLLM's SlidingWindowManager still
-        caches every full block; its hit search is the one above.)"""
+        and are not cached (vLLM's ``reachable_block_mask``).
+
+        ``end`` lies on an aligned boundary (the hybrid coordinator caches
+        only up to the last one), so that L is within the tokens cached: a
+        block past the last boundary waits for the call that reaches the
+        next one instead of being cached for a hit that cannot exist yet."""
         bs, align = self.block_size, self.hit_alignment
+        assert end * bs % align == 0, f"cache end {end * bs} is not a multiple of the hit alignment {align}"
         needed = cdiv(self.sliding_window - 1, bs)
         if align == bs and needed >= 1:
             return None
