@@ -362,18 +362,7 @@ class InputBatch:
             t[num_seqs:] = 0
         h[lay.logits:lay.logits + len(logits_idx)] = logits_idx
         d = self.buffers.commit(lay.size)
-        qsl_t = d[lay.qsl:lay.qsl + pad_s + 1]
-        lens_t = d[lay.seq_lens:lay.seq_lens + pad_s]
-        metas = [AttentionMetadata(
-            slot_mapping=d[lay.slots(g):lay.slots(g) + pad_t],
-            block_tables=d[lay.table(g):lay.table(g) + pad_s * lay.width].view(pad_s, lay.width),
-            query_start_loc=qsl_t,
-            seq_lens=lens_t,
-        ) for g in range(self.num_groups)]
-        meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
-        if self.num_groups > 1:
-            assert self.layer_groups is not None
-            meta = [metas[g] for g in self.layer_groups]
+        meta = self._metadata(d, lay)
         return StepInputs(
             req_ids=req_ids,
             input_ids=d[lay.ids:lay.ids + pad_t],
@@ -387,6 +376,21 @@ class InputBatch:
             graph_size=graph_size,
             logits_rows=logits_idx.tolist(),
         )
+
+    def _metadata(self, d: torch.Tensor, lay: StepLayout) -> AttentionMetadata | list[AttentionMetadata]:
+        """The attention metadata views of the device buffer ``d`` laid out as
+        ``lay``: one, or one per layer (its KV cache group's)."""
+        t, n, w = lay.num_tokens, lay.num_seqs, lay.width
+        metas = [AttentionMetadata(
+            slot_mapping=d[lay.slots(g):lay.slots(g) + t],
+            block_tables=d[lay.table(g):lay.table(g) + n * w].view(n, w),
+            query_start_loc=d[lay.qsl:lay.qsl + n + 1],
+            seq_lens=d[lay.seq_lens:lay.seq_lens + n],
+        ) for g in range(self.num_groups)]
+        if self.num_groups == 1:
+            return metas[0]
+        assert self.layer_groups is not None
+        return [metas[g] for g in self.layer_groups]
 
     def _grow_buffers(self, num_tokens: int, num_seqs: int) -> None:
         """A step beyond the limits the buffers were sized for (a runner used
@@ -424,16 +428,7 @@ class InputBatch:
         for g in range(self.num_groups):
             h[lay.slots(g):lay.slots(g) + num_tokens] = -1
         d = self.buffers.commit(lay.size)
-        metas = [AttentionMetadata(
-            slot_mapping=d[lay.slots(g):lay.slots(g) + num_tokens],
-            block_tables=d[lay.table(g):lay.table(g) + num_seqs * width].view(num_seqs, width),
-            query_start_loc=d[lay.qsl:lay.qsl + num_seqs + 1],
-            seq_lens=d[lay.seq_lens:lay.seq_lens + num_seqs],
-        ) for g in range(self.num_groups)]
-        meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
-        if self.num_groups > 1:
-            assert self.layer_groups is not None
-            meta = [metas[g] for g in self.layer_groups]
+        meta = self._metadata(d, lay)
         return StepInputs(req_ids=[], input_ids=d[:num_tokens], positions=d[lay.positions:lay.positions + num_tokens],
                           meta=meta, logits_indices=d[lay.logits:lay.logits], sample_states=[],
                           sample_batch_idx=[], num_tokens=num_tokens, graph_size=num_seqs if graph else None,
