@@ -112,6 +112,9 @@ class EngineCore:
         self.proposer: Proposer | None = make_proposer(config.speculative, self.max_model_len)
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0
+        # Prompts whose hash chain came with the request (and was used / not).
+        self.num_given_chains = 0
+        self.num_given_chains_refused = 0
         log.info("engine_core_ready", num_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  num_kv_cache_groups=len(self.kv.config.groups), max_model_len=self.max_model_len,
                  prefix_caching=self.kv.enable_caching)
@@ -139,8 +142,30 @@ class EngineCore:
             arrival_time=req.arrival_time or time.monotonic(),
             priority=req.priority, cache_salt=salt, lora_name=req.lora_name,
             block_hasher=hasher, hash_block_size=0 if hasher is None else hasher.block_size,
+            block_hashes=self._given_chain(req, blend is not None),
         )
         self.scheduler.add_request(request)
+
+    def _given_chain(self, req: EngineRequest, blended: bool) -> list[bytes] | None:
+        """``req.block_hashes`` when this engine can use it as the prompt's
+        chain (a fleet router hashed the prompt with this engine's identity):
+        one hash per full block, each of the hasher's digest size, and a
+        chain no one else could have computed is never taken (a random hash
+        root; a blend, whose salt the engine adds). Else None: hash here."""
+        given = req.block_hashes
+        if given is None:
+            return None
+        hasher = self.block_hasher
+        usable = (
+            hasher is not None and not hasher.random_root and not blended
+            and len(given) == len(req.prompt_token_ids) // hasher.block_size
+            and all(len(h) == hasher.hash_fn.digest_size for h in given)
+        )
+        if usable:
+            self.num_given_chains += 1
+            return given
+        self.num_given_chains_refused += 1
+        return None
 
     def abort_requests(self, request_ids) -> list[RequestOutput]:
         """Abort live requests now (blocks freed at once); unknown or
@@ -282,6 +307,8 @@ class EngineCore:
                 "kv.prefix_cache.resets": float(p.resets),
                 "kv.external_hit_tokens": float(c.external_cache_hits),
                 "engine.failed_steps": float(self.num_failed_steps),
+                "engine.given_chains": float(self.num_given_chains),
+                "engine.given_chains_refused": float(self.num_given_chains_refused),
                 **s.connector.stats(),
             },
         )

@@ -62,6 +62,11 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     lora_name: str | None = None
+    # The prompt's full-block hash chain as a fleet client computed it for
+    # routing (one hash pass per request): the engine uses it instead of
+    # hashing the prompt when it has exactly one hash per full block of its
+    # hasher, of its digest size; otherwise it hashes as for any request.
+    block_hashes: list[bytes] | None = None
 
 
 BlockHasher = Callable[[Any], list]
@@ -104,6 +109,7 @@ class Request:
         lora_name: str | None = None,
         block_hasher: BlockHasher | None = None,
         hash_block_size: int = 0,
+        block_hashes: list | None = None,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -139,7 +145,8 @@ class Request:
         # while the scheduler computes up to it (its ``load_point``); None: no split.
         self.load_at: int | None = None
         self.sort_key: tuple = (priority, self.arrival_time, 0)
-        self.block_hashes: list = []
+        # ``block_hashes`` given: the prompt's chain, already checked by the caller.
+        self.block_hashes: list = [] if block_hashes is None else list(block_hashes)
         self._block_hasher = block_hasher
         self._hash_block_size = hash_block_size
         # Token count at which the next block fills and needs its hash; the

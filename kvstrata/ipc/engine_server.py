@@ -331,7 +331,8 @@ class EngineServer:
         assert engine is not None
         rid = msg.request_id
         req = EngineRequest(request_id=rid, prompt_token_ids=msg.prompt_token_ids, sampling_params=msg.params,
-                            priority=msg.priority, cache_salt=msg.cache_salt, lora_name=msg.lora_name)
+                            priority=msg.priority, cache_salt=msg.cache_salt, lora_name=msg.lora_name,
+                            block_hashes=msg.block_hashes)
         try:
             validate_request(req, engine.facts)
             engine.submit(req, partial(self._on_output, client, rid))

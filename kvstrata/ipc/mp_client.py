@@ -255,7 +255,7 @@ class MPEngineClient:
         assert self._inputs is not None and self.info is not None
         rid = req.request_id
         frame = self._encoder.encode(P.AddRequest(rid, req.prompt_token_ids, req.sampling_params, req.priority,
-                                                  req.cache_salt, req.lora_name))
+                                                  req.cache_salt, req.lora_name, req.block_hashes))
         if len(frame) > self.info.max_frame_bytes:
             raise RequestError("prompt", f"request of {len(frame)} bytes exceeds the engine's frame limit")
         while self._outbox_bytes > self.max_outbox_bytes:  # the engine reads slower than we send: wait

@@ -83,6 +83,10 @@ class AddRequest(_Wire, tag="add"):
     priority: int = 0
     cache_salt: str | None = None
     lora_name: str | None = None
+    # The prompt's block hash chain from a fleet client's router (see
+    # EngineRequest.block_hashes); every client is authenticated (ipc: the
+    # engine's uid; tcp: the owner's CURVE key), so the engine trusts it.
+    block_hashes: list[bytes] | None = None
 
 
 class AbortRequests(_Wire, tag="abort"):

@@ -246,10 +246,11 @@ class BlockHasher:
     Owns nothing mutable: the root is fixed at construction.
     """
 
-    __slots__ = ("identity", "hash_fn", "block_size", "root", "_count")
+    __slots__ = ("identity", "random_root", "hash_fn", "block_size", "root", "_count")
 
     def __init__(self, identity: CacheIdentity, *, random_root: bool = False) -> None:
         self.identity = identity
+        self.random_root = random_root  # no one else can compute this engine's chains
         self.hash_fn = get_hash_fn(identity.hash_algo)
         self.block_size = identity.block_size
         self.root: BlockHash = (

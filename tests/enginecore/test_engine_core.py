@@ -143,3 +143,66 @@ def test_stats_report_the_kv_managers_prefix_counts_and_block_residency(kv_manag
     assert (r.sample_rate, r.num_samples, r.num_reuses) == (1.0, 2, 2)  # a's blocks, hit once by b
     assert r.lifetime_s.count == r.idle_before_eviction_s.count == 2 and r.reuse_gap_s.count == 2
     assert core.stats() == stats  # counts since start: reading changes nothing
+
+
+# -- one hash pass: a fleet router's chain comes with the request ------------
+
+def _own_chain(core: EngineCore, prompt) -> list[bytes]:
+    from kvstrata.router.hashes import PromptHasher
+    return PromptHasher(core.identity).hash_prompt(list(prompt))
+
+
+def test_a_given_chain_of_the_right_shape_is_taken_as_is_not_rehashed(make_core):
+    core = make_core()
+    prompt = list(range(10, 20))  # 10 tokens, 4-token blocks: 2 full blocks
+    size = core.block_hasher.hash_fn.digest_size
+    # Not the prompt's real hashes: had the engine hashed, they would differ.
+    marked = [bytes([1]) * size, bytes([2]) * size]
+    core.add_request(EngineRequest(request_id="x", prompt_token_ids=prompt, block_hashes=marked,
+                                   sampling_params=SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert core.scheduler.requests["x"].block_hashes == marked
+    out = run(core)
+    assert out["x"][-1].finished
+    stats = core.stats().extra
+    assert stats["engine.given_chains"] == 1 and stats["engine.given_chains_refused"] == 0
+
+
+def test_the_real_chain_given_gives_the_same_hits_as_the_engines_own(make_core):
+    core = make_core()
+    prompt = list(range(30, 47))  # 17 tokens: 4 full blocks
+    core.add_request(req("a", prompt))
+    run(core)
+    core.add_request(EngineRequest(request_id="b", prompt_token_ids=prompt, block_hashes=_own_chain(core, prompt),
+                                   sampling_params=SamplingParams(max_tokens=3)))
+    outs = run(core)
+    assert outs["b"][-1].num_cached_tokens == 16
+    assert core.stats().extra["engine.given_chains"] == 1
+
+
+@pytest.mark.parametrize("bad", ["short", "long", "digest"])
+def test_a_chain_of_the_wrong_shape_is_ignored_and_the_engine_hashes(make_core, bad):
+    core = make_core()
+    prompt = list(range(10, 20))
+    good = _own_chain(core, prompt)
+    size = core.block_hasher.hash_fn.digest_size
+    given = {"short": good[:1], "long": good + [bytes(size)], "digest": [h[:8] for h in good]}[bad]
+    core.add_request(EngineRequest(request_id="x", prompt_token_ids=prompt, block_hashes=given,
+                                   sampling_params=SamplingParams(max_tokens=1)))
+    assert core.scheduler.requests["x"].block_hashes == good
+    run(core)
+    assert core.stats().extra["engine.given_chains_refused"] == 1
+
+
+def test_an_engine_with_a_private_hash_root_never_takes_a_chain(make_core, kv_managers):
+    from engine_fakes import FakeRunner, engine_config
+    config = engine_config()
+    config.cache.random_hash_root = True
+    core = build_engine_core(config, FakeRunner())
+    kv_managers.append(core.kv)
+    prompt = list(range(10, 20))
+    public = _own_chain(core, prompt)
+    core.add_request(EngineRequest(request_id="x", prompt_token_ids=prompt, block_hashes=public,
+                                   sampling_params=SamplingParams(max_tokens=1)))
+    assert core.scheduler.requests["x"].block_hashes != public
+    run(core)
+    assert core.stats().extra["engine.given_chains_refused"] == 1

@@ -185,3 +185,25 @@ def test_engine_info_is_plain_data():
     info = EngineInfo(protocol_version=1, pid=1, ready=True, config=msgspec.to_builtins(null_config()),
                       max_frame_bytes=10)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=EngineInfo) == info
+
+
+async def test_a_fleet_clients_chain_crosses_the_wire_and_the_engine_does_not_rehash(engine_url):
+    from kvstrata.enginecore.request import EngineRequest
+    from kvstrata.kv.hashing import CacheIdentity
+    from kvstrata.router.hashes import PromptHasher
+
+    async with await MPEngineClient.connect(engine_url) as client:
+        hasher = PromptHasher(msgspec.convert(client.info.cache_identity, CacheIdentity))
+        prompt = list(range(100, 100 + 3 * client.config.cache.block_size + 5))
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        before = (await client.stats()).extra
+        first = EngineRequest(request_id="own", prompt_token_ids=prompt, sampling_params=params)
+        [o async for o in client.generate_request(first)]
+        given = msgspec.structs.replace(first, request_id="given", block_hashes=hasher.hash_prompt(prompt))
+        outs = [o async for o in client.generate_request(given)]
+        wrong = msgspec.structs.replace(first, request_id="wrong", block_hashes=given.block_hashes[:1])
+        [o async for o in client.generate_request(wrong)]
+        after = (await _settled(client)).extra
+    assert outs[-1].num_cached_tokens == 3 * client.config.cache.block_size  # the chain is the engine's own
+    assert after["engine.given_chains"] - before["engine.given_chains"] == 1
+    assert after["engine.given_chains_refused"] - before["engine.given_chains_refused"] == 1
