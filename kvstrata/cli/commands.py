@@ -118,7 +118,8 @@ async def open_fleet(args: argparse.Namespace, config: EngineConfig) -> EngineCl
     replicas = []
     if args.engines > 1 or not (args.engine or args.registry):
         transport = "ipc" if args.transport == "inproc" else args.transport
-        replicas += [Replica(f"engine-{i}", "local", local_connector(config, transport)) for i in range(args.engines)]
+        local = engines_config(config, args.engines)
+        replicas += [Replica(f"engine-{i}", "local", local_connector(local, transport)) for i in range(args.engines)]
     for address in args.engine:
         replicas.append(Replica(address, "remote", remote_connector(address, credentials), address=address))
     fleet_config = RouterConfig(policy=args.router_policy, affinity=args.router_affinity)
@@ -127,6 +128,38 @@ async def open_fleet(args: argparse.Namespace, config: EngineConfig) -> EngineCl
 
         return await follow_registry(args.registry, replicas, fleet_config, credentials)
     return await FleetClient.start(replicas, fleet_config)
+
+
+def engines_config(config: EngineConfig, num_engines: int, *, cores: int | None = None,
+                   on_cpu: bool | None = None) -> EngineConfig:
+    """The config of each of ``num_engines`` local engines on this host. On a
+    CPU host the engines divide the cores this process may run on (at least
+    one torch thread each), instead of each taking torch's default of every
+    core: two engines on two cores at two threads each run 10x slower than
+    one. An explicit ``model.num_threads`` wins; one engine, or engines on a
+    GPU, keep the config as it is. ``cores``/``on_cpu``: this host's (tests)."""
+    if num_engines <= 1 or config.model.num_threads is not None:
+        return config
+    if on_cpu is None:
+        on_cpu = _engines_on_cpu(config.device)
+    if not on_cpu:
+        return config
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // num_engines)
+    log.info("fleet_engines_share_cores", engines=num_engines, cores=cores, threads_per_engine=threads,
+             hint="--model.num-threads N sets it yourself")
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, num_threads=threads))
+
+
+def _engines_on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device == "cuda":
+        return False
+    import torch  # "auto": only here, and only for several local engines
+
+    return not torch.cuda.is_available()
 
 
 # --- engine (one engine for remote routers) ----------------------------------------------

@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = serve.add_argument_group("fleet (several engine replicas behind this server)")
     fleet.add_argument("--engines", type=int, default=1, metavar="N",
                        help="start N engine subprocesses on this machine, each with its own device cache and "
-                            "tiers, routed by --router-policy (default 1: one engine, no router)")
+                            "tiers, routed by --router-policy (default 1: one engine, no router); on a CPU host the "
+                            "engines divide the cores (threads per engine = cores // N, at least 1; "
+                            "--model.num-threads wins)")
     fleet.add_argument("--engine", action="append", default=[], metavar="ADDR",
                        help="a running engine to route to (repeatable): tcp://HOST:PORT of "
                             "`kvstrata engine --listen`, or ipc://PATH")
