@@ -18,7 +18,19 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: str | None = None
     tokenizer: str | None = None
+    # Activations (and dense weights): float32, float16, bfloat16 or "auto":
+    # bf16 on a GPU; on a CPU the faster of float32 and bfloat16 as measured
+    # on the GGUF's linear layers at load (bf16 must win by 10 %); a Hugging
+    # Face checkpoint's own torch_dtype.
     dtype: str = "float32"
+    # A GGUF's linear layers: "packed" (their quantized blocks stay in memory,
+    # matmuls dequantize on the fly: docs/quantization.md), "dequantize"
+    # (every tensor dequantized to ``dtype`` at load: exact, ~4-7x the
+    # memory), or "auto": packed on a CPU when ``dtype`` is "auto" or
+    # "bfloat16" (packed matmuls may round to bf16; float32 keeps the exact
+    # path), dequantize on CUDA (the Triton GEMV/GEMM over packed blocks has
+    # not been run on a GPU yet). Ignored for Hugging Face checkpoints.
+    quantized_weights: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     # torch intra-op threads for the model step (torch.set_num_threads, which
@@ -184,6 +196,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"scheduler.policy must be 'fcfs', 'priority' or 'cache-aware', got {s.policy!r}")
         if self.model.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"model.dtype must be float32, float16, bfloat16 or auto, got {self.model.dtype!r}")
+        if self.model.quantized_weights not in ("auto", "packed", "dequantize"):
+            raise ValueError("model.quantized_weights must be 'auto', 'packed' or 'dequantize', "
+                             f"got {self.model.quantized_weights!r}")
         if self.model.max_model_len is not None:
             _positive("model.max_model_len", self.model.max_model_len)
         if self.model.num_threads is not None:

@@ -22,7 +22,17 @@ Per set and type:
   gpu              (CUDA only) Triton quant_matmul vs F.linear on bf16 weights,
                    ms per set, CUDA events, median of --reps after warm-up
 
-Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N]
+  engine           (--engine) the real SmolLM2 GGUF end to end on the CPU, one
+                   engine per setting, in this process, one after another:
+                   dequantize/float32 (the baseline: every tensor dequantized at
+                   load), packed/float32, packed/auto (the dtype measured at
+                   load); per setting the resident weight bytes (as loaded, and
+                   over the file's tensor bytes), load seconds, and greedy decode
+                   tok/s single-stream and at batch 16 (tokens after each
+                   request's first, over the time from the first first-token to
+                   the last token), and the speedups over the baseline
+
+Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N] [--engine [--engine-only]]
 --quick runs one CPU thread unless --threads says otherwise: on a shared
 machine a two-thread parallel region waits whenever the other thread is
 descheduled, which swamps small matmuls (seen: 0.05 ms -> 10+ ms).
@@ -33,7 +43,9 @@ the same run, interleaved with the packed paths. Never asserts timings.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import platform
 import statistics
 import time
@@ -42,8 +54,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels import PackedWeight, choose_cpu_path, dequantize, pack_weight, quant_matmul
-from kvstrata.kernels.quant import QUANT_TYPES, Int4Path
+from kvstrata.kernels import PackedWeight, choose_cpu_path, dequantize, pack_weight, quant_matmul, with_cpu_path
+from kvstrata.kernels.quant import QUANT_TYPES
+from kvstrata.kernels.quant_cpu import Int4Path
 
 SETS = {
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
@@ -139,7 +152,7 @@ def bench_set(set_name: str, qtype: str, args) -> dict:
               for i, (name, (rows, cols)) in enumerate(shapes.items()) if name not in skipped}
     weights = sum(p.out_features * p.in_features for p in layers.values())
     packed_bytes = sum(p.nbytes for p in layers.values())
-    int4_bytes = sum(p.with_cpu_path("int4").nbytes for p in layers.values() if Int4Path.available(p))
+    int4_bytes = sum(with_cpu_path(p, "int4").nbytes for p in layers.values() if Int4Path.available(p))
     res = {
         "layers": {name: list(shape) for name, shape in shapes.items() if name not in skipped},
         "skipped_layers": skipped,
@@ -158,12 +171,75 @@ def bench_set(set_name: str, qtype: str, args) -> dict:
     return res
 
 
+ENGINE_SETTINGS = (("dequantize", "float32"), ("packed", "float32"), ("packed", "auto"))
+
+
+async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: int, tokens: int) -> float:
+    """Greedy decode tok/s of ``batch`` concurrent chats on one engine."""
+    from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+    from kvstrata.enginecore import AsyncEngine
+    from kvstrata.types import SamplingParams
+
+    cfg = EngineConfig(model=ModelConfig(model=path, max_model_len=512, quantized_weights=mode, dtype=dtype,
+                                         num_threads=threads),
+                       device="cpu", cache=CacheConfig(num_blocks=64 + 8 * batch), log_level="WARNING")
+    engine = await AsyncEngine.start(cfg)
+    firsts: list[float] = []
+    lasts: list[float] = []
+
+    async def one(i: int) -> int:
+        n, first = 0, None
+        async for o in engine.chat([{"role": "user", "content": f"Tell me a story about the number {i}."}],
+                                   SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)):
+            n += len(o.new_token_ids)
+            if first is None:
+                first = time.perf_counter()
+                firsts.append(first)
+        lasts.append(time.perf_counter())
+        return n - 1
+
+    try:
+        decoded = sum(await asyncio.gather(*(one(i) for i in range(batch))))
+    finally:
+        await engine.aclose()
+    return decoded / (max(lasts) - min(firsts))
+
+
+def bench_engine(args) -> dict:
+    from kvstrata.worker.model import load_checkpoint
+    from kvstrata.worker.model.gguf_file import GGUFCheckpoint
+    from kvstrata.worker.model.smollm2 import locate_smollm2
+
+    path = str(locate_smollm2(download=True))
+    file_bytes = sum(src.nbytes for _, src in GGUFCheckpoint(path).tensor_sources())
+    tokens = (24, 16) if args.quick else (64, 32)
+    res: dict = {"model": path, "file_tensor_bytes": file_bytes, "tokens_single": tokens[0],
+                 "tokens_per_request_batch16": tokens[1], "settings": {}}
+    for mode, dtype in ENGINE_SETTINGS:
+        start = time.perf_counter()
+        ckpt = load_checkpoint(path, dtype, "cpu", mode)
+        load_s = time.perf_counter() - start
+        entry = {"dtype": ckpt.dtype, "weight_bytes": ckpt.weight_bytes,
+                 "weight_over_file": round(ckpt.weight_bytes / file_bytes, 3), "load_s": round(load_s, 2)}
+        del ckpt
+        entry["single_tok_s"] = round(asyncio.run(engine_decode(path, mode, dtype, args.threads, 1, tokens[0])), 2)
+        entry["batch16_tok_s"] = round(asyncio.run(engine_decode(path, mode, dtype, args.threads, 16, tokens[1])), 2)
+        res["settings"][f"{mode}/{dtype}"] = entry
+    base = res["settings"]["dequantize/float32"]
+    for entry in res["settings"].values():
+        entry["speedup_single"] = round(entry["single_tok_s"] / base["single_tok_s"], 2)
+        entry["speedup_batch16"] = round(entry["batch16_tok_s"] / base["batch16_tok_s"], 2)
+    return res
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs; 8b: one layer, two types")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's; 1 with --quick)")
     parser.add_argument("--reps", type=int, default=None, help="runs per measurement (default 2 quick, 5)")
+    parser.add_argument("--engine", action="store_true", help="also the SmolLM2 GGUF end to end (CPU)")
+    parser.add_argument("--engine-only", action="store_true", help="only the end-to-end engine runs")
     args = parser.parse_args()
     if args.threads or args.quick:
         torch.set_num_threads(args.threads or 1)
@@ -176,9 +252,13 @@ def main() -> None:
         "quick": args.quick,
         "sets": {},
     }
-    for set_name in SETS:
+    result["load"] = os.getloadavg()  # other work on the host, at the start
+    for set_name in () if args.engine_only else SETS:
         types = QUICK_8B["types"] if set_name == "8b" and args.quick else tuple(QUANT_TYPES)
         result["sets"][set_name] = {qtype: bench_set(set_name, qtype, args) for qtype in types}
+    if args.engine or args.engine_only:
+        result["engine"] = bench_engine(args)
+    result["load_at_end"] = os.getloadavg()
     result["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result, indent=1))
 

@@ -21,8 +21,10 @@ imports triton and never needs a GPU.
     rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out=None) -> q_rot
     pack_weight(raw, qtype, (out, in)) -> PackedWeight     GGUF blocks kept packed (quant.py)
     dequantize(packed, dtype) -> [out, in]                  bit-equal to gguf.quants.dequantize
-    quant_matmul(x, packed, bias=None, out=None, scratch=None) -> x @ W.T + bias
-    choose_cpu_path(packed, sample_tokens) -> CpuChoice    one-time CPU micro-benchmark at load
+    quant_matmul(x, packed, bias=None, out=None, scratch=None) -> x @ W.T + bias   (quant_linear.py)
+    packed_embedding(ids, packed, dtype) -> [T, in]        the rows ids, dequantized
+    choose_cpu_path(packed, sample_tokens) -> CpuChoice    one-time CPU micro-benchmark at load (quant_cpu.py)
+    with_cpu_path(packed, "dequant" | "int4", keep_blocks=True) -> PackedWeight
 
 All kernel entry points also take ``impl="auto" | "torch" | "triton"``.
 """
@@ -33,19 +35,9 @@ from kvstrata.kernels.cache_write import reshape_and_cache, reshape_and_cache_re
 from kvstrata.kernels.dispatch import interpret_requested, use_triton
 from kvstrata.kernels.fused import fused_add_rms_norm, rotary_and_cache, silu_and_mul
 from kvstrata.kernels.layout import KV_LAYOUTS, KVCacheShape, allocate_kv_caches
-from kvstrata.kernels.quant import (
-    CpuChoice,
-    PackedWeight,
-    QuantScratch,
-    QuantType,
-    cat_rows,
-    choose_cpu_path,
-    dequantize,
-    pack_weight,
-    quant_matmul,
-    quant_matmul_ref,
-    quant_type,
-)
+from kvstrata.kernels.quant import QUANT_TYPES, PackedWeight, QuantType, cat_rows, dequantize, pack_weight, quant_type
+from kvstrata.kernels.quant_cpu import CpuChoice, QuantScratch, choose_cpu_path, with_cpu_path
+from kvstrata.kernels.quant_linear import packed_embedding, quant_matmul, quant_matmul_ref
 from kvstrata.kernels.streams import KVStreams, KVTransfer
 from kvstrata.kernels.transfer import (
     gather_kv,
@@ -64,6 +56,7 @@ __all__ = [
     "KVTransfer",
     "KernelArgumentError",
     "PackedWeight",
+    "QUANT_TYPES",
     "QuantScratch",
     "QuantType",
     "allocate_kv_caches",
@@ -76,6 +69,7 @@ __all__ = [
     "gather_kv_layer_ref",
     "interpret_requested",
     "pack_weight",
+    "packed_embedding",
     "paged_attention",
     "paged_attention_ref",
     "quant_matmul",
@@ -89,4 +83,5 @@ __all__ = [
     "scatter_kv_layer_ref",
     "silu_and_mul",
     "use_triton",
+    "with_cpu_path",
 ]

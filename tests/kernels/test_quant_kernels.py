@@ -1,4 +1,4 @@
-"""Packed GGUF weights and the dequantizing matmul (``kvstrata.kernels.quant``) on CPU.
+"""Packed GGUF weights and the dequantizing matmul (``kvstrata.kernels.quant``, ``quant_cpu``, ``quant_linear``) on CPU.
 
 Pinned here:
 - ``dequantize`` is bit-equal to ``gguf.quants.dequantize`` (then cast) for
@@ -37,7 +37,9 @@ from kvstrata.kernels import (
     pack_weight,
     quant_matmul,
     quant_matmul_ref,
+    packed_embedding,
     quant_type,
+    with_cpu_path,
 )
 from kvstrata.kernels.quant import QUANT_TYPES
 
@@ -208,7 +210,7 @@ def test_cuda_tiles_run_by_the_interpreter_match_the_reference(qtype):
 def test_int4_path_is_within_bf16_tolerance(qtype):
     for dtype in (torch.float32, torch.bfloat16):
         x, packed, bias = _inputs(qtype, 5, dtype, seed=8, rows=32)
-        fast = packed.with_cpu_path("int4")
+        fast = with_cpu_path(packed, "int4")
         assert fast.cpu_path == "int4" and fast.nbytes > packed.nbytes
         got = quant_matmul(x, fast, bias)
         assert_within(got, quant_matmul_ref(x, packed, bias), x, packed, bias, 2.0**-7)
@@ -216,16 +218,43 @@ def test_int4_path_is_within_bf16_tolerance(qtype):
 
 def test_int4_path_may_drop_the_blocks_and_then_runs_nothing_else():
     x, packed, bias = _inputs("Q4_1", 3, torch.bfloat16, seed=11, rows=32)
-    fast = packed.with_cpu_path("int4")
-    lean = fast.with_cpu_path("int4", keep_blocks=False)
+    fast = with_cpu_path(packed, "int4")
+    lean = with_cpu_path(fast, "int4", keep_blocks=False)
     assert lean.data is None and lean.nbytes == fast.nbytes - packed.nbytes
     assert torch.equal(quant_matmul(x, lean, bias), quant_matmul(x, fast, bias))
     for call in (lambda: dequantize(lean), lambda: quant_matmul(x, lean, impl="triton"),
-                 lambda: lean.with_cpu_path("dequant"), lambda: lean.rows(slice(0, 16))):
+                 lambda: with_cpu_path(lean, "dequant"), lambda: lean.rows(slice(0, 16))):
         with pytest.raises(KernelArgumentError, match="no GGUF blocks left"):
             call()
     with pytest.raises(KernelArgumentError, match="keep_blocks=False needs path 'int4'"):
-        packed.with_cpu_path("dequant", keep_blocks=False)
+        with_cpu_path(packed, "dequant", keep_blocks=False)
+
+
+@pytest.mark.parametrize("rows", [32, 80, 208])  # a last block of 32, 16 and 16 rows after whole 64-row ones
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_K"])
+def test_embedding_rows_read_back_from_the_int4_planes_are_the_planes_values(qtype, rows):
+    """Once the blocks are dropped, ``packed_embedding`` rebuilds rows from
+    torch's int4 layout: the exact rows up to the bf16 rounding of the
+    planes' scales, and the weights the int4 kernel multiplies by (x = the
+    identity gives W.T) up to its own bf16 arithmetic."""
+    x, packed, _ = _inputs(qtype, 1, torch.bfloat16, seed=12, rows=rows)
+    lean = with_cpu_path(packed, "int4", keep_blocks=False)
+    ids = torch.tensor([0, rows - 1, rows // 2 + 1, 5, rows // 2, 5])
+    got = packed_embedding(ids, lean, torch.float32)
+    exact = dequantize(packed)[ids]
+    scale = exact.abs().view(len(ids), -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(exact.shape)
+    assert ((got - exact).abs() <= 2.0**-7 * scale).all()
+    assert not torch.equal(got[0], got[1])  # a wrong row would be off by far more than the scales' rounding
+    eye = torch.eye(packed.in_features, dtype=torch.bfloat16)
+    kernel_w = quant_matmul(eye, lean).float().T  # [rows, in]
+    assert ((got - kernel_w[ids]).abs() <= 2.0**-7 * scale).all()
+    assert torch.equal(packed_embedding(ids, packed, torch.float32), exact)  # with the blocks: exact
+
+
+def test_choose_cpu_path_offers_int4_to_fp32_activations_when_allowed():
+    packed = random_packed("Q4_1", 32, 64)
+    choice = choose_cpu_path(packed, (1,), dtype=torch.float32, reps=1, ring_bytes=0, allow_inexact=True)
+    assert set(choice.times_ms) == {"dequant", "int4", "dense"}
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -274,11 +303,14 @@ BAD_CALLS = {
     "in_features": (lambda: pack_weight(torch.zeros(18, dtype=torch.uint8), "Q4_K", (1, 32)), "multiple of Q4_K"),
     "data_shape": (lambda: dequantize(PackedWeight(_P.qtype, (16, 96), _P.data)), r"packed.data must be \[16"),
     "cpu_path": (lambda: quant_matmul(_X, PackedWeight(_P.qtype, _P.shape, _P.data, "int4")), "does not match"),
-    "int4_rows": (lambda: random_packed("Q4_0", 8, 64).with_cpu_path("int4"), "out_features % 16"),
-    "int4_type": (lambda: random_packed("Q6_K", 16, 256).with_cpu_path("int4"), "got Q6_K"),
-    "path": (lambda: _P.with_cpu_path("fast"), "path must be one of"),
+    "int4_rows": (lambda: with_cpu_path(random_packed("Q4_0", 8, 64), "int4"), "out_features % 16"),
+    "int4_type": (lambda: with_cpu_path(random_packed("Q6_K", 16, 256), "int4"), "got Q6_K"),
+    "path": (lambda: with_cpu_path(_P, "fast"), "path must be one of"),
     "dtype": (lambda: dequantize(_P, torch.int8), "dtype must be one of"),
     "tokens": (lambda: choose_cpu_path(_P, (0,)), "sample_tokens"),
+    "ids_dtype": (lambda: packed_embedding(torch.zeros(2), _P, torch.float32), "ids dtype"),
+    "no_planes": (lambda: packed_embedding(torch.zeros(2, dtype=torch.long),
+                                           PackedWeight(_P.qtype, _P.shape, None), torch.float32), "int4 planes"),
 }
 
 

@@ -119,8 +119,9 @@ async def test_greedy_chat_tokens_equal_transformers(smollm2_gguf, hf_answers, m
     n-gram speculative decoding (serial steps), 8 chats at once: HF's greedy
     tokens, up to a tie (``differs``)."""
     spec = SpeculativeConfig(method="ngram", prompt_lookup_min=1) if "spec" in mode else SpeculativeConfig()
-    cfg = EngineConfig(model=ModelConfig(model=str(smollm2_gguf), max_model_len=512), device="cpu",
-                       cache=CacheConfig(num_blocks=256), log_level="WARNING", speculative=spec,
+    # dequantize-at-load: the exact path (packed weights: test_smollm2_packed.py)
+    cfg = EngineConfig(model=ModelConfig(model=str(smollm2_gguf), max_model_len=512, quantized_weights="dequantize"),
+                       device="cpu", cache=CacheConfig(num_blocks=256), log_level="WARNING", speculative=spec,
                        scheduler=SchedulerConfig(async_scheduling=mode == "async"))
     engine = await AsyncEngine.start(cfg)
     try:

@@ -20,7 +20,9 @@ each slice a memmap) took 4-5 s for SmolLM2. Here the header is parsed with
 ``struct`` over one mmap (0.1-0.2 s) and each tensor is dequantized from the
 mmap straight into the model's parameter (``GGUFTensor.read_into``, no
 intermediate copy; 0.4-0.7 s), with the values ``gguf.quants`` gives
-(tests/model_gguf compare them).
+(tests/model_gguf compare them). With packed weights
+(``model.quantized_weights``) the linear layers' blocks are copied as they
+are instead (``GGUFTensor.pack``).
 
 Errors (``CheckpointError``) name the file and what is wrong: not a GGUF,
 truncated, an architecture or tensor type this reader does not map.
@@ -37,6 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from kvstrata.kernels import KernelArgumentError, PackedWeight, pack_weight, quant_type
 from kvstrata.text.gguf_tokenizer import GGUFMetadata
 from kvstrata.worker.model.config import CheckpointError
 
@@ -168,11 +171,36 @@ class GGUFCheckpoint:
 
 
 class GGUFTensor:
-    """One tensor of a GGUF file, read on demand. ``shape``: its HF shape."""
+    """One tensor of a GGUF file, read on demand. ``shape``: its HF shape;
+    ``gguf_name``, ``ggml_type`` (the type id), ``nbytes``: as in the file."""
 
     def __init__(self, ck: GGUFCheckpoint, info: _TensorInfo, permute_heads: int | None) -> None:
         self._ck, self._info, self._heads = ck, info, permute_heads
         self.shape = info.shape
+        self.gguf_name = info.name
+        self.ggml_type = info.qtype
+        self.nbytes = info.nbytes  # in the file
+
+    @property
+    def type_name(self) -> str:
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(self._info.qtype).name
+
+    def pack(self, device: torch.device | str) -> PackedWeight:
+        """The tensor's quantized blocks, kept (``kvstrata.kernels.pack_weight``):
+        a copy on ``device`` owning its memory, llama.cpp's q/k permutation
+        undone by moving whole rows (blocks never straddle rows).
+        KernelArgumentError when its type or shape is not one that packs."""
+        if len(self.shape) != 2:
+            raise KernelArgumentError(f"{self.gguf_name} has shape {self.shape}: only 2-D weights pack")
+        quant_type(self._info.qtype)  # an unpacked type fails here, before the copy
+        raw = np.frombuffer(self._ck._mm, dtype=np.uint8, count=self._info.nbytes, offset=self._info.offset)
+        packed = pack_weight(torch.from_numpy(raw.copy()), self._info.qtype, self.shape, device)
+        if self._heads is None:
+            return packed
+        n, rows = self._heads, self.shape[0]  # rows (head, r, pair) -> (head, pair, r), as read_into
+        return packed.rows(torch.arange(rows, device=packed.device).view(n, rows // n // 2, 2).transpose(1, 2).reshape(-1))
 
     def read_into(self, out: torch.Tensor) -> None:
         """Dequantize into ``out`` (this shape, any float dtype, any device),

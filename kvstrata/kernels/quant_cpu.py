@@ -1,0 +1,392 @@
+"""The CPU paths of ``quant_linear.quant_matmul`` over packed GGUF weights,
+and the one-time micro-benchmark that picks one per layer at load.
+
+    with_cpu_path(packed, path, *, keep_blocks=True) -> PackedWeight   (repacked for ``path``)
+    choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None) -> CpuChoice
+    int4_rows(packed, ids, dtype) -> [T, in]      rows rebuilt from the int4 planes
+
+Paths (``quant_matmul`` with impl "auto"/"torch" on CPU runs ``packed.cpu_path``):
+
+    "dequant"  dequantize 2^20-weight row chunks into ``scratch`` (reused,
+               one per model) and F.linear each: exact, any type, resident
+               memory = the blocks. Slow: ~10 torch ops per chunk, 3-6x
+               dense fp32 on the bench machine.
+    "int4"     torch's ``_weight_int4pack_mm_for_cpu`` (bf16) on repacked
+               planes, w = sum_p (q_p - 8) * s_p + z_p per 32 weights: one plane
+               for Q4_0/Q4_1/Q4_K, two (low nibble, high bits) for
+               Q5_0/Q5_1/Q5_K/Q8_0. Needs out_features % 16 == 0. Each plane
+               adds 0.625 B/weight on top of the blocks. Q6_K has no int4 form
+               (its scales cover 16 weights; the kernel's groups are 32..256).
+               Its fp32 variant is the op's slow reference (~10x dense): unused.
+               ``with_cpu_path(w, "int4", keep_blocks=False)`` drops the blocks:
+               resident = planes only (Q4_*: 1.0-1.1x the file's bytes).
+
+Not candidates: ``_weight_int8pack_mm`` (one scale per output row: Q8_0's
+per-32 scales would have to be requantized, off by up to half a step of the
+row's largest block), and a torch.compile'd dequantize (75 s to compile one
+shape here, and still ~6x slower than the dense matmul it would feed).
+
+``choose_cpu_path`` times the candidates (and "dense", the dequantize-at-load
+baseline) on the layer at load and returns the fastest; the inexact "int4"
+is offered for bf16 activations (or any, with ``allow_inexact=True``: the
+loader's packed mode) and must beat "dequant" by 10 %. Measured with
+``tools/bench_quant.py --quick`` (1 thread of a shared, heavily loaded 2-core
+AMD EPYC with AVX512-bf16; two runs; ms for the SmolLM2 layer set
+qkv+o+gate_up+down in Q4_1, and for one 8B gate [14336, 4096] in Q4_K):
+
+                      int4 (bf16)   dense fp32   dense bf16   dequant fp32
+    SmolLM2 Q4_1 T=1     0.30          0.8-1.0      0.9          3.1-4.0
+    SmolLM2 Q4_1 T=16    1.5           2.5          1.4          4.5-5.9
+    8B Q4_K      T=1     3.7-7.4      16-23        24-30        69-107
+    8B Q4_K      T=16     40-57      124-140       36-40       137-190
+
+So on a CPU: bf16 activations with "int4" where the type has it (2.7-4.3x
+dense fp32 at decode; at 16 tokens 1.7-2.5x dense fp32, 0.7-1x dense bf16),
+dense weights where memory allows otherwise; "dequant" is the exact
+low-memory fallback.
+
+``int4_rows`` reads rows back out of torch's int4 layout (an embedding tied
+to an lm_head whose blocks were dropped): per 64-row block, byte j of each
+column k holds row j (low nibble) and row j + 32 (high); a last block of t <
+64 rows pairs rows 2j and 2j + 1 instead. ``int4_layout_ok`` checks that on
+this torch build once (a loader keeps the blocks of a tied embedding when
+it does not hold), and ``int4_rows`` refuses to run without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels._checks import KV_DTYPES, KernelArgumentError
+from kvstrata.kernels.quant import (
+    CPU_PATH_NAMES,
+    PackedWeight,
+    _bits,
+    _f16,
+    _k_nibbles,
+    _k_scales,
+    _nibbles,
+    _q5_high,
+    check_packed,
+    dequantize,
+    dequantize_rows_into,
+)
+
+# weights dequantized per chunk of the "dequant" path: 4 MB of float32, still
+# in the last-level cache when F.linear reads it, and few enough chunks that
+# the ~15 torch ops per chunk (each a parallel region) stay cheap
+_CHUNK_WEIGHTS = 1 << 20
+
+
+class QuantScratch:
+    """Reusable buffers of the CPU "dequant" path, grown to the largest chunk.
+
+    Owns: one flat float32 buffer (the dequantized chunk) and one per other
+    activation dtype (the chunk rounded to it). One per model: its layers
+    run one at a time, so one chunk-sized buffer serves them all.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements (contents undefined)."""
+        buf = self._buffers.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[(dtype, device)] = buf
+        return buf[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class DequantPath:
+    """Dequantize row chunks into the scratch buffer, F.linear each chunk.
+    Exact: each chunk is ``dequantize``'s rows, in x's dtype."""
+
+    name = "dequant"
+    exact = True
+
+    @staticmethod
+    def available(packed: PackedWeight) -> bool:
+        return True
+
+    @staticmethod
+    def prepare(packed: PackedWeight) -> PackedWeight:
+        return dataclasses.replace(packed, cpu_path="dequant", int4=None)
+
+    @staticmethod
+    def matmul(x, packed, bias, out, scratch) -> None:
+        n, k = packed.shape
+        rows = max(1, min(n, _CHUNK_WEIGHTS // k))
+        scratch = scratch if scratch is not None else QuantScratch()
+        f32 = scratch.get(rows * k, torch.float32, x.device)
+        low = None if x.dtype == torch.float32 else scratch.get(rows * k, x.dtype, x.device)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            w = f32[: (stop - start) * k].view(stop - start, k)
+            dequantize_rows_into(packed, start, stop, w)
+            if low is not None:
+                w = low[: w.numel()].view(w.shape).copy_(w)
+            b = None if bias is None else bias[start:stop]
+            out[:, start:stop].copy_(F.linear(x, w, b))
+
+
+# Q types as int4 planes: w = sum over planes of (q_p - 8) * s_p + z_p, per 32
+# weights. Every z is 0 or a power-of-two multiple of its s where the format
+# has no free offset, so rounding s to bf16 scales the group, never shifts it.
+def _int4_planes(packed: PackedWeight) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """[(q uint8 [N, K] in 0..15, s float32 [N, K/32], z float32 [N, K/32])]."""
+    name, (n, k) = packed.qtype.name, packed.shape
+    b = packed.data.view(n, -1, packed.qtype.type_size)
+    if name in ("Q4_K", "Q5_K"):
+        q = torch.empty(n, b.shape[1], 8, 32, dtype=torch.uint8)
+        _k_nibbles(b[..., 16:144] if name == "Q4_K" else b[..., 48:176], q)
+        dd, dm = (t.squeeze(-1) for t in _k_scales(b))
+        if name == "Q4_K":
+            return [(q.view(n, k), dd.view(n, -1), (8 * dd - dm).view(n, -1))]
+        high = _bits(b[..., 16:48], 8)
+        return [(q.view(n, k), dd.view(n, -1), (8 * dd - dm).view(n, -1)),
+                (high.reshape(n, k), (16 * dd).view(n, -1), (128 * dd).view(n, -1))]
+    d = _f16(b, 0).squeeze(-1)
+    q = torch.empty(n, b.shape[1], 32, dtype=torch.uint8)
+    if name == "Q8_0":
+        u = b[..., 2:] ^ 128  # int8 q + 128 = lo + 16 * hi
+        return [((u & 15).reshape(n, k), d, 8 * d), ((u >> 4).reshape(n, k), 16 * d, torch.zeros_like(d))]
+    qs_at = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
+    _nibbles(b[..., qs_at:qs_at + 16], q)
+    m = _f16(b, 2).squeeze(-1) if name in ("Q4_1", "Q5_1") else None
+    if name == "Q4_0":
+        return [(q.view(n, k), d, torch.zeros_like(d))]
+    if name == "Q4_1":
+        return [(q.view(n, k), d, m + 8 * d)]
+    high = (_q5_high(b[..., qs_at - 4:qs_at]) >> 4).reshape(n, k)
+    low_z = -8 * d if name == "Q5_0" else m + 8 * d
+    return [(q.view(n, k), d, low_z), (high, 16 * d, 128 * d)]
+
+
+_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0")
+
+
+class Int4Path:
+    """torch's CPU weight-only int4 matmul (bf16) on repacked planes: one for
+    the Q4 types, two (low nibble, high bits) for Q5 and Q8_0. Not exact:
+    scales and offsets round to bf16, x runs in bf16."""
+
+    name = "int4"
+    exact = False
+
+    @staticmethod
+    def available(packed: PackedWeight) -> bool:
+        return (packed.device.type == "cpu" and packed.qtype.name in _INT4_TYPES
+                and packed.out_features % 16 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+    @staticmethod
+    def prepare(packed: PackedWeight) -> PackedWeight:
+        if not Int4Path.available(packed):
+            raise KernelArgumentError(
+                f"packed: the int4 CPU path needs a CPU weight of type {', '.join(_INT4_TYPES)} with "
+                f"out_features % 16 == 0, got {packed.qtype.name} {packed.shape} on {packed.device}")
+        planes = []
+        for q, s, z in _int4_planes(packed):
+            w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            sz = torch.stack((s, z), -1).transpose(0, 1).to(torch.bfloat16).contiguous()
+            planes.append((w, sz))
+        return dataclasses.replace(packed, cpu_path="int4", int4=tuple(planes))
+
+    @staticmethod
+    def matmul(x, packed, bias, out, scratch) -> None:
+        xb = x.to(torch.bfloat16).contiguous()
+        y = None
+        for w, sz in packed.int4:
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, 32, sz).float()
+            y = part if y is None else y.add_(part)
+        if bias is not None:
+            y.add_(bias)
+        out.copy_(y)
+
+
+CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path}
+assert tuple(CPU_PATHS) == CPU_PATH_NAMES
+
+
+def with_cpu_path(packed: PackedWeight, path: str, *, keep_blocks: bool = True) -> PackedWeight:
+    """``packed`` with ``path`` ("dequant" or "int4") as its CPU path,
+    repacked for it (KernelArgumentError if the path cannot take it).
+    ``keep_blocks=False`` (int4 only) drops the GGUF blocks: resident
+    memory is then the planes alone, but ``dequantize``, the Triton
+    kernel and ``rows`` / ``to`` / the other path no longer work (rows are
+    read back with ``int4_rows``)."""
+    if path not in CPU_PATHS:
+        raise KernelArgumentError(f"path must be one of {', '.join(CPU_PATHS)}, got {path!r}")
+    if not keep_blocks and path != "int4":
+        raise KernelArgumentError(f"keep_blocks=False needs path 'int4' (the {path!r} path reads the blocks)")
+    if packed.data is None:
+        if path == "int4" and not keep_blocks:
+            return packed
+        raise KernelArgumentError("packed has no GGUF blocks left (dropped for the int4 path)")
+    weight = packed if path == packed.cpu_path == "int4" else CPU_PATHS[path].prepare(packed)
+    return weight if keep_blocks else dataclasses.replace(weight, data=None)
+
+
+# ---- choosing a CPU path at load ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CpuChoice:
+    """What ``choose_cpu_path`` measured. ``times_ms[path][tokens]``: the best
+    of its runs, for every candidate and for "dense" (F.linear on the weight
+    dequantized to ``dtype``: what dequantize-at-load would cost, for the
+    loader to weigh against memory). ``weight``: the packed weight prepared
+    for ``path`` (repacked when "int4")."""
+
+    path: str
+    dtype: torch.dtype
+    times_ms: dict[str, dict[int, float]]
+    weight: PackedWeight
+
+
+def choose_cpu_path(
+    packed: PackedWeight,
+    sample_tokens: tuple[int, ...] = (1, 16),
+    *,
+    dtype: torch.dtype = torch.float32,
+    reps: int = 5,
+    ring_bytes: int = 64 << 20,
+    margin: float = 0.1,
+    allow_inexact: bool | None = None,
+) -> CpuChoice:
+    """Time each CPU path that can run ``packed`` for activations of ``dtype``
+    at each token count, and pick the fastest: the least sum over token
+    counts of its time relative to "dense" at that count (so decode's one
+    token weighs as much as a batch's sixteen).
+
+    The inexact "int4" path (bf16 compute) is a candidate when
+    ``allow_inexact`` (default: for bf16 activations only), and must beat
+    "dequant" by ``margin``. Each candidate
+    cycles through copies of the weight totalling ``ring_bytes`` (a cold
+    cache, as in a forward pass whose weights exceed the last-level cache),
+    and candidates take turns, so a burst of load from other processes
+    lands on all of them; the best of ``reps`` runs counts (a candidate 3x
+    behind the leader after two runs gets no more). The result
+    depends only on (qtype, shape, dtype): a loader measures each distinct
+    one once and reuses the answer for the other layers.
+    """
+    check_packed(packed)
+    if packed.device.type != "cpu":
+        raise KernelArgumentError(f"packed must be on the CPU to choose a CPU path, got {packed.device}")
+    if dtype not in KV_DTYPES:
+        raise KernelArgumentError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
+    if not sample_tokens or any(not isinstance(t, int) or t <= 0 for t in sample_tokens):
+        raise KernelArgumentError(f"sample_tokens must be positive token counts, got {sample_tokens!r}")
+    inexact = dtype == torch.bfloat16 if allow_inexact is None else allow_inexact
+    weights = {name: path.prepare(packed) for name, path in CPU_PATHS.items()
+               if path.available(packed) and (path.exact or inexact)}
+    runners = {name: _ring_runner(w, ring_bytes) for name, w in weights.items()}
+    runners["dense"] = _dense_runner(packed, dtype, ring_bytes)
+    times: dict[str, dict[int, float]] = {name: {} for name in runners}
+    gen = torch.Generator().manual_seed(0)
+    for tokens in sample_tokens:
+        x = torch.randn(tokens, packed.in_features, generator=gen).to(dtype)
+        best = {name: float("inf") for name in runners}
+        for rep in range(reps + 1):  # the first turn warms up
+            leader = min(best[name] for name in weights)
+            for name, run in runners.items():
+                # a path 3x behind after two runs is out of the race: no more of its (slow) runs
+                if rep < 2 or best[name] <= 3 * leader:
+                    best[name] = min(best[name], run(x))
+        for name in runners:
+            times[name][tokens] = round(best[name] * 1e3, 4)
+    # each token count weighs alike: time relative to dense at that count, summed
+    total = {name: sum(times[name][t] / max(times["dense"][t], 1e-6) for t in times[name]) for name in weights}
+    path = min(total, key=total.__getitem__)
+    if not CPU_PATHS[path].exact and total[path] > (1 - margin) * total["dequant"]:
+        path = "dequant"
+    return CpuChoice(path, dtype, times, weights[path])
+
+
+def _ring_runner(weight: PackedWeight, ring_bytes: int):
+    copies = [weight] + [_clone(weight) for _ in range(max(0, min(64, ring_bytes // weight.nbytes) - 1))]
+    scratch = QuantScratch()
+    turn = itertools.count()
+
+    def run(x: torch.Tensor) -> float:
+        w = copies[next(turn) % len(copies)]
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        start = time.perf_counter()
+        CPU_PATHS[w.cpu_path].matmul(x, w, None, out, scratch)
+        return time.perf_counter() - start
+
+    return run
+
+
+def _dense_runner(packed: PackedWeight, dtype: torch.dtype, ring_bytes: int):
+    first = dequantize(packed, dtype)
+    copies = [first] + [first.clone() for _ in range(max(0, min(64, ring_bytes // first.nbytes) - 1))]
+    turn = itertools.count()
+
+    def run(x: torch.Tensor) -> float:
+        w = copies[next(turn) % len(copies)]
+        start = time.perf_counter()
+        F.linear(x, w)
+        return time.perf_counter() - start
+
+    return run
+
+
+def _clone(w: PackedWeight) -> PackedWeight:
+    int4 = None if w.int4 is None else tuple((a.clone(), b.clone()) for a, b in w.int4)
+    return dataclasses.replace(w, data=w.data.clone(), int4=int4)
+
+
+# ---- rows back out of the int4 planes ------------------------------------------------------
+
+
+def int4_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T] of an int4-path weight as the int4 kernel sees them:
+    sum over planes of (q_p - 8) * s_p + z_p (s, z in bf16), in ``dtype``."""
+    if packed.int4 is None:
+        raise KernelArgumentError("packed has no int4 planes (its CPU path is not 'int4')")
+    if not int4_layout_ok():
+        raise KernelArgumentError("this torch build's int4 layout is not the one int4_rows reads: keep the blocks")
+    n, k = packed.shape
+    ids = ids.to(torch.int64)
+    out = torch.zeros(ids.shape[0], k // 32, 32, dtype=torch.float32)
+    for w, sz in packed.int4:
+        q = _int4_nibbles(w, n, k, ids).view(-1, k // 32, 32).float()
+        scale, zero = sz[:, ids].float().unbind(-1)  # [K/32, T] each
+        out += (q - 8) * scale.T.unsqueeze(-1) + zero.T.unsqueeze(-1)
+    return out.view(-1, k).to(dtype)
+
+
+def _int4_nibbles(w: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, K]: the 4-bit values of rows ``ids`` in torch's CPU int4 layout
+    (``_convert_weight_to_int4pack_for_cpu`` of an [n, k] weight)."""
+    full = n // 64 * 64  # rows in whole 64-row blocks; the rest form one last block
+    in_full = ids < full
+    r = torch.where(in_full, ids % 64, ids - full)
+    base = torch.where(in_full, ids // 64 * 64 * k // 2 + r % 32, full * k // 2 + r // 2)
+    stride = torch.where(in_full, 32, (n - full) // 2)
+    shift = torch.where(in_full, 4 * (r // 32), 4 * (r % 2)).to(torch.uint8)
+    cols = torch.arange(k, dtype=torch.int64)
+    raw = w.reshape(-1)[base.unsqueeze(1) + cols * stride.unsqueeze(1)]
+    return (raw >> shift.unsqueeze(1)) & 15
+
+
+@functools.cache
+def int4_layout_ok() -> bool:
+    """Whether ``_int4_nibbles`` reads this torch build's int4 layout (a
+    random [80, 64] round trip: one whole 64-row block and a last one)."""
+    if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
+        return False
+    q = torch.randint(0, 16, (80, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return torch.equal(_int4_nibbles(w, 80, 64, torch.arange(80)).to(torch.int32), q)

@@ -1,0 +1,138 @@
+"""The matmul over packed GGUF weights (``quant.PackedWeight``), dequantizing
+on the fly, and the embedding lookup of packed rows.
+
+    quant_matmul(x [T, in], packed, bias=None, *, out=None, scratch=None, impl="auto") -> [T, out]
+    quant_matmul_ref(x, packed, bias) = F.linear(x, dequantize(packed, x.dtype), bias)
+    packed_embedding(ids [T], packed, dtype) -> [T, in]      the rows ``ids`` of the weight
+
+Which code runs: CUDA -> the Triton GEMV/GEMM (``_triton_quant``, impl
+"auto"/"triton") or the reference ("torch"); CPU -> the weight's CPU path
+(``packed.cpu_path``, ``quant_cpu``), or the Triton interpreter ("triton",
+or "auto" under TRITON_INTERPRET=1).
+
+Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms):
+
+    CPU "dequant" path         bit-equal to quant_matmul_ref
+    Triton kernel              fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
+                               bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
+    CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S)
+
+The Triton kernel rebuilds each weight with ``dequantize``'s operations
+(fp-contraction off), so it multiplies by the very same fp32 weights and
+differs from the reference by accumulation order only (and for bf16 x by
+when the weights and the sum round to bf16). ``packed_embedding`` is
+``dequantize`` of the rows (exact) while the blocks are kept, and the int4
+planes' values (``quant_cpu.int4_rows``: scales in bf16, |err| <= 2^-8 of
+each row's group scale times 15) once they were dropped for the int4 path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels._checks import (
+    KV_DTYPES,
+    KernelArgumentError,
+    check_inner_contiguous,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
+from kvstrata.kernels.dispatch import is_interpreted, use_triton
+from kvstrata.kernels.quant import PackedWeight, check_packed, dequantize
+from kvstrata.kernels.quant_cpu import CPU_PATHS, QuantScratch, int4_rows
+
+def quant_matmul(
+    x: torch.Tensor,
+    packed: PackedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    scratch: QuantScratch | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``x @ W.T + bias`` [T, out_features] for x [T, in_features] (last dim
+    contiguous) and W = the packed weight, never materialised whole.
+
+    ``out``: a [T, out_features] buffer in x's dtype, any row stride (e.g. a
+    column slice of a fused qkv output). ``scratch``: the buffers the CPU
+    "dequant" path reuses (one per model); without it each call allocates.
+    CUDA: the Triton kernel (impl "auto"/"triton") or ``quant_matmul_ref``
+    ("torch"). CPU: ``packed.cpu_path`` ("auto"/"torch"), or the kernel in
+    the Triton interpreter ("triton", or "auto" under TRITON_INTERPRET).
+    """
+    triton = use_triton(impl, x.device)
+    _check_matmul_args(x, packed, bias, out, scratch, need_blocks=triton or x.device.type != "cpu")
+    if out is None:
+        out = torch.empty((x.shape[0], packed.out_features), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    if triton:
+        _matmul_triton(x, packed, bias, out)
+    elif x.device.type == "cpu":
+        CPU_PATHS[packed.cpu_path].matmul(x, packed, bias, out, scratch)
+    else:
+        out.copy_(quant_matmul_ref(x, packed, bias))
+    return out
+
+
+def quant_matmul_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference: F.linear with the weight dequantized to x's dtype (no checks)."""
+    return F.linear(x, dequantize(packed, x.dtype), bias)
+
+
+def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    from kvstrata.kernels._triton_quant import quant_matmul_triton
+
+    qt = packed.qtype
+    # the interpreter's fp32 -> bf16/fp16 casts truncate: it writes fp32, torch rounds
+    direct = out.dtype == torch.float32 or not is_interpreted(x.device)
+    dest = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    quant_matmul_triton(x, packed.data, qt.name, qt.block, qt.type_size, packed.out_features, bias, dest)
+    if not direct:
+        out.copy_(dest)
+
+
+def _check_matmul_args(x, packed, bias, out, scratch, need_blocks: bool) -> None:
+    check_packed(packed, need_blocks=need_blocks)
+    check_tensor("x", x, 2, KV_DTYPES)
+    check_inner_contiguous("x", x, 1)
+    if x.shape[1] != packed.in_features:
+        raise KernelArgumentError(
+            f"x must have {packed.in_features} columns (the weight's in_features), got shape {tuple(x.shape)}"
+        )
+    tensors = {"x": x, "packed": packed.data if packed.data is not None else packed.int4[0][0]}
+    if bias is not None:
+        check_tensor("bias", bias, 1, KV_DTYPES)
+        check_shape("bias", bias, (packed.out_features,))
+        check_same_dtype("x", x, bias=bias)
+        check_inner_contiguous("bias", bias, 1)
+        tensors["bias"] = bias
+    if out is not None:
+        check_tensor("out", out, 2, KV_DTYPES)
+        check_shape("out", out, (x.shape[0], packed.out_features))
+        check_same_dtype("x", x, out=out)
+        check_inner_contiguous("out", out, 1)
+        tensors["out"] = out
+    check_same_device(**tensors)
+    if scratch is not None and not isinstance(scratch, QuantScratch):
+        raise TypeError(f"scratch must be a QuantScratch or None, got {type(scratch).__name__}")
+
+
+
+def packed_embedding(ids: torch.Tensor, packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's rows ``ids`` (int64 [T], on its device) in ``dtype``: an
+    embedding lookup that reads only those rows' blocks (or int4 planes)."""
+    check_packed(packed, need_blocks=False)
+    check_tensor("ids", ids, 1, (torch.int64, torch.int32))
+    if packed.data is None and packed.int4 is None:
+        raise KernelArgumentError("packed has neither GGUF blocks nor int4 planes")
+    if dtype not in KV_DTYPES:
+        raise KernelArgumentError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
+    if ids.device != packed.device:
+        raise KernelArgumentError(f"ids are on {ids.device}, packed on {packed.device}")
+    if packed.data is None:
+        return int4_rows(packed, ids, dtype)
+    return dequantize(packed.rows(ids), dtype)
