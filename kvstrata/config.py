@@ -111,6 +111,14 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # gain (tools/bench_decode_modes.py). Off while speculative decoding or a
     # KV connector is on.
     async_scheduling: bool | None = None
+    # With async scheduling: launch step N+1 before N's sampled tokens are
+    # read back (N+1's decode inputs are read from N's tokens on the device;
+    # the one host sync per step moves behind the next launch), so the
+    # host's work on a step overlaps the device's work on the one before.
+    # Steps with drafts, logprobs or a KV connector read back at once. Off
+    # until a GPU run shows the oracle identical with it on (CPU: no gain,
+    # the device is the host).
+    pipelined_steps: bool = False
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -114,7 +115,10 @@ class AsyncEngine:
         self.async_scheduling = bool(wanted) and core.proposer is None
         if wanted and not self.async_scheduling:
             log.info("async_scheduling_off", reason="speculative decoding")
-        self._steps = (_OverlappedSteps if self.async_scheduling else _SerialSteps)(core, executor)
+        self.pipelined = (self.async_scheduling and bool(core.config.scheduler.pipelined_steps)
+                          and core.can_pipeline)
+        strategy = _PipelinedSteps if self.pipelined else _OverlappedSteps if self.async_scheduling else _SerialSteps
+        self._steps = strategy(core, executor)
         self._connector: KVConnector | None = None  # a KV connector this engine opened (and closes)
         self._publisher: KVEventSink | None = None  # KV events, when cache.kv_events_endpoint is set
         self._facts = ModelFacts(max_model_len=core.max_model_len, vocab_size=core.vocab_size)
@@ -409,8 +413,7 @@ class AsyncEngine:
                     if step is None:
                         continue  # slept until woken
                 so, fut = step
-                if not self._closing:
-                    steps.follow(so)
+                steps.after(so, more=not self._closing)
                 try:
                     out = await fut
                 except Exception as exc:
@@ -463,6 +466,7 @@ class AsyncEngine:
         self._deliver(core.fail_step(so, exc))
         if queued is not None:
             nxt, nfut = queued
+            self._steps.after(nxt, more=False)
             try:
                 nout = await nfut
             except Exception as nexc:
@@ -524,8 +528,9 @@ class _SerialSteps:
         """Hand ``so`` to the step thread (steps run there one at a time, in order)."""
         return asyncio.get_running_loop().run_in_executor(self._executor, self._core.execute, so)
 
-    def follow(self, so: SchedulerOutput) -> None:
-        """``so`` was handed to the step thread: nothing more to do now."""
+    def after(self, so: SchedulerOutput, *, more: bool) -> None:
+        """``so`` was handed to the step thread: nothing more to do now
+        (``more``: whether a step may be queued behind it)."""
 
     def take_queued(self) -> _Step | None:
         queued, self.queued = self.queued, None
@@ -539,14 +544,56 @@ class _OverlappedSteps(_SerialSteps):
     starts (one step thread: N+1 starts after N ends); N's output is applied
     while N+1 runs, and a request that stopped at N gets nothing from N+1."""
 
-    def follow(self, so: SchedulerOutput) -> None:
+    def after(self, so: SchedulerOutput, *, more: bool) -> None:
         """Queue the step after ``so`` (which computes tokens) while it runs."""
-        if not so.total_num_scheduled_tokens:
-            return  # a bare poll: what follows waits for its answer
+        if not more or not so.total_num_scheduled_tokens:
+            return  # closing, or a bare poll: what follows waits for its answer
         nxt = self._core.schedule()
         if self._core.should_execute(nxt):
             self.queued = (nxt, self.submit(nxt))
             self.num_overlapped += 1
+
+
+class _PipelinedSteps(_OverlappedSteps):
+    """Async scheduling with pipelined steps (``scheduler.pipelined_steps``):
+    the step thread launches step N+1 before it reads N's sampled tokens
+    back (N+1's decode inputs come from N's tokens on the device), so the
+    host's work on a step hides behind the device's work on the one before.
+    The step thread's jobs, in order: launch N, launch N+1, collect N,
+    launch N+2, collect N+1, ... (``ModelRunner.launch``/``collect``).
+
+    Owns also: the output futures of launched steps not yet being collected,
+    oldest first (each launch gets exactly one collect, in order)."""
+
+    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor) -> None:
+        super().__init__(core, executor)
+        self._uncollected: deque[asyncio.Future[ModelRunnerOutput]] = deque()
+
+    def submit(self, so: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(self._executor, self._core.launch, so)  # never raises: collect does
+        out: asyncio.Future[ModelRunnerOutput] = loop.create_future()
+        self._uncollected.append(out)
+        return out
+
+    def after(self, so: SchedulerOutput, *, more: bool) -> None:
+        """Launch the step after ``so`` (when there is one), then collect the
+        oldest launched step: ``so``'s output is read after the next launch."""
+        super().after(so, more=more)
+        out = self._uncollected.popleft()
+        collected = asyncio.get_running_loop().run_in_executor(self._executor, self._core.collect)
+        collected.add_done_callback(partial(_settle_future, out))
+
+
+def _settle_future(out: asyncio.Future[ModelRunnerOutput], done: asyncio.Future[ModelRunnerOutput]) -> None:
+    if out.done():
+        return
+    if done.cancelled():
+        out.cancel()
+    elif (exc := done.exception()) is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(done.result())
 
 
 def _bare_poll(so: SchedulerOutput) -> bool:

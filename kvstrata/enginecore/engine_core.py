@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -76,6 +76,16 @@ class ModelRunnerLike(Protocol):
     def kv_cache_spec(self) -> Mapping[str, KVCacheSpec]: ...
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@runtime_checkable
+class PipelinedRunner(Protocol):
+    """A runner that can launch a step before reading back the one before
+    (``kvstrata.worker.pending_step``): ``launch`` never raises; ``collect``
+    returns (or raises) the outputs in launch order."""
+
+    def launch(self, scheduler_output: SchedulerOutput) -> None: ...
+    def collect(self) -> ModelRunnerOutput: ...
 
 
 class EngineCore:
@@ -194,6 +204,20 @@ class EngineCore:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model (any thread; touches only the runner)."""
         return self.runner.execute_model(scheduler_output)
+
+    @property
+    def can_pipeline(self) -> bool:
+        return isinstance(self.runner, PipelinedRunner)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch a step (the step thread; a ``PipelinedRunner``); never raises."""
+        assert isinstance(self.runner, PipelinedRunner)
+        self.runner.launch(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest launched step's output (the step thread)."""
+        assert isinstance(self.runner, PipelinedRunner)
+        return self.runner.collect()
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         self.consecutive_failed_steps = 0

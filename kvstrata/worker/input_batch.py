@@ -28,10 +28,15 @@ _U64 = (1 << 64) - 1
 
 class RequestState:
     """One request as the runner sees it. ``token_ids`` grows with every token
-    the runner samples, so a decode step finds its input token here."""
+    the runner samples, so a decode step finds its input token here.
+
+    ``flight``: the token a launched step sampled that has not reached the
+    host yet (pipelined steps, ``ModelRunner.launch``): the device tensor of
+    that step's sampled tokens and this request's row in it. A decode step
+    reads its input token from there, on the device."""
 
     __slots__ = ("req_id", "row", "token_ids", "num_prompt_tokens", "num_computed_tokens", "params",
-                 "generator", "num_blocks")
+                 "generator", "num_blocks", "flight")
 
     def __init__(self, data: NewRequestData, row: int, device: torch.device, num_groups: int = 1) -> None:
         self.req_id = data.req_id
@@ -43,6 +48,12 @@ class RequestState:
         seeded = self.params.seed is not None and not self.params.greedy
         self.generator = torch.Generator(device) if seeded else None
         self.num_blocks = [0] * num_groups  # per KV cache group
+        self.flight: tuple[torch.Tensor, int] | None = None
+
+    @property
+    def num_known(self) -> int:
+        """Tokens known to the runner: on the host, plus one still in flight."""
+        return len(self.token_ids) + (self.flight is not None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -193,6 +204,7 @@ class InputBatch:
         self.buffers = StepBuffers(self._capacity(), device)
         self.graph_sizes: list[int] = []  # batch sizes a decode step may be padded to (captured graphs)
         self.num_buffer_growths = 0
+        self.num_fed_tokens = 0  # input tokens read on the device from a step not yet read back
 
     def _capacity(self) -> int:
         return layout_capacity(self.max_num_tokens, self.max_num_seqs, self.max_blocks, self.num_groups)
@@ -274,20 +286,26 @@ class InputBatch:
         sample_states: list[RequestState] = []
         sample_idx: list[int] = []
         sample_drafts: list[list[int] | None] | None = [] if spec_tokens else None
+        fed: list[tuple[int, RequestState]] = []  # (token index, request) whose input token is in flight
         for b, (req_id, n) in enumerate(num_scheduled_tokens.items()):
             state = requests[req_id]
             start = state.num_computed_tokens
             end = start + n
-            known = len(state.token_ids)
+            known = state.num_known
             rows[b], starts[b], counts[b] = state.row, start, n
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts:
+                assert state.flight is None, f"{req_id}: drafts follow a step whose tokens were read"
                 assert start + 1 == known and n == 1 + len(drafts), f"{req_id}: drafts need a decode step"
                 tokens.append(state.token_ids[start])
                 tokens.extend(drafts)
             else:
                 assert end <= known, f"{req_id}: scheduled past its known tokens ({end} > {known})"
-                if n == 1:
+                if start == len(state.token_ids):  # its input token is still on the device
+                    assert n == 1, f"{req_id}: only a decode step reads a token in flight"
+                    fed.append((len(tokens), state))
+                    tokens.append(0)
+                elif n == 1:
                     tokens.append(state.token_ids[start])
                 else:
                     tokens.extend(state.token_ids[start:end])
@@ -296,8 +314,28 @@ class InputBatch:
                 sample_idx.append(b)
                 if sample_drafts is not None:
                     sample_drafts.append(drafts or None)
-        return self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx,
+        step = self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx,
                              sample_drafts)
+        if fed:
+            self._feed(step.input_ids, fed)
+            self.num_fed_tokens += len(fed)
+        return step
+
+    def _feed(self, input_ids: torch.Tensor, fed: list[tuple[int, RequestState]]) -> None:
+        """Write the input tokens still in flight into ``input_ids`` on the
+        device, from the sampled-token tensors of the steps that drew them
+        (queued on the stream after those steps: no host sync)."""
+        by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for at, state in fed:
+            assert state.flight is not None
+            source, row = state.flight
+            _, into, rows = by_source.setdefault(id(source), (source, [], []))
+            into.append(at)
+            rows.append(row)
+        for source, into, rows in by_source.values():
+            into_t = to_device(into, torch.int64, self.device)
+            rows_t = to_device(rows, torch.int64, self.device)
+            input_ids.index_copy_(0, into_t, source.index_select(0, rows_t).to(input_ids.dtype))
 
     def graph_size_for(self, num_tokens: int, num_seqs: int) -> int | None:
         """The captured batch size a step of ``num_tokens`` tokens over
@@ -457,9 +495,9 @@ def sampling_metadata(
     for i, state in enumerate(states):
         p = params[i]
         if state.generator is not None:
-            state.generator.manual_seed(step_seed(p.seed, len(state.token_ids)))
+            state.generator.manual_seed(step_seed(p.seed, state.num_known))
             meta.generators[i] = state.generator
-        if p.min_tokens and len(state.token_ids) - state.num_prompt_tokens < p.min_tokens:
+        if p.min_tokens and state.num_known - state.num_prompt_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) if p.ignore_eos else [*p.stop_token_ids, *eos_token_ids]
             if banned:
                 meta.banned_token_ids[i] = banned

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 
 import time
+from collections import deque
 
 import msgspec
 import structlog
@@ -34,6 +35,7 @@ from kvstrata.connector.base import KVConnectorWorker
 from kvstrata.kernels import use_triton
 from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
+from kvstrata.worker.pending_step import Failed, Launched, PendingStep, Ready
 from kvstrata.worker.model.config import LlamaArchConfig
 from kvstrata.worker.model.default_model import default_model_dir
 from kvstrata.worker.model.loader import load_checkpoint
@@ -153,6 +155,7 @@ class ModelRunner:
             self.model.use_fused_kernels(self.fused_kernels)
             self.model.use_split_decode(model_config.split_decode)
         self.graphs: DecodeGraphs | None = None
+        self._launched: deque[Launched] = deque()  # launched steps not yet collected, oldest first
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:
             log.warning("tokenizer_vocab_exceeds_model", tokenizer=self.tokenizer.vocab_size, model=self.vocab_size)
@@ -226,7 +229,66 @@ class ModelRunner:
         """Compute every scheduled token, sample for requests that reach their end."""
         if self.kv_caches is None:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        self._settle()
         self._update_batch(scheduler_output)
+        return self._execute(scheduler_output)
+
+    # -- pipelined steps (kvstrata.worker.pending_step) ----------------------
+    def launch(self, scheduler_output: SchedulerOutput) -> None:
+        """Queue step ``scheduler_output`` on the device and return without
+        reading its sampled tokens back; ``collect()`` returns the outputs in
+        launch order. Never raises: a failure is ``collect()``'s to raise. A
+        step that must read its tokens at once (a KV connector, drafts,
+        logprobs) first lands every token in flight, then runs whole."""
+        try:
+            self._launched.append(self._launch(scheduler_output))
+        except Exception as e:
+            self._launched.append(Failed(e))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest launched step (waits for its tokens)."""
+        return self._launched.popleft().result()
+
+    def _launch(self, so: SchedulerOutput) -> Launched:
+        if self.kv_caches is None:
+            raise RuntimeError("initialize_kv_cache() must be called before launch()")
+        self._update_batch(so)
+        if self.kv_connector is None and not so.num_scheduled_tokens:
+            return Ready(ModelRunnerOutput.empty())
+        if not self._can_pipeline(so):
+            self._settle()
+            return Ready(self._execute(so))
+        step = self.batch.prepare(so.num_scheduled_tokens)
+        graphs = self.graphs
+        hidden = graphs.run(step) if graphs is not None and graphs.can_run(step) else self._run_forward(step)
+        requests = self.batch.requests
+        for req_id, n in so.num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += n
+        if not step.sample_states:
+            return Ready(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids]))
+        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+        tokens = self.sampler.sample(logits, sampling_metadata(step.sample_states, self.eos_token_ids, self.device))
+        return PendingStep(step.req_ids, step.sample_states, step.sample_batch_idx, tokens)
+
+    def _can_pipeline(self, so: SchedulerOutput) -> bool:
+        """Whether ``so`` can leave its tokens on the device: it has tokens,
+        no drafts, no connector, and no request asking for logprobs."""
+        if self.kv_connector is not None or so.scheduled_spec_decode_tokens:
+            return False
+        requests = self.batch.requests
+        return all(requests[r].params.logprobs is None for r in so.num_scheduled_tokens)
+
+    def _settle(self) -> None:
+        """Land every token still in flight (their outputs wait in turn)."""
+        for launched in self._launched:
+            if isinstance(launched, PendingStep):
+                try:
+                    launched.result()
+                except Exception:
+                    pass  # raised again by collect(), in the step's turn
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The step over the updated batch, its tokens read back."""
         if self.kv_connector is not None:
             return self._execute_with_connector(scheduler_output, self.kv_connector)
         if not scheduler_output.num_scheduled_tokens:

@@ -62,15 +62,20 @@ class Sampler:
         raw_logprobs = None
         if meta.num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if meta.banned_token_ids:
-            logits = logits.clone()
-            for row, ids in meta.banned_token_ids.items():
-                logits[row, ids] = _MASK
-        sampled = self._sample(logits, meta)
+        sampled = self.sample(logits, meta)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, meta.num_logprobs)
         return sampled.tolist(), logprobs
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The sampled token ids [S] (int64), left on the logits' device: no
+        host sync (logprobs are ``__call__``'s)."""
+        if meta.banned_token_ids:
+            logits = logits.clone()
+            for row, ids in meta.banned_token_ids.items():
+                logits[row, ids] = _MASK
+        return self._sample(logits, meta)
 
     def verify_drafts(self, logits: torch.Tensor, meta: SamplingMetadata,
                       groups: list[tuple[int, list[int] | None]]) -> list[list[int]]:

@@ -53,13 +53,17 @@ def oracle(request, tmp_path_factory):
     return str(path), prompts, expected
 
 
-MODES = {"serial": (False, None), "async": (True, None), "spec": (False, "ngram"), "async+spec": (True, "ngram")}
+# mode: (async scheduling, speculative method, pipelined steps)
+MODES = {"serial": (False, None, False), "async": (True, None, False), "pipelined": (True, None, True),
+         "spec": (False, "ngram", False), "async+spec": (True, "ngram", False)}
 
 
 @pytest.fixture(params=list(MODES))
 def mode(request):
-    """Async scheduling off / on, speculative decoding off / on (with both
-    configured, steps carrying drafts are not overlapped: see spec_decode)."""
+    """Async scheduling off / on (and pipelined: the next step launched
+    before the tokens of the one before are read back), speculative decoding
+    off / on (with both configured, steps carrying drafts are not
+    overlapped: see spec_decode)."""
     return request.param
 
 
@@ -77,7 +81,8 @@ async def start(kv_managers, spec, mode):
             model=ModelConfig(model=path, cuda_graphs=CUDA_GRAPHS, cuda_graph_sizes=[1, 2, 4, 8, 16],
                               fused_kernels=FUSED, split_decode=SPLIT_DECODE),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
-            scheduler=SchedulerConfig(async_scheduling=MODES[mode][0], **sched), device=DEVICE,
+            scheduler=SchedulerConfig(async_scheduling=MODES[mode][0], pipelined_steps=MODES[mode][2], **sched),
+            device=DEVICE,
             speculative=SpeculativeConfig(method=spec, num_speculative_tokens=3, prompt_lookup_min=1),
         )
         engine = await AsyncEngine.start(config)
@@ -107,7 +112,8 @@ async def test_matches_hf_with_prefix_caching_off(oracle, start, mode):
     engine = await start(path, caching=False)
     batch = prompts["plain"] + prompts["wave1"]
     assert_matches(expected, batch, await generate_all(engine, batch))
-    assert (engine.num_overlapped_steps > 0) == (mode == "async")
+    assert (engine.num_overlapped_steps > 0) == (mode in ("async", "pipelined"))
+    assert engine.pipelined == (mode == "pipelined")
     assert (await engine.stats()).prefix_cache_hits == 0
 
 

@@ -1,0 +1,152 @@
+"""Pipelined steps (``scheduler.pipelined_steps``): the runner launches step
+N+1 before it reads step N's sampled tokens back; N+1's decode inputs are
+read from N's tokens on the device. The real model runner on a tiny Llama:
+the tokens must be exactly those of one step at a time, whatever the mix of
+requests (greedy, seeded random, min_tokens, logprobs, stop tokens), and a
+failed step fails only its requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hf_utils import build_tiny_llama
+
+from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstrata.enginecore.async_engine import AsyncEngine
+from kvstrata.enginecore.builder import build_engine_core, build_runner
+from kvstrata.enginecore.request import EngineRequest
+from kvstrata.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    build_tiny_llama(path, seed=5)
+    return str(path)
+
+
+def config(path: str, *, pipelined: bool, async_scheduling: bool, **sched) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=path, seed=11), device="cpu",
+                        cache=CacheConfig(block_size=4, num_blocks=sched.pop("num_blocks", 128)),
+                        scheduler=SchedulerConfig(async_scheduling=async_scheduling, pipelined_steps=pipelined,
+                                                  **sched))
+
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=20, seed=123, max_tokens=7, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=8, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+]
+PROMPTS = [[5, 9, 13], [40, 41, 42, 43, 44, 45, 46], [100] * 11, [7, 8], list(range(60, 77))]
+
+
+def _requests(tag: str) -> list[EngineRequest]:
+    return [EngineRequest(request_id=f"{tag}{i}", prompt_token_ids=p, sampling_params=params)
+            for i, (p, params) in enumerate(zip(PROMPTS, PARAMS, strict=True))]
+
+
+def _one_at_a_time(path: str) -> dict[str, list[int]]:
+    core = build_engine_core(config(path, pipelined=False, async_scheduling=False), build_runner(
+        config(path, pipelined=False, async_scheduling=False)))
+    for r in _requests("r"):
+        core.add_request(r)
+    got: dict[str, list[int]] = {}
+    while core.has_work():
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return got
+
+
+def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_managers):
+    """launch N, launch N+1, collect N, update N, launch N+2, collect N+1 ...
+    (the order the engine's step thread runs them in)."""
+    expected = _one_at_a_time(tiny)
+    cfg = config(tiny, pipelined=True, async_scheduling=True)
+    core = build_engine_core(cfg, build_runner(cfg))
+    kv_managers.append(core.kv)
+    assert core.can_pipeline
+    for r in _requests("r"):
+        core.add_request(r)
+    got: dict[str, list[int]] = {}
+    inflight = []
+    while core.has_work() or inflight:
+        if core.has_work():
+            so = core.schedule()
+            core.launch(so)
+            inflight.append(so)
+        if len(inflight) == 2 or (inflight and not core.has_work()):
+            so = inflight.pop(0)
+            for out in core.update(so, core.collect()):
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert got == expected
+    assert core.runner.batch.num_fed_tokens > 0  # decode inputs came from tokens not yet read back
+    assert not core.runner._launched
+
+
+async def _engine_tokens(path: str, **kw) -> tuple[dict[str, list[int]], AsyncEngine]:
+    engine = await AsyncEngine.start(config(path, **kw))
+    try:
+        async def one(r: EngineRequest) -> tuple[str, list[int]]:
+            toks = [t async for o in engine.generate(r.prompt_token_ids, r.sampling_params, request_id=r.request_id)
+                    for t in o.new_token_ids]
+            return r.request_id, toks
+        return dict(await asyncio.gather(*(one(r) for r in _requests("r")))), engine
+    finally:
+        await engine.aclose()
+
+
+async def test_the_async_engine_pipelined_gives_the_tokens_of_serial_steps(tiny):
+    serial, _ = await _engine_tokens(tiny, pipelined=False, async_scheduling=False)
+    piped, engine = await _engine_tokens(tiny, pipelined=True, async_scheduling=True)
+    assert engine.pipelined and engine.num_overlapped_steps > 0
+    assert engine.core.runner.batch.num_fed_tokens > 0
+    assert piped == serial
+    assert serial == _one_at_a_time(tiny)
+
+
+async def test_pipelined_needs_async_scheduling_and_is_off_by_default(tiny):
+    engine = await AsyncEngine.start(config(tiny, pipelined=True, async_scheduling=False))
+    try:
+        assert not engine.pipelined
+    finally:
+        await engine.aclose()
+    assert SchedulerConfig().pipelined_steps is False
+
+
+async def test_a_failed_launch_fails_its_requests_and_the_engine_serves_on(tiny, kv_managers):
+    engine = await AsyncEngine.start(config(tiny, pipelined=True, async_scheduling=True, max_num_seqs=2))
+    kv_managers.append(engine.core.kv)
+    runner = engine.core.runner
+    forward = runner._run_forward
+    calls = {"n": 0}
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 6:  # a decode step, with the step after it already launched
+            raise RuntimeError("injected device failure")
+        return forward(step)
+
+    runner._run_forward = flaky
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+        async def one(i: int):
+            return [o async for o in engine.generate([3 + i, 4, 5], params, request_id=f"f{i}")]
+
+        first = await asyncio.gather(*(one(i) for i in range(2)))
+        assert {outs[-1].finish_reason for outs in first} == {"error"}
+        assert any("injected device failure" in (outs[-1].error or "") for outs in first)
+        runner._run_forward = forward
+        rest = await asyncio.gather(*(one(10 + i) for i in range(3)))
+        assert [outs[-1].finish_reason for outs in rest] == ["length"] * 3
+        assert all(sum(len(o.new_token_ids) for o in outs) == 10 for outs in rest)
+        async with asyncio.timeout(10):  # the step telling the runner of the finished ones may still run
+            while runner._launched or engine.core.has_work():
+                await asyncio.sleep(0.01)
+        kv = engine.core.kv
+        assert kv.num_free_blocks == kv.num_blocks - 1
+    finally:
+        await engine.aclose()
