@@ -35,7 +35,10 @@ boundaries only; the model step is the engine's (AsyncEngine.generate).
                            recompute vs device + CPU tier
 
 graphs_off is ``model.cuda_graphs=False`` (the eager baseline), graphs_on
-``True``. On a machine without CUDA the model is tiny (hidden 64, 2 layers,
+``True``, pipelined graphs on with async scheduling and
+``scheduler.pipelined_steps`` (step N+1 launched before N's tokens are read
+back; compare it with graphs_on, whose async scheduling is the engine's
+default: on for CUDA). On a machine without CUDA the model is tiny (hidden 64, 2 layers,
 vocab 512, fp32), every count small and graphs_on the engine's default (off
 there), so the whole tool runs in seconds (its test does this); those
 figures say only that the code paths work. A section still running when
@@ -84,7 +87,7 @@ SECTIONS = ("config", "copy_bandwidth", "model", "decode_single_stream", "batch_
 ORDER = ("config", "copy_bandwidth", "model", "first_long_prompt_s", "decode_single_stream", "batch_64x512_128",
          "batch_256x512_128", "profile_decode_step", "transformers_generate", "shared_prefix_ttft", "tiers")
 NEEDS_MODEL = frozenset(SECTIONS) - {"config", "copy_bandwidth", "model"}
-MODES = ("graphs_off", "graphs_on")
+MODES = ("graphs_off", "graphs_on", "pipelined")
 FUSED = {"default": None, "on": True, "off": False}  # --fused-kernels -> model.fused_kernels
 
 TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -267,18 +270,19 @@ def graphs_setting(b: Bench, mode: str) -> bool | None:
     """graphs_off: False (the eager baseline); graphs_on: True on CUDA. On a CPU
     "on" is the engine's default (None: off there), whatever True would do."""
     if mode == "graphs_off":
-        return False
+        return False  # graphs_on and pipelined: on
     return True if b.cuda else None
 
 
 def engine_config(b: Bench, *, graphs: bool | None, caching: bool = True, max_num_seqs: int = 256,
-                  kv_mib: int | None = None) -> EngineConfig:
+                  kv_mib: int | None = None, pipelined: bool = False) -> EngineConfig:
     threads = b.args.torch_threads or (1 if not b.cuda else None)
     return EngineConfig(
         model=ModelConfig(model=b.model_dir, dtype=b.dtype, cuda_graphs=graphs, num_threads=threads,
                           fused_kernels=FUSED[b.args.fused_kernels]),
         cache=CacheConfig(kv_cache_memory_mib=kv_mib or b.counts.kv_mib, enable_prefix_caching=caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=b.counts.max_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=b.counts.max_batched_tokens,
+                                  **({"async_scheduling": True, "pipelined_steps": True} if pipelined else {})),
         device=b.device, log_level="WARNING")
 
 
@@ -318,7 +322,8 @@ class Engines:
             b = self._b
             t0 = time.perf_counter()
             try:
-                engine = await start_engine(b, engine_config(b, graphs=graphs_setting(b, mode)))
+                engine = await start_engine(b, engine_config(b, graphs=graphs_setting(b, mode),
+                                                             pipelined=mode == "pipelined"))
             except BaseException as exc:
                 self._failed[mode] = exc
                 raise
@@ -362,7 +367,7 @@ def _delta(after: int | None, before: int | None) -> int | None:
 
 
 async def per_mode(fn: Callable[[str], Awaitable[dict]]) -> dict[str, dict]:
-    """graphs_off and graphs_on, each in its own try (an error stays in its half)."""
+    """Each of MODES in its own try (an error stays in its mode)."""
     out: dict[str, dict] = {}
     for mode in MODES:
         try:
@@ -533,7 +538,9 @@ async def section_decode_single_stream(b: Bench) -> dict:
     out = await per_mode(one_mode)
     return {"workload": {"prompt_tokens": c.prompt_len, "new_tokens": c.new_tokens, "runs": c.single_runs},
             **out, "graphs_speedup": _ratio(out["graphs_on"].get("decode_tok_s"),
-                                            out["graphs_off"].get("decode_tok_s")), "error": None}
+                                            out["graphs_off"].get("decode_tok_s")),
+            "pipelined_speedup": _ratio(out["pipelined"].get("decode_tok_s"), out["graphs_on"].get("decode_tok_s")),
+            "error": None}
 
 
 async def section_batch(b: Bench, n: int) -> dict:
@@ -570,7 +577,9 @@ async def section_batch(b: Bench, n: int) -> dict:
     return {"workload": {"requests": n, "prompt_tokens": c.prompt_len, "new_tokens": c.new_tokens,
                          "submitted": "all at once"},
             **out, "graphs_speedup": _ratio(out["graphs_on"].get("output_tok_s"),
-                                            out["graphs_off"].get("output_tok_s")), "error": None}
+                                            out["graphs_off"].get("output_tok_s")),
+            "pipelined_speedup": _ratio(out["pipelined"].get("output_tok_s"), out["graphs_on"].get("output_tok_s")),
+            "error": None}
 
 
 async def section_shared_prefix(b: Bench) -> dict:
@@ -615,15 +624,18 @@ SYNC_CALLS = frozenset(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaE
 class StepProbe:
     """Owns: the profiler of one window of steps and what it saw.
 
-    Stands in for ``core.execute`` (an instance attribute over the method,
-    removed by ``remove``): torch.profiler records the CPU ops of the thread
+    Stands in for ``core.execute`` (``core.launch`` for pipelined steps: the
+    window then also holds the collects between its launches; an instance
+    attribute over the method, removed by ``remove``): torch.profiler records the CPU ops of the thread
     that starts it, so it starts and stops in the step thread, at the first
     decode-only step of all ``n`` requests once armed, after ``steps`` steps,
     each inside a ``bench_decode_step`` mark, with a CUDA synchronize before
     the start and before the stop (the window holds exactly its steps' work)."""
 
-    def __init__(self, core: Any, n: int, steps: int, activities: list, cuda: bool) -> None:
-        self._core, self._execute = core, core.execute
+    def __init__(self, core: Any, n: int, steps: int, activities: list, cuda: bool, *,
+                 pipelined: bool = False) -> None:
+        self._method = "launch" if pipelined else "execute"
+        self._core, self._execute = core, getattr(core, self._method)
         self._n, self._steps, self._activities, self._cuda = n, steps, activities, cuda
         self._loop = asyncio.get_running_loop()
         self.armed = False
@@ -632,10 +644,10 @@ class StepProbe:
         self.step_tokens: list[int] = []
         self.error: str | None = None
         self.done = asyncio.Event()
-        core.execute = self
+        setattr(core, self._method, self)
 
     def remove(self) -> None:
-        self._core.__dict__.pop("execute", None)
+        self._core.__dict__.pop(self._method, None)
 
     def __call__(self, so: Any) -> Any:
         if self.prof is None and self.armed and not self.finished and self._decode_only(so):
@@ -754,7 +766,7 @@ async def section_profile(b: Bench) -> dict:
     async def one_mode(mode: str) -> dict:
         engine = await b.engines.get(mode)
         await warm(engine, b, n)
-        probe = StepProbe(engine.core, n, steps, acts, b.cuda)
+        probe = StepProbe(engine.core, n, steps, acts, b.cuda, pipelined=engine.pipelined)
         started: set[int] = set()
 
         def arm_when_all_decode(i: int) -> Callable[[int], None]:

@@ -2,7 +2,7 @@
 # One GPU check, run from the repository root on a machine with a CUDA GPU:
 #   1. the compiled-kernel and CUDA tests (pytest -m gpu, and the CUDA-stream tier oracle)
 #   2. the HF oracle with the engine on CUDA: CUDA graphs on, graphs off, fused kernels on,
-#      split-K decode attention on
+#      split-K decode attention on; each also with pipelined steps (mode "pipelined")
 #   3. tools/bench_gpu.py (end to end) and the kernel benchmarks
 # Each stage has its own time limit and writes its log (and JSON) under $OUT
 # (default ./gpu_out), so a stage that fails or runs long does not hide the
@@ -38,24 +38,26 @@ $PY -c "import torch, triton; print(torch.__version__, triton.__version__, torch
 
 if has tests; then
   stage gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio -m gpu tests/kernels
+  KVSTRATA_TEST_DEVICE=cuda stage pipelined_steps 90 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio \
+    tests/enginecore/test_pipelined_steps.py
   stage cuda_tier_oracle 60 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio tests/connector/test_oracle_tiers.py -k cuda
 fi
 ORACLE="tests/enginecore/test_oracle.py"
 if has oracle || has oracle_graphs; then
   KVSTRATA_TEST_DEVICE=cuda stage oracle_graphs "${ORACLE_S:-150}" $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE \
-    -k "${ORACLE_K:-serial or async or spec}"
+    -k "${ORACLE_K:-serial or async or spec or pipelined}"
 fi
 if has oracle || has oracle_eager; then
   KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=0 stage oracle_eager "${ORACLE_S:-100}" \
-    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async}"
+    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async or pipelined}"
 fi
 if has oracle || has oracle_fused; then
   KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_FUSED_KERNELS=1 stage oracle_fused "${ORACLE_S:-100}" \
-    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async}"
+    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async or pipelined}"
 fi
 if has oracle || has oracle_split; then
   KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_SPLIT_DECODE=1 stage oracle_split "${ORACLE_S:-100}" \
-    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async}"
+    $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio $ORACLE -k "${ORACLE_K:-serial or async or pipelined}"
 fi
 if has bench; then
   TAIL=3 stage bench_gpu "${BENCH_S:-240}" sh -c "$PY tools/bench_gpu.py --quick > '$OUT/bench_gpu.json'"

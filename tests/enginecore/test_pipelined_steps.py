@@ -8,6 +8,7 @@ failed step fails only its requests."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from hf_utils import build_tiny_llama
@@ -26,8 +27,11 @@ def tiny(tmp_path_factory) -> str:
     return str(path)
 
 
+DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")  # tools/gpu_check.sh runs these on CUDA too
+
+
 def config(path: str, *, pipelined: bool, async_scheduling: bool, **sched) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model=path, seed=11), device="cpu",
+    return EngineConfig(model=ModelConfig(model=path, seed=11), device=DEVICE,
                         cache=CacheConfig(block_size=4, num_blocks=sched.pop("num_blocks", 128)),
                         scheduler=SchedulerConfig(async_scheduling=async_scheduling, pipelined_steps=pipelined,
                                                   **sched))

@@ -59,7 +59,7 @@ def test_quick_cpu_run_reports_every_section():
     long = r["first_long_prompt_s"]
     assert long["first_ttft_s"] > 0 and len(long["next_ttft_s"]) == 2 and long["next_ttft_p50_s"] > 0
     assert long["engines_started_before_in_process"] == 0
-    for mode in ("graphs_off", "graphs_on"):
+    for mode in ("graphs_off", "graphs_on", "pipelined"):
         d = r["decode_single_stream"][mode]
         assert d["decode_tok_s"] > 0 and d["tokens"] == 8
         for name, n in (("batch_64x512_128", 4), ("batch_256x512_128", 8)):
