@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from bench_timing import cpu_time, cuda_eager_time, cuda_graph_time
 
 from kvstrata.kernels import paged_attention
 
@@ -44,56 +44,10 @@ BLOCK_SIZE = 16
 CALLS_PER_GRAPH = 10
 
 
-def gpu_eager_time(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds of one eager call, CUDA events around it."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
 
 
-def gpu_graph_time(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds per call of a CUDA graph of CALLS_PER_GRAPH calls of ``fn``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / CALLS_PER_GRAPH)
-    del graph
-    return statistics.median(samples)
 
 
-def cpu_time(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def make_case(batch: int, ctx: int, q_len: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -160,22 +114,22 @@ def gpu_section(quick: bool) -> dict:
         for ctx in CONTEXTS:
             for batch in BATCHES:
                 c = make_case(batch, ctx, 1, hq, hkv, d, torch.bfloat16, "cuda")
-                t_ours, t_sdpa = gpu_graph_time(ours(c), repeat), gpu_graph_time(sdpa(c, False), repeat)
+                t_ours, t_sdpa = cuda_graph_time(ours(c), CALLS_PER_GRAPH, repeat), cuda_graph_time(sdpa(c, False), CALLS_PER_GRAPH, repeat)
                 kv_bytes = 2 * c["k_dense"].numel() * c["k_dense"].element_size()
                 res["decode"][f"{name}_b{batch}_ctx{ctx}"] = {
                     "num_splits": decode_plan(batch, hq, hkv, d, sms).num_splits,
                     "us": t_ours * 1e6, "sdpa_us": t_sdpa * 1e6, "ratio": t_ours / t_sdpa,
-                    "no_split_us": gpu_graph_time(ours(c, num_splits=1), repeat) * 1e6,
-                    "single_pass_us": gpu_graph_time(ours(c, split_decode=False), repeat) * 1e6,
+                    "no_split_us": cuda_graph_time(ours(c, num_splits=1), CALLS_PER_GRAPH, repeat) * 1e6,
+                    "single_pass_us": cuda_graph_time(ours(c, split_decode=False), CALLS_PER_GRAPH, repeat) * 1e6,
                     "kv_GBps": kv_bytes / t_ours / 1e9,
-                    "eager_us": gpu_eager_time(ours(c), repeat) * 1e6,
-                    "eager_sdpa_us": gpu_eager_time(sdpa(c, False), repeat) * 1e6,
+                    "eager_us": cuda_eager_time(ours(c), repeat) * 1e6,
+                    "eager_sdpa_us": cuda_eager_time(sdpa(c, False), repeat) * 1e6,
                 }
                 if batch == BATCHES[0] and ctx == CONTEXTS[0]:
                     res["decode"][f"{name}_sdpa_backend"] = sdpa_backend(c, False)
                 del c
         c = make_case(4, 2048, 2048, hq, hkv, d, torch.bfloat16, "cuda")
-        t_ours, t_sdpa = gpu_graph_time(ours(c), repeat), gpu_graph_time(sdpa(c, True), repeat)
+        t_ours, t_sdpa = cuda_graph_time(ours(c), CALLS_PER_GRAPH, repeat), cuda_graph_time(sdpa(c, True), CALLS_PER_GRAPH, repeat)
         res["prefill"][f"{name}_b4_len2048"] = {"us": t_ours * 1e6, "sdpa_us": t_sdpa * 1e6, "ratio": t_ours / t_sdpa,
                                                 "sdpa_backend": sdpa_backend(c, True)}
         del c
@@ -197,7 +151,7 @@ def tune_section(repeat: int = 10) -> dict:
     res: dict = {}
     for name, (hq, hkv, d) in MODELS.items():
         cases = {b: make_case(b, 4096, 1, hq, hkv, d, torch.bfloat16, "cuda") for b in BATCHES + (128,)}
-        sdpa_s = {b: gpu_graph_time(sdpa(c, False), repeat) for b, c in cases.items()}
+        sdpa_s = {b: cuda_graph_time(sdpa(c, False), CALLS_PER_GRAPH, repeat) for b, c in cases.items()}
         res[name] = entry = {"tiles": {}, "splits": {}}
         for tile_n in (32, 64, 128):
             for warps in (2, 4, 8):
@@ -206,11 +160,11 @@ def tune_section(repeat: int = 10) -> dict:
                     for b in (8, 64, 256):
                         plan = decode_plan(b, hq, hkv, d, sms)._replace(tile_n=tile_n, num_warps=warps,
                                                                         num_stages=stages)
-                        row[b] = round(gpu_graph_time(run(cases[b], plan), repeat) / sdpa_s[b], 3)
+                        row[b] = round(cuda_graph_time(run(cases[b], plan), CALLS_PER_GRAPH, repeat) / sdpa_s[b], 3)
         for b, c in sorted(cases.items()):
             plan = decode_plan(b, hq, hkv, d, sms)
             entry["splits"][f"b{b}_auto{plan.num_splits}"] = {
-                s: round(gpu_graph_time(run(c, plan._replace(num_splits=s)), repeat) / sdpa_s[b], 3)
+                s: round(cuda_graph_time(run(c, plan._replace(num_splits=s)), CALLS_PER_GRAPH, repeat) / sdpa_s[b], 3)
                 for s in (1, 2, 4, 8, 16, 32)}
         del cases
     return res

@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+
+from bench_timing import cpu_time, cuda_eager_time, cuda_graph_time
 
 from kvstrata.kernels import (
     KVCacheShape,
@@ -50,47 +50,8 @@ EPS = 1e-5
 DECODE, PREFILL = (64, 256), (4096, 16384)
 
 
-def graph_time(fn: Callable[[], object], calls: int, repeat: int) -> float:
-    """Median seconds per call of ``fn``, captured ``calls`` times in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(samples)
 
 
-def eager_time(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds of one eager call (CUDA events around it, launch cost included)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
 
 
 def norm_case(tokens: int, dtype: torch.dtype) -> tuple[int, Callable, Callable]:
@@ -154,15 +115,15 @@ def gpu_report(quick: bool, calls: int) -> dict:
                 nbytes, fused, unfused = make(tokens, dtype)
                 src = torch.empty(nbytes // 2, device="cuda", dtype=torch.uint8)
                 dst = torch.empty_like(src)
-                t_fused = graph_time(fused, calls, repeat)
-                t_unfused = graph_time(unfused, calls, repeat)
-                t_copy = graph_time(lambda: dst.copy_(src), calls, repeat)
+                t_fused = cuda_graph_time(fused, calls, repeat)
+                t_unfused = cuda_graph_time(unfused, calls, repeat)
+                t_copy = cuda_graph_time(lambda: dst.copy_(src), calls, repeat)
                 entry[f"{phase}_T{tokens}"] = {
                     "bytes": nbytes, "fused_us": t_fused * 1e6, "unfused_us": t_unfused * 1e6,
                     "speedup": t_unfused / t_fused, "GBps": nbytes / t_fused / 1e9,
                     "copy_GBps": nbytes / t_copy / 1e9, "fraction_of_copy": t_copy / t_fused,
-                    "eager_fused_us": eager_time(fused, repeat) * 1e6,
-                    "eager_unfused_us": eager_time(unfused, repeat) * 1e6,
+                    "eager_fused_us": cuda_eager_time(fused, repeat) * 1e6,
+                    "eager_unfused_us": cuda_eager_time(unfused, repeat) * 1e6,
                 }
                 del src, dst, fused, unfused
                 torch.cuda.empty_cache()
@@ -174,14 +135,8 @@ def cpu_report(quick: bool) -> dict:
     """Tiny shapes through the torch references (what CPU callers run)."""
     repeat = 3 if quick else 10
 
-    def cpu_time(fn):
-        fn()
-        samples = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples) * 1e6
+    def us(fn):
+        return cpu_time(fn, repeat) * 1e6
 
     tokens, hidden, inter, q_heads, kv_heads, head_dim = 8, 256, 512, 4, 2, 64
     x, res = torch.randn(tokens, hidden).bfloat16(), torch.randn(tokens, hidden).bfloat16()
@@ -200,9 +155,9 @@ def cpu_report(quick: bool) -> dict:
         "shape": {"tokens": tokens, "hidden": hidden, "intermediate": inter, "q_heads": q_heads,
                   "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "bfloat16"},
         "torch_reference_us": {
-            "fused_add_rms_norm": cpu_time(lambda: fused_add_rms_norm(x, res, weight, EPS, impl="torch")),
-            "silu_and_mul": cpu_time(lambda: silu_and_mul(gate_up, impl="torch")),
-            "rotary_and_cache": cpu_time(lambda: rotary_and_cache(q, k, v, cos, cos, kc, vc, slots, impl="torch")),
+            "fused_add_rms_norm": us(lambda: fused_add_rms_norm(x, res, weight, EPS, impl="torch")),
+            "silu_and_mul": us(lambda: silu_and_mul(gate_up, impl="torch")),
+            "rotary_and_cache": us(lambda: rotary_and_cache(q, k, v, cos, cos, kc, vc, slots, impl="torch")),
         },
     }
 

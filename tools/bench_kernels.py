@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench_timing import cpu_time, cuda_eager_time, cuda_graph_time, host_launch_time
+
 from kvstrata.kernels import (
     KVCacheShape,
     KVStreams,
@@ -47,31 +49,8 @@ from kvstrata.kernels import (
 from kvstrata.logs import configure_logging
 
 
-def cpu_time(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs, after one warm-up."""
-    fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
-def gpu_time(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds of ``fn`` on the current CUDA stream (CUDA events)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
 
 
 def paged_setup(seq_lens: list[int], q_lens: list[int], *, block_size: int, q_heads: int, kv_heads: int,
@@ -178,44 +157,8 @@ def cpu_section(quick: bool) -> dict:
 TINY = dict(layers=22, kv_heads=4, head_dim=64, block_size=16, q_heads=32, hidden=2048, inter=5632)
 
 
-def graph_time(fn: Callable[[], object], calls: int = 20, replays: int = 15) -> float:
-    """Median device seconds of one ``fn`` call, from replays of a CUDA graph of
-    ``calls`` calls: no host launch cost in the number, as in the engine's
-    captured decode steps (eager launches of small copies time the host)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(samples)
 
 
-def host_time(fn: Callable[[], object], calls: int = 50) -> float:
-    """Host seconds per eager call (Python checks + launch), device work not waited for."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = (time.perf_counter() - t0) / calls
-    torch.cuda.synchronize()
-    return dt
 
 
 def block_slots(n: int, num_blocks: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -265,11 +208,11 @@ def gpu_copy_fractions(quick: bool) -> dict:
 def _fraction(fn: Callable[[], object], nbytes: int) -> dict:
     src = torch.empty(nbytes, device="cuda", dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    t_copy = graph_time(lambda: dst.copy_(src))
-    t = graph_time(fn)
+    t_copy = cuda_graph_time(lambda: dst.copy_(src), 20, 15)
+    t = cuda_graph_time(fn, 20, 15)
     return {"bytes": nbytes, "us": round(t * 1e6, 2), "d2d_copy_us": round(t_copy * 1e6, 2),
             "GBps": round(2 * nbytes / t / 1e9, 1), "fraction_of_copy": round(t_copy / t, 3),
-            "host_us": round(host_time(fn) * 1e6, 1)}
+            "host_us": round(host_launch_time(fn) * 1e6, 1)}
 
 
 def gpu_decode(quick: bool) -> dict:
@@ -278,8 +221,8 @@ def gpu_decode(quick: bool) -> dict:
     for batch, ctx in ((8, 2048), (32, 2048), (64, 4096)):
         s = paged_setup([ctx] * batch, [1] * batch, block_size=16, q_heads=32, kv_heads=8, head_dim=128,
                         dtype=torch.float16, device="cuda")
-        t_p = gpu_time(attn_fn(s, 0.088, "auto"), rep)
-        t_d = gpu_time(dense_sdpa(s, 0.088), rep)
+        t_p = cuda_eager_time(attn_fn(s, 0.088, "auto"), rep)
+        t_d = cuda_eager_time(dense_sdpa(s, 0.088), rep)
         res[f"b{batch}_ctx{ctx}"] = {"triton_us": t_p * 1e6, "sdpa_us": t_d * 1e6, "ratio": t_p / t_d}
     return res
 
@@ -411,7 +354,7 @@ def gpu_store_interference(quick: bool, variants: dict[str, dict] | None = None,
             # the sleep counts SM cycles: calibrate now, at the clocks the forward runs at
             lead_ms = 2.0 * max(eager["host_issue_ms"], eager["host_issue_with_store_ms"]) + 2.0
             queued = _ab(fwd, reps, stream, int(lead_ms * _sleep_cycles_per_ms()))
-            store_host = host_time(lambda: streams.store_layer(0, *fwd.caches[0], fwd.host_slots,
+            store_host = host_launch_time(lambda: streams.store_layer(0, *fwd.caches[0], fwd.host_slots,
                                                                 host_out=fwd.hosts[0]), calls=20)
             streams.synchronize()
             entry[name] = {"store_programs": v["store_programs"], "compute_priority": v["priority"],
