@@ -154,6 +154,12 @@ class KVConnectorScheduler(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
+    def hit_tokens(self) -> int:
+        """Tokens the connector's tiers served, over every finished request
+        and tier: the one count of tier hits (``kv.external_hit_tokens``;
+        per tier in ``stats``)."""
+        ...
+
     def has_pending_work(self) -> bool: ...
 
 
@@ -263,6 +269,9 @@ class NoOpConnectorScheduler:
 
     def stats(self) -> dict[str, float]:
         return {}
+
+    def hit_tokens(self) -> int:
+        return 0
 
     def has_pending_work(self) -> bool:
         return False

@@ -128,6 +128,10 @@ class TransferMetrics:
         self.requests.append(rec)
         return rec
 
+    def total_hit_tokens(self) -> int:
+        """Every tier's hit tokens together (each hit is booked once, when its request finishes)."""
+        return sum(self.hit_tokens.values())
+
     def as_dict(self, prefix: str = "connector") -> dict[str, float]:
         out = {f"{prefix}.{k}": float(v) for k, v in self.counters.items()}
         for tier in self.hit_tokens:

@@ -188,6 +188,9 @@ class MultiScheduler:
     def stats(self) -> dict[str, float]:
         return {f"multi{i}.{k}": v for i, c in enumerate(self.children) for k, v in c.stats().items()}
 
+    def hit_tokens(self) -> int:
+        return sum(c.hit_tokens() for c in self.children)
+
     def has_pending_work(self) -> bool:
         return bool(self._expect) or any(c.has_pending_work() for c in self.children)
 

@@ -329,7 +329,8 @@ class EngineCore:
                 "kv.prefix_cache.preempted_queries": float(p.preempted_queries),
                 "kv.prefix_cache.preempted_hits": float(p.preempted_hits),
                 "kv.prefix_cache.resets": float(p.resets),
-                "kv.external_hit_tokens": float(c.external_cache_hits),
+                # the connector's per-tier books summed: each tier hit counted once
+                "kv.external_hit_tokens": float(s.connector.hit_tokens()),
                 "engine.failed_steps": float(self.num_failed_steps),
                 "engine.given_chains": float(self.num_given_chains),
                 "engine.given_chains_refused": float(self.num_given_chains_refused),

@@ -14,13 +14,16 @@ import logging
 import os
 import socket
 import struct
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq
 import zmq.utils.z85
 
 from kvstrata.ipc import protocol as P
+
+if TYPE_CHECKING:  # imported where it is used: only tcp:// engines start one
+    from zmq.auth.thread import ThreadAuthenticator
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +39,7 @@ def peer_uid(fd: int) -> int:
         return -1
 
 
-def curve_server(sock: zmq.Socket, credentials: P.Credentials) -> Any:
+def curve_server(sock: zmq.Socket, credentials: P.Credentials) -> ThreadAuthenticator:
     """Make ``sock`` a CURVE server that admits only the owner's client key
     (a ZAP handler thread decides); a peer without it gets nothing at all,
     not even a handshake answer."""

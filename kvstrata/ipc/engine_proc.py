@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-console", dest="log_json", action="store_const", const=False)
     args = p.parse_args(argv)
     launch = msgspec.json.decode(sys.stdin.buffer.read(), type=P.Launch)
-    config = msgspec.convert(launch.config, EngineConfig)
+    config = launch.config
     configure_logging(config.log_level, json=args.log_json)
     config.validate()
     try:

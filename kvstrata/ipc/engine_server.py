@@ -10,7 +10,13 @@ flush (``call_soon``) sends each buffer after them. No task per request.
 
 Bad frames (oversized, malformed msgpack, wrong types, unknown tags, unknown
 request ids) get a ``ProtocolError`` back to that client only, are counted
-and logged (rate-limited), and change nothing else.
+and logged (rate-limited), and change nothing else. A ``Utility`` whose call
+does not decode (an unknown call, bad arguments) is one too, and its caller
+also gets a ``UtilityError(BAD_CALL)`` for its ``call_id``, so it never waits.
+
+Utility calls are typed (``protocol.Call``), dispatched with ``match``; each
+is answered with its own result type or a ``UtilityError`` with an
+``ErrorCode`` (never an exception's text to match on).
 
 Requests arrive as token ids (the client tokenized them) and outputs leave
 as token ids (the client detokenizes): the server does no text work. It
@@ -57,7 +63,7 @@ from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.ipc import protocol as P
 from kvstrata.ipc.access import curve_server, peer_uid
-from kvstrata.ipc.kv_feed import KV_EVENTS_OFF, KVEventFeed, KVSubscriptions, new_epoch
+from kvstrata.ipc.kv_feed import KVEventFeed, KVSubscriptions, new_epoch
 from kvstrata.ipc.zmq_io import ZmqReader
 from kvstrata.types import RequestOutput
 
@@ -108,7 +114,8 @@ class EngineServer:
     protocol error counters. The engine itself is owned by the caller
     (``engine_proc.main``)."""
 
-    def __init__(self, address: str, config_builtins: Any, credentials: P.Credentials, *,
+    def __init__(self, address: str, config_builtins: dict[str, Any],  # Any: a config tree of plain values
+                 credentials: P.Credentials, *,
                  max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, send_hwm: int = P.SEND_HWM,
                  recv_hwm: int = P.RECV_HWM, max_backlog_bytes: int = P.MAX_CLIENT_BACKLOG_BYTES,
                  stall_timeout_s: float = P.CLIENT_STALL_TIMEOUT_S, allowed_uid: int | None = None) -> None:
@@ -133,6 +140,7 @@ class EngineServer:
         self.num_clients_dropped = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = P.make_inbound_decoder()
+        self._header = P.make_header_decoder()
         self.num_protocol_errors = 0
         self.stopped = asyncio.Event()
         self.stop_reason = ""
@@ -164,7 +172,7 @@ class EngineServer:
         self._engine = engine
         if kv_feed is not None:
             self._kv = KVSubscriptions(kv_feed, engine, send=self._send, send_encoded=self._send_encoded,
-                                       protocol_error=self._client_protocol_error, received=self._received)
+                                       received=self._received)
             self._spawn(self._kv.report_load())
         for identity, call_id in self._deferred_handshakes:
             self._send(identity, P.UtilityResult(call_id, self._info()))
@@ -216,15 +224,15 @@ class EngineServer:
         try:
             msg = self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return self._protocol_error(client, f"undecodable message: {e}")
+            return self._bad_frame(client, frame, e)
         match msg:
             case P.AddRequest():
                 client.received += 1
                 self._add(client, msg)
             case P.AbortRequests(request_ids=ids):
                 self._abort(client, ids)
-            case P.Utility(call_id=call_id, method=method, args=args):
-                self._utility(client, call_id, method, args)
+            case P.Utility(call_id=call_id, call=call):
+                self._utility(client, call_id, call)
             case P.Shutdown(reason=reason, token=token):
                 if not self._owner_token or not hmac.compare_digest(token, self._owner_token):
                     return self._protocol_error(client, "shutdown refused: only the engine's owner may stop it")
@@ -249,37 +257,44 @@ class EngineServer:
         if unknown:
             self._protocol_error(client, f"abort of unknown request ids: {unknown[:8]}")
 
-    def _utility(self, client: _Client, call_id: int, method: str, args: list[Any]) -> None:
-        if method == "handshake":
-            if self._engine is None:
-                self._deferred_handshakes.append((client.identity, call_id))
-            else:
-                self._send(client.identity, P.UtilityResult(call_id, self._info()))
-        elif method == "health":
-            self._send(client.identity, P.UtilityResult(call_id, self._health()))
-        elif method in ("kv_subscribe", "kv_snapshot", "kv_position"):
-            if self._kv is None:
-                self._send(client.identity, P.UtilityResult(call_id, None, KV_EVENTS_OFF))
-            else:
-                self._kv.call(client.identity, call_id, method, args)
-        elif method in ("stats", "reset_prefix_cache", "flush_kv"):
-            if self._engine is None:
-                self._send(client.identity, P.UtilityResult(call_id, None, "engine not ready"))
-            else:
-                self._spawn(self._call_engine(client.identity, call_id, method, args))
-        else:
-            self._protocol_error(client, f"unknown utility method {method!r} (known: {', '.join(P.UTILITY_METHODS)})")
-            self._send(client.identity, P.UtilityResult(call_id, None, f"unknown utility method {method!r}"))
+    def _bad_frame(self, client: _Client, frame: memoryview, error: msgspec.MsgspecError) -> None:
+        """A frame that did not decode: a protocol error; when it is a
+        ``Utility`` (its call unknown or its arguments bad), its caller gets
+        a ``BAD_CALL`` error too, for the call id it waits on."""
+        self._protocol_error(client, f"undecodable message: {error}")
+        try:
+            header = self._header.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if header.tag == "utility":
+            self._send(client.identity, P.UtilityError(header.call_id, P.ErrorCode.BAD_CALL, f"bad call: {error}"))
+
+    def _utility(self, client: _Client, call_id: int, call: P.Call) -> None:
+        identity = client.identity
+        match call:
+            case P.Handshake():
+                if self._engine is None:
+                    self._deferred_handshakes.append((identity, call_id))
+                else:
+                    self._send(identity, P.UtilityResult(call_id, self._info()))
+            case P.HealthCheck():
+                self._send(identity, P.UtilityResult(call_id, self._health()))
+            case P.GetKVPosition() | P.GetKVSnapshot() | P.KVSubscribe():
+                if self._kv is None:
+                    self._send(identity, P.UtilityError(call_id, P.ErrorCode.KV_EVENTS_OFF,
+                                                        "KV events are off on this engine (cache.enable_kv_events)"))
+                else:
+                    self._kv.call(identity, call_id, call)
+            case P.GetStats() | P.ResetPrefixCache() | P.FlushKV():
+                if self._engine is None:
+                    self._send(identity, P.UtilityError(call_id, P.ErrorCode.NOT_READY, "engine not ready"))
+                else:
+                    self._spawn(self._call_engine(identity, call_id, call))
 
     def _received(self, identity: bytes) -> int | None:
         """How many AddRequest frames a client has sent (None: it is gone)."""
         client = self._clients.get(identity)
         return None if client is None else client.received
-
-    def _client_protocol_error(self, identity: bytes, message: str) -> None:
-        client = self._clients.get(identity)
-        if client is not None:
-            self._protocol_error(client, message)
 
     def _new_client(self, identity: bytes, fd: int) -> _Client:
         self._monitor_reader.drain_now()  # an old disconnect of this fd goes first
@@ -379,27 +394,35 @@ class EngineServer:
         for rid in rids:
             await engine.abort(rid)
 
-    async def _call_engine(self, identity: bytes, call_id: int, method: str, args: list[Any]) -> None:
+    async def _call_engine(self, identity: bytes, call_id: int,
+                           call: P.GetStats | P.ResetPrefixCache | P.FlushKV) -> None:
         engine = self._engine
         assert engine is not None
+        result: P.Result
         try:
-            if method == "stats":
-                result: Any = msgspec.to_builtins(await engine.stats())
-            elif method == "flush_kv":
-                await engine.flush_kv(*args[:1])
-                result = None
-            else:
-                result = await engine.reset_prefix_cache()
+            match call:
+                case P.GetStats():
+                    result = P.StatsResult(await engine.stats())
+                case P.ResetPrefixCache():
+                    result = P.PrefixCacheReset(await engine.reset_prefix_cache())
+                case P.FlushKV(timeout_s=timeout_s):
+                    try:
+                        await engine.flush_kv(timeout_s)
+                    except TimeoutError:
+                        self._send(identity, P.UtilityError(call_id, P.ErrorCode.TIMEOUT,
+                                                            f"KV transfers still pending after {timeout_s}s"))
+                        return
+                    result = P.Flushed()
         except EngineDeadError as e:
             self.stop(f"engine died: {e}")
             return
         except Exception as e:  # reported to the caller; the engine keeps serving
-            log.exception("utility_call_failed", method=method)
-            self._send(identity, P.UtilityResult(call_id, None, f"{type(e).__name__}: {e}"))
+            log.exception("utility_call_failed", call=type(call).__name__)
+            self._send(identity, P.UtilityError(call_id, P.ErrorCode.FAILED, f"{type(e).__name__}: {e}"))
             return
         self._send(identity, P.UtilityResult(call_id, result))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -517,7 +540,7 @@ class EngineServer:
         return P.EngineInfo(protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(), ready=engine is not None,
                             config=self._config, max_frame_bytes=self.max_frame_bytes,
                             facts=None if engine is None else engine.facts, epoch=self.epoch,
-                            cache_identity=None if engine is None else msgspec.to_builtins(engine.identity),
+                            cache_identity=None if engine is None else engine.identity,
                             kv_events=self._kv is not None)
 
     def _health(self) -> P.HealthInfo:
@@ -530,13 +553,13 @@ class EngineServer:
                             uptime_s=time.monotonic() - self._started, engine=engine)
 
 
-def client_view(config_builtins: Any) -> Any:
+def client_view(config_builtins: dict[str, Any]) -> dict[str, Any]:  # Any: plain config values
     """The engine config (plain data) as the handshake tells it: the
     connector's options left out (free-form, where a secret may sit under any
     key, e.g. a DSN; a client never needs them), and every other field that
     holds a secret redacted."""
     view = redact_secrets(config_builtins)
-    kv = view.get("kv_transfer") if isinstance(view, dict) else None
+    kv = view.get("kv_transfer")
     if isinstance(kv, dict) and "options" in kv:
         kv["options"] = {}
     return view

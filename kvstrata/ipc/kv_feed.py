@@ -8,7 +8,7 @@ keeps the last ``buffer_steps`` for replay, and passes it on to
 
 - the engine server's :class:`KVSubscriptions`, which sends
   ``KVEvents(epoch, seq, payload)`` (and the engine's ``LoadReport``s) to
-  every client that subscribed (``Utility("kv_subscribe", [start_seq])``), after
+  every client that subscribed (``KVSubscribe(start_seq)``), after
   the buffered batches from ``start_seq``: the same channel, access control
   (ipc peer uid, tcp CURVE) and flow control as the requests, so a fleet
   router needs no second address and no second key;
@@ -33,21 +33,19 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
 from kvstrata.ipc import protocol as P
 from kvstrata.kv.events import KVEventBatch, KVEventCodec
+from kvstrata.types import EngineLoad
 
 if TYPE_CHECKING:  # the engine (torch) is imported after the server binds
     from kvstrata.enginecore.async_engine import AsyncEngine, KVEventSink
 
 log = structlog.get_logger(__name__)
-
-
-KV_EVENTS_OFF = "KV events are off on this engine (cache.enable_kv_events)"
 
 
 def new_epoch() -> int:
@@ -77,10 +75,10 @@ class KVEventFeed:
         """The first sequence number still in the ring (``next_seq`` when empty)."""
         return self._ring[0][0] if self._ring else self.next_seq
 
-    def position(self) -> dict[str, int]:
+    def position(self) -> P.KVPosition:
         """Where the stream is: this engine start's epoch, the next batch's
         number, and the oldest one the replay ring still holds."""
-        return {"epoch": self.epoch, "next_seq": self.next_seq, "oldest_seq": self.oldest_seq}
+        return P.KVPosition(self.epoch, self.next_seq, self.oldest_seq)
 
     def publish(self, batch: KVEventBatch) -> bool:
         seq = self.next_seq
@@ -110,9 +108,9 @@ class KVEventFeed:
 
 
 class KVSubscriptions:
-    """The engine server's KV event service for its clients: ``kv_position``,
-    ``kv_snapshot``, ``kv_subscribe`` and, to every subscriber, each batch
-    of the feed and the engine's ``LoadReport``s.
+    """The engine server's KV event service for its clients: the
+    ``GetKVPosition``, ``GetKVSnapshot`` and ``KVSubscribe`` calls and, to
+    every subscriber, each batch of the feed and the engine's ``LoadReport``s.
 
     Owns: the subscribed client identities and the load last reported to
     each (and when). The server owns the clients and the socket; it hands
@@ -122,43 +120,38 @@ class KVSubscriptions:
     it is gone). Everything runs on the engine's loop.
     """
 
-    def __init__(self, feed: KVEventFeed, engine: AsyncEngine, *, send: Callable[[bytes, Any], None],
-                 send_encoded: Callable[[bytes, bytes], None], protocol_error: Callable[[bytes, str], None],
-                 received: Callable[[bytes], int | None]) -> None:
+    def __init__(self, feed: KVEventFeed, engine: AsyncEngine, *, send: Callable[[bytes, P.Outbound], None],
+                 send_encoded: Callable[[bytes, bytes], None], received: Callable[[bytes], int | None]) -> None:
         self.feed = feed
         self._engine = engine
         self._send = send
         self._send_encoded = send_encoded
-        self._protocol_error = protocol_error
         self._received = received
         self._encoder = msgspec.msgpack.Encoder()
-        self._subscribers: dict[bytes, tuple | None] = {}  # identity -> ((load, received), when) last reported
+        # identity -> ((load, received), when) last reported; None: report at the next tick
+        self._subscribers: dict[bytes, tuple[tuple[EngineLoad, int], float] | None] = {}
         feed.listener = self._broadcast
 
-    def call(self, identity: bytes, call_id: int, method: str, args: list[Any]) -> None:
-        """``kv_position``: the feed's ``{epoch, next_seq, oldest_seq}``;
-        ``kv_snapshot``: that plus every cache's content now (``payload``, a
-        msgpack KVEventBatch consistent with the stream up to ``next_seq - 1``);
-        ``kv_subscribe [start_seq]``: the position, then the buffered batches
-        from ``start_seq``, then every later one as it comes, all on this
-        loop, so none is missed or sent twice."""
+    def call(self, identity: bytes, call_id: int, call: P.GetKVPosition | P.GetKVSnapshot | P.KVSubscribe) -> None:
+        """``GetKVPosition``: the feed's position; ``GetKVSnapshot``: that
+        plus every cache's content now (a msgpack KVEventBatch consistent
+        with the stream up to ``next_seq - 1``); ``KVSubscribe``: the
+        position, then the buffered batches from ``start_seq``, then every
+        later one as it comes, all on this loop, so none is missed or sent
+        twice."""
         feed = self.feed
-        if method == "kv_position":
-            self._send(identity, P.UtilityResult(call_id, feed.position()))
-            return
-        if method == "kv_snapshot":
-            payload = feed.codec.encode(self._engine.kv_snapshot())
-            self._send(identity, P.UtilityResult(call_id, {**feed.position(), "payload": payload}))
-            return
-        start = args[0] if args else 0
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            self._protocol_error(identity, f"kv_subscribe: start_seq must be an integer >= 0, got {start!r}")
-            self._send(identity, P.UtilityResult(call_id, None, "kv_subscribe: bad start_seq"))
-            return
-        self._send(identity, P.UtilityResult(call_id, feed.position()))
-        for seq, payload in feed.since(start):
-            self._send(identity, P.KVEvents(feed.epoch, seq, payload))
-        self._subscribers[identity] = None  # the next load report goes out whatever it says
+        match call:
+            case P.GetKVPosition():
+                self._send(identity, P.UtilityResult(call_id, feed.position()))
+            case P.GetKVSnapshot():
+                payload = feed.codec.encode(self._engine.kv_snapshot())
+                self._send(identity, P.UtilityResult(call_id, P.KVSnapshot(
+                    feed.epoch, feed.next_seq, feed.oldest_seq, payload)))
+            case P.KVSubscribe(start_seq=start):
+                self._send(identity, P.UtilityResult(call_id, feed.position()))
+                for seq, payload in feed.since(start):
+                    self._send(identity, P.KVEvents(feed.epoch, seq, payload))
+                self._subscribers[identity] = None  # the next load report goes out whatever it says
 
     def drop(self, identity: bytes) -> None:
         """A client is gone."""

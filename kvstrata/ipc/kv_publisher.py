@@ -48,7 +48,7 @@ import queue
 import socket
 import threading
 from collections import deque
-from typing import Any
+from collections.abc import Callable
 
 import structlog
 import zmq
@@ -302,7 +302,7 @@ def _drain(sock: socket.socket) -> None:
 
 
 def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None] | None,
-            error: BaseException | None, then: Any = None) -> None:
+            error: BaseException | None, then: Callable[[], None] | None = None) -> None:
     """From the thread: resolve ``fut`` on its loop (after running ``then``
     there); nothing if the loop is gone or the future already settled."""
     if fut is None:

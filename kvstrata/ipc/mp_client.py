@@ -17,6 +17,11 @@ socket refuses (``zmq.Again``: the engine is not reading fast enough) waits
 in an outbox, in order, flushed when the socket's FD fires; ``generate``
 waits for room when the outbox holds more than ``max_outbox_bytes``.
 
+Utility calls are typed (``protocol.Call``); each returns its own result
+type, and an engine's ``UtilityError`` becomes the exception its
+``ErrorCode`` names (``protocol.call_error``: ``KVEventsOffError``,
+``CallTimeoutError``, ...; all RuntimeErrors).
+
 Engine death is seen three ways, whichever comes first: an ``EngineDead``
 message (clean shutdown, fatal engine error), the pidfd of a process this
 client started, or the socket monitor's disconnect event (any client). Every
@@ -29,7 +34,7 @@ import asyncio
 import subprocess
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -49,6 +54,8 @@ from kvstrata.ipc.launcher import ProcessWatch, spawn_engine, stop_process
 from kvstrata.ipc.zmq_io import ZmqReader
 
 log = structlog.get_logger(__name__)
+
+R = TypeVar("R", bound=P.Result)
 
 
 class _Stream:
@@ -92,8 +99,9 @@ class MPEngineClient:
         self._proc = proc
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = P.make_outbound_decoder()
+        self._header = P.make_header_decoder()
         self._streams: dict[str, _Stream] = {}
-        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._calls: dict[int, asyncio.Future[P.Result]] = {}
         self._next_call = 0
         self._dead: EngineDeadError | None = None
         self._closed = False
@@ -153,7 +161,7 @@ class MPEngineClient:
     async def _handshake(self, timeout_s: float) -> None:
         try:
             async with asyncio.timeout(timeout_s):
-                raw = await self._call("handshake")
+                info = await self._call(P.Handshake(), P.EngineInfo)
         except TimeoutError:
             await self.aclose()
             raise EngineDeadError(f"engine at {self.address} did not answer the handshake in {timeout_s}s") from None
@@ -161,7 +169,6 @@ class MPEngineClient:
             await self.aclose()
             raise
         try:
-            info = msgspec.convert(raw, P.EngineInfo)
             if info.protocol_version != P.PROTOCOL_VERSION or info.facts is None:
                 raise EngineDeadError(f"protocol version {info.protocol_version} != {P.PROTOCOL_VERSION}")
             config = msgspec.convert(info.config, EngineConfig)
@@ -202,6 +209,7 @@ class MPEngineClient:
     def max_model_len(self) -> int:
         return self.facts.max_model_len
 
+    # Any: EngineClient.chat's signature (chat messages are free-form JSON; kwargs go to generate)
     def chat(self, messages: Sequence[Any], params: SamplingParams | None = None,
              **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
         return generate_chat(self, messages, params, **kwargs)
@@ -299,26 +307,22 @@ class MPEngineClient:
         self._send(self._encoder.encode(P.AbortRequests([request_id])))
 
     async def stats(self) -> EngineStats:
-        return msgspec.convert(await self._call("stats"), EngineStats)
+        return (await self._call(P.GetStats(), P.StatsResult)).stats
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self._call("reset_prefix_cache"))
+        return (await self._call(P.ResetPrefixCache(), P.PrefixCacheReset)).reset
 
     async def flush_kv(self, timeout_s: float = 60.0) -> None:
-        """Wait until the engine's KV transfers started so far are done."""
-        try:
-            await self._call("flush_kv", [timeout_s])
-        except RuntimeError as e:
-            if "TimeoutError" in str(e):
-                raise TimeoutError(f"flush_kv: KV transfers still pending after {timeout_s}s") from None
-            raise
+        """Wait until the engine's KV transfers started so far are done;
+        ``CallTimeoutError`` (a TimeoutError) when they are not within ``timeout_s``."""
+        await self._call(P.FlushKV(timeout_s), P.Flushed)
 
     @property
     def _owner_token(self) -> str:
         return self.credentials.owner_token if self.credentials is not None else ""
 
     async def health(self) -> P.HealthInfo:
-        return msgspec.convert(await self._call("health"), P.HealthInfo)
+        return await self._call(P.HealthCheck(), P.HealthInfo)
 
     async def subscribe_kv_events(self, listener: Callable[[P.KVEvents], None], start_seq: int = 0, *,
                                   load_listener: Callable[[P.LoadReport], None] | None = None) -> dict:
@@ -327,23 +331,23 @@ class MPEngineClient:
         then each step's), and ``load_listener`` with each ``LoadReport``
         (the engine's queued work, sent to subscribers when it changes).
         Returns the engine's ``{"epoch", "next_seq", "oldest_seq"}`` at
-        subscription; RuntimeError when the engine runs without
-        ``cache.enable_kv_events``. Calling it again re-subscribes (a replay
-        from another ``start_seq``)."""
+        subscription (a ``KVPosition`` as a dict); ``KVEventsOffError`` (a
+        RuntimeError) when the engine runs without ``cache.enable_kv_events``.
+        Calling it again re-subscribes (a replay from another ``start_seq``)."""
         self._kv_listener = listener
         self._load_listener = load_listener
-        return await self._call("kv_subscribe", [start_seq])
+        return msgspec.structs.asdict(await self._call(P.KVSubscribe(start_seq), P.KVPosition))
 
     async def kv_position(self) -> dict:
         """The engine's KV event stream: ``{"epoch", "next_seq", "oldest_seq"}``
-        (the oldest batch its replay ring still holds)."""
-        return await self._call("kv_position")
+        (the oldest batch its replay ring still holds; a ``KVPosition``)."""
+        return msgspec.structs.asdict(await self._call(P.GetKVPosition(), P.KVPosition))
 
     async def kv_snapshot(self) -> dict:
-        """Every cache of the engine now: ``{"epoch", "next_seq", "payload"}``
-        (a msgpack KVEventBatch of BlockStored events, consistent with the
-        stream up to ``next_seq - 1``)."""
-        return await self._call("kv_snapshot")
+        """Every cache of the engine now: ``{"epoch", "next_seq", "oldest_seq",
+        "payload"}`` (a ``KVSnapshot``; ``payload`` a msgpack KVEventBatch of
+        BlockStored events, consistent with the stream up to ``next_seq - 1``)."""
+        return msgspec.structs.asdict(await self._call(P.GetKVSnapshot(), P.KVSnapshot))
 
     async def shutdown_engine(self) -> None:
         """Ask the engine to stop (every client's requests end with EngineDeadError)."""
@@ -375,17 +379,24 @@ class MPEngineClient:
         if self._closed:
             raise EngineDeadError("client is closed")
 
-    async def _call(self, method: str, args: list[Any] | None = None) -> Any:
+    async def _call(self, call: P.Call, result_type: type[R]) -> R:
+        """Send one utility call; its result, which must be ``result_type``
+        (anything else is the engine breaking the protocol: ``BadCallError``).
+        An engine's ``UtilityError`` raises its code's exception."""
         if self._dead is not None:
             raise self._dead
         self._next_call += 1
         call_id = self._next_call
         fut = self._calls[call_id] = self._loop.create_future()
         try:
-            self._send(self._encoder.encode(P.Utility(call_id, method, args or [])))
-            return await fut
+            self._send(self._encoder.encode(P.Utility(call_id, call)))
+            result = await fut
         finally:
             self._calls.pop(call_id, None)
+        if not isinstance(result, result_type):
+            raise P.BadCallError(f"{type(call).__name__} answered with a {type(result).__name__}, "
+                                 f"not a {result_type.__name__}")
+        return result
 
     def _send(self, frame: bytes) -> None:
         if not self._outbox:
@@ -437,6 +448,7 @@ class MPEngineClient:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.num_protocol_errors += 1
             log.error("engine_message_undecodable", error=str(e))
+            self._fail_call(frames[-1], e)
             return
         match msg:
             case P.Outputs(outputs=outputs):
@@ -445,13 +457,14 @@ class MPEngineClient:
                     s = streams.get(out.request_id)
                     if s is not None:
                         s.put(out)
-            case P.UtilityResult(call_id=call_id, result=result, error=error):
+            case P.UtilityResult(call_id=call_id, result=result):
                 fut = self._calls.get(call_id)
                 if fut is not None and not fut.done():
-                    if error is None:
-                        fut.set_result(result)
-                    else:
-                        fut.set_exception(RuntimeError(f"utility call failed: {error}"))
+                    fut.set_result(result)
+            case P.UtilityError(call_id=call_id):
+                fut = self._calls.get(call_id)
+                if fut is not None and not fut.done():
+                    fut.set_exception(P.call_error(msg))
             case P.RequestRejected():
                 self._on_rejected(msg)
             case P.ProtocolError(message=message, num_errors=n):
@@ -465,6 +478,17 @@ class MPEngineClient:
             case P.LoadReport():
                 if self._load_listener is not None:
                     self._load_listener(msg)
+
+    def _fail_call(self, frame: bytes, error: msgspec.MsgspecError) -> None:
+        """An undecodable reply to a pending call fails that call (an engine
+        of another protocol version, say) instead of leaving it waiting."""
+        try:
+            header = self._header.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        fut = self._calls.get(header.call_id) if header.tag in ("result", "call_error") else None
+        if fut is not None and not fut.done():
+            fut.set_exception(P.BadCallError(f"undecodable reply (protocol version {P.PROTOCOL_VERSION} here): {error}"))
 
     def _on_rejected(self, msg: P.RequestRejected) -> None:
         s = self._streams.get(msg.request_id)

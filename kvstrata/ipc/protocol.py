@@ -4,22 +4,37 @@ Every frame is one msgpack-encoded msgspec Struct from a tagged union, decoded
 by one typed decoder and dispatched with ``match``:
 
     client (DEALER) ── Inbound ──▶  engine (ROUTER)
-        AddRequest | AbortRequests | Utility | Shutdown
+        AddRequest | AbortRequests | Utility(call_id, Call) | Shutdown
     client (DEALER) ◀── Outbound ── engine (ROUTER)
-        Outputs (one batch per engine step and client) | UtilityResult
+        Outputs (one batch per engine step and client)
+        | UtilityResult(call_id, Result) | UtilityError(call_id, ErrorCode, message)
         | RequestRejected | ProtocolError | EngineDead | KVEvents | LoadReport
 
 Requests and outputs carry token ids only: the client tokenizes, checks,
 detokenizes and applies stop strings (``kvstrata.enginecore.processing``).
 
-The handshake is ``Utility(method="handshake")``; its result is an
-``EngineInfo`` (the engine's config, what a client needs to check requests,
-pid, protocol version, readiness, its epoch and cache identity). A client
-that calls ``Utility(method="kv_subscribe", args=[start_seq])`` gets the
-engine's KV events as ``KVEvents`` frames from then on (``kvstrata.ipc.kv_feed``),
-and its queued work as ``LoadReport`` frames (when it changes, at most every
-``LOAD_REPORT_INTERVAL_S``): every router sees the load all routers put on
-the engine. Health checks are ``Utility(method="health")``.
+A utility call is a typed ``Call`` wrapped in a ``Utility`` with the
+client's ``call_id``; it is answered by one ``UtilityResult`` holding the
+call's own result type, or one ``UtilityError`` with an ``ErrorCode`` the
+client maps to an exception (``call_error``):
+
+    Handshake        -> EngineInfo (sent once the engine is ready)
+    HealthCheck      -> HealthInfo
+    GetStats         -> StatsResult
+    ResetPrefixCache -> PrefixCacheReset
+    FlushKV          -> Flushed            | TIMEOUT
+    GetKVPosition    -> KVPosition         | KV_EVENTS_OFF
+    GetKVSnapshot    -> KVSnapshot         | KV_EVENTS_OFF
+    KVSubscribe      -> KVPosition, then KVEvents and LoadReport frames | KV_EVENTS_OFF
+
+Any call may also fail with NOT_READY (engine work before the engine is
+up) or FAILED (the engine raised). A ``Utility`` whose call does not
+decode (an unknown call, bad arguments) is a protocol error, answered with
+BAD_CALL too so the caller does not wait; the engine keeps serving.
+``KVSubscribe`` makes the engine send its KV events as ``KVEvents`` frames
+(``kvstrata.ipc.kv_feed``) and its queued work as ``LoadReport`` frames
+(when it changes, at most every ``LOAD_REPORT_INTERVAL_S``): every router
+sees the load all routers put on the engine.
 
 Both sides bound their queues (ZMQ high-water marks, counted in messages):
 a send that finds a peer's queue full raises ``zmq.Again``, and the sender
@@ -29,19 +44,21 @@ keeps a bounded backlog for that peer, flushed when the peer drains (see
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
+from kvstrata.config import EngineConfig
 from kvstrata.enginecore.processing import ModelFacts
-from kvstrata.types import EngineHealth, EngineLoad, RequestOutput, SamplingParams
+from kvstrata.kv.hashing import CacheIdentity
+from kvstrata.types import EngineHealth, EngineLoad, EngineStats, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 4
+# 5: typed utility calls, results and error codes (4: string-keyed methods).
+PROTOCOL_VERSION = 5
 # Frames larger than this are rejected with a ProtocolError (the engine never
 # decodes them). A generous bound: a 1M-token prompt as msgpack ints is ~5 MiB.
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-
-UTILITY_METHODS = ("handshake", "health", "stats", "reset_prefix_cache", "flush_kv", "kv_subscribe", "kv_snapshot", "kv_position")
 
 # How often, at most, an engine reports its load to the clients that
 # subscribed to its KV events (only when it changed).
@@ -93,10 +110,53 @@ class AbortRequests(_Wire, tag="abort"):
     request_ids: list[str]
 
 
+# --- utility calls (inside a Utility) ---------------------------------------
+
+
+class Handshake(_Wire, tag="handshake"):
+    """-> EngineInfo, sent once the engine is ready (the call waits till then)."""
+
+
+class HealthCheck(_Wire, tag="health"):
+    """-> HealthInfo (answered while the engine starts too)."""
+
+
+class GetStats(_Wire, tag="stats"):
+    """-> StatsResult."""
+
+
+class ResetPrefixCache(_Wire, tag="reset_prefix_cache"):
+    """-> PrefixCacheReset."""
+
+
+class FlushKV(_Wire, tag="flush_kv"):
+    """-> Flushed once every KV transfer started so far is done; TIMEOUT
+    after ``timeout_s``."""
+
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+
+
+class GetKVPosition(_Wire, tag="kv_position"):
+    """-> KVPosition of the engine's KV event stream."""
+
+
+class GetKVSnapshot(_Wire, tag="kv_snapshot"):
+    """-> KVSnapshot: every cache's content now."""
+
+
+class KVSubscribe(_Wire, tag="kv_subscribe"):
+    """-> KVPosition, then the buffered KVEvents from ``start_seq``, then
+    each later batch and the engine's LoadReports."""
+
+    start_seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+Call = Handshake | HealthCheck | GetStats | ResetPrefixCache | FlushKV | GetKVPosition | GetKVSnapshot | KVSubscribe
+
+
 class Utility(_Wire, tag="utility"):
     call_id: int
-    method: str
-    args: list[Any] = []
+    call: Call
 
 
 class Shutdown(_Wire, tag="shutdown"):
@@ -121,10 +181,95 @@ class Outputs(_Wire, tag="outputs"):
     outputs: list[RequestOutput]
 
 
+# --- utility results (inside a UtilityResult) -----------------------------
+
+
+class EngineInfo(_Wire, kw_only=True, tag="info"):
+    """The handshake result: what the engine runs and whether it is ready.
+    ``facts`` is what a client needs to check its requests (the engine's
+    max_model_len after capping by its KV pool, its vocabulary)."""
+
+    protocol_version: int
+    pid: int
+    ready: bool
+    # EngineConfig as plain data, secrets redacted and the connector's
+    # free-form options left out (``engine_server.client_view``): not an
+    # EngineConfig, since a redacted field need not pass its checks.
+    config: dict[str, Any]  # Any: a config tree of plain values
+    max_frame_bytes: int
+    facts: ModelFacts | None = None
+    # One engine start: a router fences blocks of older epochs.
+    epoch: int = 0
+    # What a router hashes prompts with; None while the engine is starting.
+    cache_identity: CacheIdentity | None = None
+    # Whether the KV event calls are served (cache.enable_kv_events).
+    kv_events: bool = False
+
+
+class HealthInfo(_Wire, kw_only=True, tag="health"):
+    healthy: bool
+    num_clients: int
+    num_requests: int
+    num_protocol_errors: int
+    uptime_s: float
+    engine: EngineHealth | None = None  # None while the engine is starting
+
+
+class StatsResult(_Wire, tag="stats"):
+    stats: EngineStats
+
+
+class PrefixCacheReset(_Wire, tag="reset"):
+    """``reset``: False when blocks were in use (nothing was reset)."""
+
+    reset: bool
+
+
+class Flushed(_Wire, tag="flushed"):
+    """Every KV transfer started before the FlushKV call is done."""
+
+
+class KVPosition(_Wire, tag="kv_position"):
+    """Where an engine's KV event stream is: this engine start's ``epoch``,
+    the next batch's number and the oldest one its replay ring holds."""
+
+    epoch: int
+    next_seq: int
+    oldest_seq: int
+
+
+class KVSnapshot(_Wire, tag="kv_snapshot"):
+    """``payload``: a msgpack KVEventBatch of every cache's content now,
+    consistent with the stream up to ``next_seq - 1``."""
+
+    epoch: int
+    next_seq: int
+    oldest_seq: int
+    payload: bytes
+
+
+Result = EngineInfo | HealthInfo | StatsResult | PrefixCacheReset | Flushed | KVPosition | KVSnapshot
+
+
 class UtilityResult(_Wire, tag="result"):
     call_id: int
-    result: Any = None
-    error: str | None = None
+    result: Result
+
+
+class ErrorCode(enum.Enum):
+    """Why a utility call failed; each maps to one exception (``call_error``)."""
+
+    NOT_READY = "not_ready"  # engine work asked for before the engine is up
+    KV_EVENTS_OFF = "kv_events_off"  # a KV event call on an engine without cache.enable_kv_events
+    BAD_CALL = "bad_call"  # an unknown call or bad arguments (also a ProtocolError)
+    TIMEOUT = "timeout"  # FlushKV's timeout passed
+    FAILED = "failed"  # the engine raised; ``message`` says what
+
+
+class UtilityError(_Wire, tag="call_error"):
+    call_id: int
+    code: ErrorCode
+    message: str = ""
 
 
 class RequestRejected(_Wire, tag="rejected"):
@@ -153,7 +298,7 @@ class EngineDead(_Wire, tag="dead"):
 
 class KVEvents(_Wire, tag="kv_events"):
     """One engine step's KV events for a client that subscribed
-    (``Utility("kv_subscribe", [start_seq])``; ``kvstrata.ipc.kv_feed``):
+    (``KVSubscribe(start_seq)``; ``kvstrata.ipc.kv_feed``):
     ``payload`` is the msgpack ``KVEventBatch`` as vLLM's publisher sends it,
     ``seq`` its number (from 0, no gaps, per ``epoch``: one engine start)."""
 
@@ -175,36 +320,51 @@ class LoadReport(_Wire, tag="load"):
     received: int
 
 
-Outbound = Outputs | UtilityResult | RequestRejected | ProtocolError | EngineDead | KVEvents | LoadReport
+Outbound = Outputs | UtilityResult | UtilityError | RequestRejected | ProtocolError | EngineDead | KVEvents | LoadReport
 
 
-class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """The handshake result: what the engine runs and whether it is ready.
-    ``facts`` is what a client needs to check its requests (the engine's
-    max_model_len after capping by its KV pool, its vocabulary)."""
+class UtilityCallError(RuntimeError):
+    """A utility call the engine answered with an ``ErrorCode``. A
+    RuntimeError, as every utility failure was before codes."""
 
-    protocol_version: int
-    pid: int
-    ready: bool
-    config: Any  # EngineConfig as plain data (msgspec.to_builtins)
-    max_frame_bytes: int
-    facts: ModelFacts | None = None
-    # One engine start: a router fences blocks of older epochs.
-    epoch: int = 0
-    # The engine's CacheIdentity as plain data (a router hashes prompts with
-    # it); None while the engine is starting.
-    cache_identity: Any = None
-    # Whether ``kv_subscribe`` is served (cache.enable_kv_events).
-    kv_events: bool = False
+    code: ClassVar[ErrorCode] = ErrorCode.FAILED
 
 
-class HealthInfo(msgspec.Struct, frozen=True, kw_only=True):
-    healthy: bool
-    num_clients: int
-    num_requests: int
-    num_protocol_errors: int
-    uptime_s: float
-    engine: EngineHealth | None = None  # None while the engine is starting
+class EngineNotReadyError(UtilityCallError):
+    code = ErrorCode.NOT_READY
+
+
+class KVEventsOffError(UtilityCallError):
+    code = ErrorCode.KV_EVENTS_OFF
+
+
+class BadCallError(UtilityCallError):
+    code = ErrorCode.BAD_CALL
+
+
+class CallTimeoutError(UtilityCallError, TimeoutError):
+    code = ErrorCode.TIMEOUT
+
+
+class CallFailedError(UtilityCallError):
+    code = ErrorCode.FAILED
+
+
+CALL_ERRORS: dict[ErrorCode, type[UtilityCallError]] = {
+    cls.code: cls for cls in (EngineNotReadyError, KVEventsOffError, BadCallError, CallTimeoutError, CallFailedError)}
+
+
+def call_error(msg: UtilityError) -> UtilityCallError:
+    """The exception a client raises for ``msg``."""
+    return CALL_ERRORS[msg.code](msg.message or msg.code.value)
+
+
+class CallHeader(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The first two fields of a frame: enough to answer a ``Utility`` whose
+    call did not decode (its ``call_id`` is the second field)."""
+
+    tag: str
+    call_id: int
 
 
 def make_inbound_decoder() -> msgspec.msgpack.Decoder:
@@ -213,6 +373,10 @@ def make_inbound_decoder() -> msgspec.msgpack.Decoder:
 
 def make_outbound_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(Outbound)
+
+
+def make_header_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(CallHeader)
 
 
 class Credentials(msgspec.Struct, frozen=True, kw_only=True):
@@ -257,5 +421,5 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True):
 class Launch(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine process reads from its stdin: config and credentials."""
 
-    config: Any
+    config: EngineConfig
     credentials: Credentials

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
@@ -30,7 +29,8 @@ class ZmqReader:
                  "_fd")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
-                 on_message: Callable[[list[Any]], None], budget: int = 4096, copy: bool = True,
+                 on_message: Callable[[list[bytes]], None] | Callable[[list[zmq.Frame]], None],
+                 budget: int = 4096, copy: bool = True,
                  on_drained: Callable[[], None] | None = None) -> None:
         self._loop = loop
         self._sock = sock

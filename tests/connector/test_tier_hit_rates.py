@@ -5,7 +5,7 @@ bench report show exactly the connector's hit-token gauges."""
 
 from __future__ import annotations
 
-from conn_helpers import N, add, disk_tier, offload_config, prompt, run_until_idle, seed_lower_tiers
+from conn_helpers import CHUNK, N, add, disk_tier, offload_config, prompt, run_until_idle, seed_lower_tiers
 
 from kvstrata.api_server.metrics import parse_metrics, render_metrics, tier_hit_rates
 from kvstrata.bench.report import engine_deltas
@@ -45,3 +45,40 @@ async def test_cpu_fast_path_and_disk_hits_are_booked_per_tier(oracle, make_core
     assert report["cpu"]["hit_tokens"] == cpu - before.extra["connector.cpu.hit_tokens"] == 64
     assert report["disk"]["hit_tokens"] == 64
     assert report["cpu"]["query_tokens"] == extra["connector.query_tokens"] - before.extra["connector.query_tokens"]
+    assert extra["kv.external_hit_tokens"] == cpu + disk  # the same books, summed
+
+
+async def test_a_tier_hit_is_counted_once_as_what_the_tier_delivered(oracle, make_engine, tmp_path):
+    """``kv.external_hit_tokens`` is the connector's per-tier books summed,
+    so it counts each tier hit once, as what was loaded: an async load of
+    four disk chunks whose second is corrupt delivers one chunk (the rest is
+    recomputed), and one chunk is what both counts say (the scheduler's own
+    count, gone, booked the four chunks it was promised at admission)."""
+    from kvstrata.enginecore import SamplingParams
+    from kvstrata.enginecore.request import Request
+
+    engine = await make_engine(offload_config(load_mode="async", tiers=(disk_tier(tmp_path / "disk"),)))
+    params = SamplingParams(temperature=0.0, max_tokens=N)
+    p = prompt(902, 70)
+
+    async def gen() -> list[int]:
+        return [t async for out in engine.generate(p, params) for t in out.new_token_ids]
+
+    assert await gen() == oracle.greedy(p, N)
+    await engine.flush_kv()
+    assert await engine.reset_prefix_cache()
+    connector = engine.core.kv_connector
+    connector.store.l1.clear()
+    hasher = engine.core.block_hasher
+    hashes = Request("probe", p, SamplingParams(), block_hasher=hasher, hash_block_size=hasher.block_size).block_hashes
+    chunk1 = connector.scheduler.keyer.keys(hashes)[1].name
+    victim = next(f for f in (tmp_path / "disk").rglob("*") if f.is_file() and chunk1 in f.name)
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # the checksum no longer matches
+    victim.write_bytes(bytes(data))
+    assert await gen() == oracle.greedy(p, N)
+    extra = (await engine.stats()).extra
+    assert extra["connector.async_loads"] == 1 and extra["connector.load_failed_tokens"] == 3 * CHUNK
+    assert extra["connector.disk.hit_tokens"] == CHUNK
+    assert extra["kv.external_hit_tokens"] == CHUNK == sum(
+        v for k, v in extra.items() if k.startswith("connector.") and k.endswith(".hit_tokens"))

@@ -128,7 +128,7 @@ def admit_args(**kw):
 
 
 def fields(a: Admission) -> tuple:
-    return (a.num_computed, a.num_new, a.num_local, a.num_external, a.load_async, a.first_lookup)
+    return (a.num_computed, a.num_new, a.num_local, a.num_external, a.load_async)
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ def test_admit_takes_the_device_hit_then_the_external_one_and_reserves_the_rest(
     conn = ScriptedConnector(hits={"a": (4, False)})
     req = waiting_request("a", list(range(100, 114)))
     a = admit(req, kv, conn, **admit_args())
-    assert fields(a) == (12, 2, 8, 4, False, True)
+    assert fields(a) == (12, 2, 8, 4, False)
     assert kv.get_block_ids("a") == ([1, 2, 3, 4],)  # the hit's two blocks, then new ones
     assert conn.calls == [("match", "a", 8), ("alloc", "a", [1, 2, 3, 4], 4)]
     assert req.num_computed_tokens == 0 and req.status == RequestStatus.WAITING  # the caller applies it
@@ -162,14 +162,14 @@ def test_admit_takes_the_device_hit_then_the_external_one_and_reserves_the_rest(
 def test_admit_never_counts_the_last_token_as_external(kv):
     req = waiting_request("a", list(range(10)))
     a = admit(req, kv, ScriptedConnector(hits={"a": (40, False)}), **admit_args())
-    assert fields(a) == (9, 1, 0, 9, False, True)
+    assert fields(a) == (9, 1, 0, 9, False)
     kv.free(req)
 
 
 def test_admit_parks_an_async_load_with_nothing_to_compute(kv):
     req = waiting_request("a", list(range(10)))
     a = admit(req, kv, ScriptedConnector(hits={"a": (8, True)}), **admit_args())
-    assert fields(a) == (8, 0, 0, 8, True, True)
+    assert fields(a) == (8, 0, 0, 8, True)
     assert kv.get_block_ids("a") == ([1, 2],)
     kv.free(req)
 
@@ -180,7 +180,7 @@ def test_admit_resumes_a_request_that_holds_blocks_without_a_lookup(kv):
     req.num_computed_tokens = 4  # rolled back after a failed block
     conn = ScriptedConnector(hits={"a": (8, True)})
     a = admit(req, kv, conn, **admit_args(long_prefill_threshold=3))
-    assert fields(a) == (4, 3, 0, 0, False, False)
+    assert fields(a) == (4, 3, 0, 0, False)
     assert conn.calls == [("alloc", "a", [1, 2], 0)]
     kv.free(req)
 
@@ -197,5 +197,5 @@ def test_admit_refuses_without_changing_anything(kv_managers):
     assert admit(big, kv, ScriptedConnector(), **admit_args()) is Refusal.NO_FIT
     assert not kv.has_request("a") and not kv.has_request("big") and kv.num_free_blocks == 3
     a = admit(req, kv, ScriptedConnector(), **admit_args(budget=6))
-    assert fields(a) == (0, 6, 0, 0, False, True) and kv.get_block_ids("a") == ([1, 2],)
+    assert fields(a) == (0, 6, 0, 0, False) and kv.get_block_ids("a") == ([1, 2],)
     kv.free(req)

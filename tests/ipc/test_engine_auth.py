@@ -34,7 +34,7 @@ def _raw_handshake(address: str, *, curve: tuple[bytes, bytes, bytes] | None, wa
         if curve is not None:
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
         sock.connect(address)
-        sock.send(msgspec.msgpack.encode(P.Utility(1, "handshake", [])))
+        sock.send(msgspec.msgpack.encode(P.Utility(1, P.Handshake())))
         if sock.poll(wait_ms):
             return sock.recv()
         return None
@@ -116,7 +116,7 @@ from kvstrata.ipc import protocol as P
 sock = zmq.Context.instance().socket(zmq.DEALER)
 sock.setsockopt(zmq.LINGER, 0)
 sock.connect(sys.argv[1])
-sock.send(msgspec.msgpack.encode(P.Utility(1, "handshake", [])))
+sock.send(msgspec.msgpack.encode(P.Utility(1, P.Handshake())))
 print("ANSWER" if sock.poll(1500) else "SILENT")
 """
 
@@ -194,7 +194,7 @@ async def test_the_ipc_peer_check_answers_only_the_allowed_uid(same_user):
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(addr.url)
-        await sock.send(msgspec.msgpack.encode(P.Utility(1, "handshake", [])))
+        await sock.send(msgspec.msgpack.encode(P.Utility(1, P.Handshake())))
         answered = await sock.poll(1500)
         assert bool(answered) == same_user
     finally:

@@ -67,7 +67,7 @@ def _raw_handshake_bytes(address: str) -> bytes:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        sock.send(msgspec.msgpack.encode(P.Utility(1, "handshake", [])))
+        sock.send(msgspec.msgpack.encode(P.Utility(1, P.Handshake())))
         assert sock.poll(60_000), "the engine did not answer the handshake"
         return b"".join(sock.recv_multipart())
     finally:

@@ -58,7 +58,7 @@ def _slow_client(url: str) -> zmq.asyncio.Socket:
 
 async def _send_requests(sock: zmq.asyncio.Socket, max_tokens: int) -> list[str]:
     enc = msgspec.msgpack.encode
-    await sock.send(enc(P.Utility(1, "handshake")))
+    await sock.send(enc(P.Utility(1, P.Handshake())))
     rids = [f"slow-{i}" for i in range(N_REQUESTS)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for rid in rids:
@@ -157,8 +157,7 @@ async def test_the_client_waits_for_room_while_the_engine_does_not_read():
 
     async def handshake() -> None:
         identity, frame = await mute.recv_multipart()
-        await mute.send_multipart([identity, enc.encode(P.UtilityResult(dec.decode(frame).call_id,
-                                                                        msgspec.to_builtins(info)))])
+        await mute.send_multipart([identity, enc.encode(P.UtilityResult(dec.decode(frame).call_id, info))])
 
     limit = 64 * 1024
     prompt = [65] * 20_000  # ~20 KB a request

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -70,15 +71,26 @@ async def test_1000_malformed_frames_then_still_serving(engine_url):
         await good.aclose()
 
 
-async def test_unknown_utility_method_is_an_error_to_the_caller(engine_url):
+@pytest.mark.parametrize("call,why", [
+    (["format_disk"], "format_disk"),          # a call the engine does not know
+    (["kv_subscribe", -1], ">= 0"),            # a known call with a bad argument
+    (["flush_kv", "soon"], "float"),           # an argument of the wrong type
+], ids=["unknown_call", "bad_argument", "wrong_type"])
+async def test_a_bad_call_is_a_protocol_error_and_a_bad_call_error_to_its_caller(engine_url, call, why):
+    """The caller of a call that does not decode hears back for its call id
+    (it never waits), the error is counted, and the engine keeps serving."""
     raw = _raw_client(engine_url)
     try:
-        await raw.send(enc(P.Utility(41, "format_disk")))
+        await raw.send(enc(["utility", 41, call]))
+        await raw.send(enc(P.Utility(42, P.HealthCheck())))
         dec = P.make_outbound_decoder()
         async with asyncio.timeout(10):
-            got = [dec.decode(await raw.recv()) for _ in range(2)]
-        assert isinstance(got[0], P.ProtocolError) and "format_disk" in got[0].message
-        assert got[1] == P.UtilityResult(41, None, "unknown utility method 'format_disk'")
+            got = [dec.decode(await raw.recv()) for _ in range(3)]
+        assert isinstance(got[0], P.ProtocolError) and why in got[0].message and got[0].num_errors == 1
+        assert isinstance(got[1], P.UtilityError) and (got[1].call_id, got[1].code) == (41, P.ErrorCode.BAD_CALL)
+        assert why in got[1].message
+        assert isinstance(got[2], P.UtilityResult) and got[2].call_id == 42
+        assert isinstance(got[2].result, P.HealthInfo) and got[2].result.healthy
     finally:
         raw.close(linger=0)
 
@@ -91,13 +103,13 @@ async def test_a_request_that_skipped_the_client_checks_is_rejected_by_the_engin
     """Any local process may connect: the engine checks what arrives again."""
     raw = _raw_client(engine_url)
     try:
-        await raw.send(enc(P.Utility(1, "handshake")))
+        await raw.send(enc(P.Utility(1, P.Handshake())))
         await raw.send(enc(P.AddRequest("beyond", [10**7])))
         await raw.send(enc(P.AddRequest("zero", [104], SamplingParams(max_tokens=0))))
         dec = P.make_outbound_decoder()
         async with asyncio.timeout(10):
             got = [dec.decode(await raw.recv()) for _ in range(3)]
-        assert isinstance(got[0], P.UtilityResult) and got[0].result["facts"]["vocab_size"] > 0
+        assert isinstance(got[0], P.UtilityResult) and got[0].result.facts.vocab_size > 0
         assert got[1] == P.RequestRejected("beyond", "invalid", got[1].message, "prompt")
         assert "token ids must be in" in got[1].message
         assert (got[2].request_id, got[2].kind, got[2].field) == ("zero", "invalid", "max_tokens")

@@ -11,10 +11,14 @@ import sys
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvstrata.enginecore.async_engine import AsyncEngine
+from kvstrata.enginecore.processing import ModelFacts
 from kvstrata.errors import RequestError
-from kvstrata.types import SamplingParams
+from kvstrata.types import EngineStats, SamplingParams
+from kvstrata.ipc import protocol as P
 from kvstrata.ipc.addresses import check_address, make_address
 from kvstrata.ipc.mp_client import MPEngineClient
 
@@ -185,6 +189,109 @@ def test_engine_info_is_plain_data():
     info = EngineInfo(protocol_version=1, pid=1, ready=True, config=msgspec.to_builtins(null_config()),
                       max_frame_bytes=10)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=EngineInfo) == info
+
+
+async def test_typed_results_over_the_wire(engine_url):
+    """Each call's result arrives as its own type, not as plain data."""
+    async with await MPEngineClient.connect(engine_url) as client:
+        assert type(await client.stats()) is EngineStats
+        assert type(await client.health()) is P.HealthInfo
+        assert await client.flush_kv(10.0) is None
+        assert type(client.info) is P.EngineInfo and client.info.cache_identity is not None
+
+
+async def test_kv_event_calls_on_an_engine_without_kv_events_raise_kv_events_off(engine_url):
+    async with await MPEngineClient.connect(engine_url) as client:
+        assert not client.info.kv_events
+        for call in (client.kv_position, client.kv_snapshot, lambda: client.subscribe_kv_events(lambda _m: None)):
+            with pytest.raises(P.KVEventsOffError, match="enable_kv_events"):
+                await call()
+        assert (await client.health()).healthy and not client.is_dead
+
+
+@pytest.fixture
+async def fake_engine():
+    """A hand-made engine over real ZMQ: a ROUTER that answers the handshake
+    with an EngineInfo, then each later call with the next reply the test
+    queues (a function of the call id giving a message or raw bytes)."""
+    addr = make_address("ipc")
+    sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(addr.url)
+    replies: asyncio.Queue = asyncio.Queue()
+    dec, enc = P.make_inbound_decoder(), msgspec.msgpack.Encoder()
+    info = P.EngineInfo(protocol_version=P.PROTOCOL_VERSION, pid=0, ready=True,
+                        config=msgspec.to_builtins(null_config()), max_frame_bytes=1 << 20,
+                        facts=ModelFacts(max_model_len=1024, vocab_size=258))
+
+    async def serve() -> None:
+        while True:
+            identity, frame = await sock.recv_multipart()
+            msg = dec.decode(frame)
+            if not isinstance(msg, P.Utility):
+                continue
+            if isinstance(msg.call, P.Handshake):
+                reply = P.UtilityResult(msg.call_id, info)
+            else:
+                reply = (await replies.get())(msg.call_id)
+            await sock.send_multipart([identity, reply if isinstance(reply, bytes) else enc.encode(reply)])
+
+    task = asyncio.create_task(serve())
+    try:
+        yield addr.url, replies
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        sock.close(linger=0)
+        addr.cleanup()
+
+
+_EXCEPTION_OF = {
+    P.ErrorCode.NOT_READY: P.EngineNotReadyError,
+    P.ErrorCode.KV_EVENTS_OFF: P.KVEventsOffError,
+    P.ErrorCode.BAD_CALL: P.BadCallError,
+    P.ErrorCode.TIMEOUT: P.CallTimeoutError,
+    P.ErrorCode.FAILED: P.CallFailedError,
+}
+
+
+@pytest.mark.parametrize("code", list(P.ErrorCode), ids=lambda c: c.value)
+async def test_an_error_code_raises_its_own_exception_on_the_client(fake_engine, code):
+    url, replies = fake_engine
+    client = await MPEngineClient.connect(url)
+    try:
+        await replies.put(lambda cid: P.UtilityError(cid, code, "the engine's words"))
+        with pytest.raises(RuntimeError, match="the engine's words") as e:
+            await client.stats()
+        assert type(e.value) is _EXCEPTION_OF[code]
+        assert isinstance(e.value, TimeoutError) == (code is P.ErrorCode.TIMEOUT)
+        await replies.put(lambda cid: P.UtilityResult(cid, P.StatsResult(EngineStats(num_running=3))))
+        assert (await client.stats()).num_running == 3 and not client.is_dead  # one call failed, nothing else
+    finally:
+        await client.aclose()
+
+
+async def test_flush_kv_past_its_timeout_is_a_timeout_error(fake_engine):
+    url, replies = fake_engine
+    async with await MPEngineClient.connect(url) as client:
+        await replies.put(lambda cid: P.UtilityError(cid, P.ErrorCode.TIMEOUT, "still pending"))
+        with pytest.raises(TimeoutError, match="still pending"):
+            await client.flush_kv(0.5)
+
+
+async def test_a_result_of_another_type_or_an_undecodable_one_fails_the_call(fake_engine):
+    """The engine answering a call with the wrong result type, or in another
+    protocol version's shape, fails that call at once (it never hangs)."""
+    url, replies = fake_engine
+    async with await MPEngineClient.connect(url) as client:
+        await replies.put(lambda cid: P.UtilityResult(cid, P.Flushed()))
+        with pytest.raises(P.BadCallError, match="Flushed"):
+            await client.stats()
+        await replies.put(lambda cid: msgspec.msgpack.encode(["result", cid, {"num_running": 1}]))  # v4's shape
+        async with asyncio.timeout(5):
+            with pytest.raises(P.BadCallError, match="undecodable"):
+                await client.stats()
+        assert not client.is_dead
 
 
 async def test_a_fleet_clients_chain_crosses_the_wire_and_the_engine_does_not_rehash(engine_url):

@@ -241,6 +241,9 @@ class OffloadScheduler:
             out.update(rate.as_dict(f"store.{name}"))
         return out
 
+    def hit_tokens(self) -> int:
+        return self.metrics.total_hit_tokens()
+
     def has_pending_work(self) -> bool:
         return (self.loads.has_pending() or self.saves.has_pending() or self.segments.has_pending()
                 or len(self.lender) > 0)

@@ -35,6 +35,23 @@ class StepPlan:
         self.loaded_from.pop(req.request_id, None)
         return self.num_scheduled.pop(req.request_id)
 
+    def advance(self, new_reqs: list[Request]) -> list[Request]:
+        """Count the step's tokens as computed (its output carries the counts
+        before); returns the requests it samples for, each now expecting one
+        token more (a placeholder until the step's output comes back)."""
+        sampling: list[Request] = []
+        for r, n in zip(self.reqs, self.n):
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
+                sampling.append(r)
+        for r in new_reqs:
+            r.num_computed_tokens += self.num_scheduled[r.request_id]
+            if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
+                sampling.append(r)
+        for r in sampling:
+            r.num_output_placeholders += 1
+        return sampling
+
     def write_starts(self, new_reqs: list[Request]) -> dict[str, int]:
         """Per scheduled request, the first token whose KV this step writes
         (its first loaded token, else its first computed one). Reads the

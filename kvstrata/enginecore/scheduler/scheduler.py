@@ -20,11 +20,13 @@ runner's output into per-request outputs. vLLM v1's algorithm:
 The scheduler does no I/O; it runs on the event loop that owns it. Its
 helpers own their own state and return decisions it applies: ``admit``
 (waiting.py) reserves one request's blocks and returns an Admission, the
-TransferTracker (transfers.py) returns what a step's KV transfers settle.
+TransferTracker (transfers.py) returns what a step's KV transfers settle,
+``preemption`` picks victims, ``split_load`` answers a split tier hit's next
+part, ``update.apply_sampled`` applies a step's sampled tokens.
 
 Steps in flight (two with async scheduling: step N+1 is planned before step
 N's output is applied). Each is remembered until its update or failure
-(``_InFlight``). A request that stops running while a step in flight still
+(``StepsInFlight``, steps.py). A request that stops running while a step in flight still
 writes its KV (finished, aborted, failed, preempted) has its blocks freed
 and cached at once, and saved by the connector in a later step (steps run
 in order: that step has written them by then); the step notes the blocks it
@@ -37,6 +39,7 @@ block rolls it back, and the runner withheld its sample).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import msgspec
 import structlog
@@ -46,22 +49,23 @@ from kvstrata.connector.base import KVConnectorScheduler, NoOpConnectorScheduler
 from kvstrata.errors import RequestError
 from kvstrata.enginecore.request import FINISH_REASONS, Request, RequestStatus
 from kvstrata.enginecore.scheduler.plan import StepPlan
+from kvstrata.enginecore.scheduler.preemption import lose_progress, running_victim, waiting_victim
 from kvstrata.enginecore.scheduler.queues import make_waiting_queue, remove_all
+from kvstrata.enginecore.scheduler.split_load import split_load
 from kvstrata.enginecore.scheduler.stats import SchedulerCounters
-from kvstrata.enginecore.scheduler.stop import append_and_check
+from kvstrata.enginecore.scheduler.steps import StepsInFlight
 from kvstrata.enginecore.scheduler.transfers import TransferTracker
+from kvstrata.enginecore.scheduler.update import apply_sampled
 from kvstrata.enginecore.scheduler.waiting import Admission, Refusal, admit
 from kvstrata.enginecore.spec_decode import SpecDecodeCounters
-from kvstrata.kv import KVCacheManager
-from kvstrata.types import EngineLoad, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from kvstrata.kv import KVCacheManager, KVCacheBlocks
+from kvstrata.types import EngineLoad, Logprobs, ModelRunnerOutput, RequestOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
-_LENGTH = RequestStatus.FINISHED_LENGTH
-_STOPPED = RequestStatus.FINISHED_STOPPED
 
 
 class Scheduler:
@@ -104,12 +108,9 @@ class Scheduler:
         self.transfers = TransferTracker(self.block_size, kv_cache_manager.get_block_ids)
         self.counters = SchedulerCounters()
         self.spec_counters = SpecDecodeCounters()
-        # Steps scheduled and not yet updated (two with async scheduling), by
-        # id() of their SchedulerOutput. A finished request's blocks are freed
-        # at once even if a step in flight still writes them: steps run one at
-        # a time, in order, so that step is done before any later one can use
-        # the blocks again (and a failed step takes the one behind it down too).
-        self._in_flight: dict[int, _InFlight] = {}
+        # A finished request's blocks are freed at once even if a step in
+        # flight still writes them (steps.py says why that is safe).
+        self._in_flight = StepsInFlight()
         self._seq = itertools.count()
 
     # -- admission and removal --------------------------------------------
@@ -127,7 +128,7 @@ class Scheduler:
         self.counters.num_prompt_tokens += request.num_prompt_tokens
         self.connector.prefetch(request)
 
-    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish live requests (abort, error); unknown or finished ids are skipped.
 
         Blocks are freed at once. The runner never touches KV manager state
@@ -188,13 +189,8 @@ class Scheduler:
         steps in flight may still write its KV: each notes the blocks it
         writes for ``req``, to uncache if it fails."""
         rid = req.request_id
-        if not self.kv.has_request(rid):
-            return
-        tables = self.kv.get_block_ids(rid)
-        for f in self._in_flight.values():
-            pos = f.starts.get(rid)
-            if pos is not None:
-                f.suspect.extend(b for group in tables for b in group[pos // self.block_size:])
+        if self.kv.has_request(rid):
+            self._in_flight.leaving(rid, self.kv.get_block_ids(rid), self.block_size)
 
     @property
     def num_unfinished(self) -> int:
@@ -217,16 +213,24 @@ class Scheduler:
 
     # -- schedule ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
         self.kv.new_step_starts()
         plan = StepPlan()
+        # The threshold shares the budget among competing prefills; a lone
+        # request has nobody to share with and gets the whole budget.
+        threshold = self.long_prefill_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        budget, full = self._schedule_running(self.max_num_batched_tokens, plan, threshold)
+        new_reqs: list[Request] = []
+        if not (plan.preempted or full) and self.waiting:
+            budget = self._schedule_waiting(budget, new_reqs, plan, threshold)
+        return self._make_output(new_reqs, plan, self.max_num_batched_tokens - budget)
+
+    def _schedule_running(self, budget: int, plan: StepPlan, threshold: int) -> tuple[int, bool]:
+        """Step 1: the running requests, in order, into ``plan``. Returns the
+        budget left and whether one found no room (nobody new is admitted)."""
         reqs, prev_computed, new_blocks, sched_n = plan.reqs, plan.prev_computed, plan.new_blocks, plan.n
         num_scheduled = plan.num_scheduled
         running = self.running
         bs = self.block_size
-        # The threshold shares the budget among competing prefills; a lone
-        # request has nobody to share with and gets the whole budget.
-        threshold = self.long_prefill_threshold if len(running) + len(self.waiting) > 1 else 0
         # Async scheduling: a step in flight loads into these requests' blocks;
         # they wait for its outcome (a failed block rolls them back).
         held = self.transfers.sync_in_flight()
@@ -241,7 +245,7 @@ class Scheduler:
             n = len(req.all_token_ids) + req.num_output_placeholders - nc
             ext = 0
             if req.load_at is not None:
-                ext, n = self._split_load(req, nc, n)
+                ext, n = split_load(req, self.connector, nc, n)
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
@@ -284,39 +288,18 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             i += 1
-
-        new_reqs: list[Request] = []
-        if not (plan.preempted or full) and self.waiting:
-            budget = self._schedule_waiting(budget, new_reqs, plan, threshold)
-        return self._make_output(new_reqs, plan, self.max_num_batched_tokens - budget)
-
-    def _split_load(self, req: Request, nc: int, n: int) -> tuple[int, int]:
-        """For ``req`` computing the front of a split hit (``load_at``): the
-        tokens to load now and the tokens to compute this step. Before
-        ``load_at`` it computes up to it; there, the connector answers the
-        loaded tokens, or (not landed yet) a further point to compute to."""
-        if nc < req.load_at:  # type: ignore[operator]
-            return 0, min(n, req.load_at - nc)  # type: ignore[operator]
-        ext, _ = self.connector.get_num_new_matched_tokens(req, nc)  # split loads are synchronous
-        if ext is None:
-            req.load_at = self.connector.load_point(req)
-            if req.load_at is not None:
-                n = min(n, req.load_at - nc)
-            return 0, n
-        req.load_at = None
-        ext = max(0, min(ext, len(req.all_token_ids) - 1 - nc))
-        return ext, n - ext
+        return budget, full
 
     def _start_split_load(self, req: Request, ext: int) -> int:
         """``req`` got the blocks for ``ext`` loaded tokens: the connector
         fills them within the step; returns its computed tokens."""
         self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), ext)
         self.transfers.start_sync_load(req)
-        self.counters.external_cache_hits += ext
         req.num_computed_tokens += ext
         return req.num_computed_tokens
 
-    def _allocate_running(self, req: Request, n: int, i: int, plan: StepPlan, ext: int = 0):
+    def _allocate_running(self, req: Request, n: int, i: int, plan: StepPlan,
+                          ext: int = 0) -> tuple[KVCacheBlocks | None, int, int]:
         """allocate_slots for running ``req`` (at index ``i``), preempting the
         running request with the largest sort key (lowest priority under the
         priority policy, then latest arrival) until it fits or ``req`` itself
@@ -335,7 +318,7 @@ class Scheduler:
                 return blocks, i, returned
             if self._reclaim_from_waiting(req):
                 continue  # idle blocks of a waiting request first
-            victim = max(running, key=_sort_key)
+            victim = running_victim(running)
             if victim is req and self._in_flight:
                 return None, i, returned
             vi = running.index(victim)
@@ -363,10 +346,7 @@ class Scheduler:
         # this step's loads and forward may reuse its blocks.
         self.connector.request_preempted(req, self.kv.get_block_ids(req.request_id))
         self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.load_at = None
-        req.num_preemptions += 1
+        lose_progress(req)
         req.spec_token_ids = []
         req.num_output_placeholders = 0  # what a step in flight samples for it is dropped
         self.counters.num_preemptions += 1
@@ -384,15 +364,10 @@ class Scheduler:
         from a new lookup, keeping its place in the queue. Loads still in
         flight are never touched (the worker is writing their blocks): they
         land, then become reclaimable. False when there is nothing to take."""
-        kv, transfers = self.kv, self.transfers
+        kv = self.kv
         if kv.num_requests <= len(self.running):
             return False  # only running requests hold blocks: no scan of the waiting queue
-        victim: Request | None = None
-        for w in self.waiting:
-            if w is requester or not kv.has_request(w.request_id) or transfers.in_flight(w.request_id):
-                continue
-            if victim is None or w.sort_key > victim.sort_key:
-                victim = w
+        victim = waiting_victim(self.waiting, kv, self.transfers, requester)
         if victim is None:
             return False
         if victim.status == _WAITING_FOR_REMOTE_KVS:
@@ -401,10 +376,7 @@ class Scheduler:
             self._cache_computed_blocks(victim)
         self.connector.request_preempted(victim, kv.get_block_ids(victim.request_id))
         kv.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.load_at = None
-        victim.num_preemptions += 1
+        lose_progress(victim)
         self.counters.num_preemptions += 1
         log.info("request_preempted", request_id=victim.request_id, reason="waiting_blocks_reclaimed",
                  requester=requester.request_id)
@@ -418,25 +390,9 @@ class Scheduler:
         if meta is not None:
             out = msgspec.structs.replace(out, kv_connector_metadata=meta)
         self.transfers.seal(id(out))
-        num_scheduled = plan.num_scheduled
-        if num_scheduled:
-            self._in_flight[id(out)] = _InFlight(plan.write_starts(new_reqs))
-        # Advance only now: the output carries the counts before this step.
-        sampling: list[Request] = []
-        for r, n in zip(plan.reqs, plan.n):
-            r.num_computed_tokens += n
-            if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
-                sampling.append(r)
-        for r in new_reqs:
-            r.num_computed_tokens += num_scheduled[r.request_id]
-            if r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
-                sampling.append(r)
-        # Each request this step samples for expects one token more: its
-        # placeholder until the step's output comes back.
-        for r in sampling:
-            r.num_output_placeholders += 1
-        if sampling:
-            self._in_flight[id(out)].sampling = sampling
+        if plan.num_scheduled:
+            starts = plan.write_starts(new_reqs)  # before the counts advance
+            self._in_flight.add(id(out), starts, plan.advance(new_reqs))
         return out
 
     # -- admission ----------------------------------------------------------
@@ -475,10 +431,9 @@ class Scheduler:
         return budget
 
     def _apply_admission(self, req: Request, a: Admission) -> bool:
-        """Count the hits and set the request going; False if it is parked
-        for an async load instead of running."""
-        if a.first_lookup:  # device hits are counted by the KV cache manager
-            self.counters.external_cache_hits += a.num_external
+        """Set the request going; False if it is parked for an async load
+        instead of running. (Hits are counted by the KV cache manager and
+        the connector, each once.)"""
         req.num_computed_tokens = a.num_computed
         req.load_at = a.load_at
         if a.load_async:
@@ -528,7 +483,7 @@ class Scheduler:
         is told again next step what this one should have told it. The
         blocks it wrote for requests that stopped running meanwhile (its own
         failed ones too) are uncached."""
-        suspect = self._step_done(scheduler_output)
+        suspect = self._in_flight.done(id(scheduler_output))
         if suspect:
             self.kv.evict_blocks(suspect)
         sending, recving, invalid = self.connector.step_failed(scheduler_output)
@@ -554,85 +509,18 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply one step's sampled tokens; returns the outputs to stream."""
-        self._step_done(scheduler_output)
+        self._in_flight.done(id(scheduler_output))
         self._settle(scheduler_output, runner_output)
-        outputs: list[RequestOutput] = []
-        stopped: list[Request] = []
-        requests = self.requests
-        sampled = runner_output.sampled_token_ids
-        logprobs = runner_output.logprobs
-        max_model_len = self.max_model_len
-        num_generated = 0
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        for i, rid in enumerate(runner_output.req_ids):
-            new_ids = sampled[i]
-            if spec and rid in spec:
-                self._settle_drafts(requests.get(rid), len(spec[rid]), len(new_ids))
-            if not new_ids:
-                continue  # a prefill chunk short of the prompt's end
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING:
-                continue  # aborted (or replaced) while the step ran
-            if len(new_ids) == 1:
-                # Inlined append_and_check for the one-token case (the hot path).
-                tok = new_ids[0]
-                ids = req.all_token_ids
-                ids.append(tok)
-                num_tokens = len(ids)
-                if num_tokens >= req.hash_boundary:
-                    req.grow_block_hashes()
-                num_out = num_tokens - req.num_prompt_tokens
-                if num_out >= req.max_tokens or num_tokens >= max_model_len:
-                    status = _LENGTH
-                elif tok in req.stop_ids and num_out >= req.min_tokens:
-                    status = _STOPPED
-                    req.stop_reason = None if tok in req.eos_token_ids else tok
-                else:
-                    status = None
-            else:
-                new_ids, status = append_and_check(req, new_ids, max_model_len)
-            num_generated += len(new_ids)
-            lp = logprobs[i] if logprobs is not None else None
-            if status is not None:
-                stopped.append(req)
-                outputs.append(self._finish(req, status, new_ids, lp))
-                continue
-            outputs.append(RequestOutput(
-                request_id=rid, new_token_ids=new_ids,
-                logprobs=None if lp is None else [lp],
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-            ))
+        outputs, stopped, num_generated = apply_sampled(
+            self.requests, scheduler_output, runner_output, max_model_len=self.max_model_len,
+            spec_counters=self.spec_counters, finish=self._finish)
         if stopped:
             self.running = remove_all(self.running, stopped)
         self.counters.num_generated_tokens += num_generated
         return outputs
 
-    def _step_done(self, so: SchedulerOutput) -> list[int]:
-        """A step in flight came back (its output, or its failure): its
-        requests no longer expect its tokens. Returns the blocks it wrote for
-        requests that stopped running meanwhile."""
-        f = self._in_flight.pop(id(so), None)
-        if f is None:
-            return []
-        for req in f.sampling:
-            if req.num_output_placeholders > 0:  # 0: preempted (or finished) since
-                req.num_output_placeholders -= 1
-        return f.suspect
-
-    def _settle_drafts(self, req: Request | None, num_drafts: int, num_sampled: int) -> None:
-        """``num_drafts`` were computed after the request's token; the runner
-        kept ``num_sampled - 1`` of them (and one token of its own). The
-        rejected positions are not computed: the count goes back over them,
-        so their slots are recomputed next, and blocks are registered only
-        up to the committed tokens (never a block holding rejected KV)."""
-        accepted = max(num_sampled - 1, 0)
-        self.spec_counters.record(num_drafts, accepted)
-        if req is not None and req.status is _RUNNING:
-            req.num_computed_tokens -= num_drafts - accepted
-
     def _finish(self, req: Request, status: RequestStatus, new_ids: list[int],
-                logprobs) -> RequestOutput:
+                logprobs: Logprobs | None) -> RequestOutput:
         """Stop a running request (the caller drops it from ``running``)."""
         req.status = status
         self._free_request(req)
@@ -642,21 +530,3 @@ class Scheduler:
             logprobs=None if logprobs is None else [logprobs],
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
         )
-
-
-class _InFlight:
-    """A step scheduled and not yet updated. ``starts``: per request, the
-    first token whose KV it writes (``StepPlan.write_starts``); ``sampling``:
-    the requests it samples a token for (their placeholders); ``suspect``:
-    the blocks it writes for requests that stopped running meanwhile."""
-
-    __slots__ = ("starts", "sampling", "suspect")
-
-    def __init__(self, starts: dict[str, int]) -> None:
-        self.starts = starts
-        self.sampling: list[Request] = []
-        self.suspect: list[int] = []
-
-
-def _sort_key(req: Request) -> tuple:
-    return req.sort_key

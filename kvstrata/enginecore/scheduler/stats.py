@@ -8,7 +8,7 @@ class SchedulerCounters:
 
     __slots__ = (
         "num_preemptions", "num_finished", "num_generated_tokens",
-        "num_prompt_tokens", "external_cache_hits",
+        "num_prompt_tokens",
     )
 
     def __init__(self) -> None:
@@ -16,6 +16,5 @@ class SchedulerCounters:
         self.num_finished = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of every request added
-        # Tokens the connector found whenever a request starts from nothing
-        # computed. (Device prefix-cache hits: the KV cache manager's count.)
-        self.external_cache_hits = 0
+        # Hits are counted where they are known: device prefix-cache hits by
+        # the KV cache manager, tier hits by the connector (``hit_tokens``).

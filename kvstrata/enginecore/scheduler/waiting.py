@@ -25,19 +25,17 @@ class Admission:
     """A waiting request that got its blocks: ``num_computed`` tokens count
     as computed (``num_local`` from the device prefix cache, ``num_external``
     through the connector), ``num_new`` are computed this step (0 while an
-    async load fills the external ones). ``first_lookup``: the hits were
-    looked up now (the request held no blocks)."""
+    async load fills the external ones)."""
 
-    __slots__ = ("num_computed", "num_new", "num_local", "num_external", "load_async", "first_lookup", "load_at")
+    __slots__ = ("num_computed", "num_new", "num_local", "num_external", "load_async", "load_at")
 
     def __init__(self, num_computed: int, num_new: int, num_local: int, num_external: int,
-                 load_async: bool, first_lookup: bool, load_at: int | None = None) -> None:
+                 load_async: bool, load_at: int | None = None) -> None:
         self.num_computed = num_computed
         self.num_new = num_new
         self.num_local = num_local
         self.num_external = num_external
         self.load_async = load_async
-        self.first_lookup = first_lookup
         self.load_at = load_at  # compute up to here, then ask the connector again (its load_point)
 
 
@@ -104,4 +102,4 @@ def admit(
     if blocks is None:
         return Refusal.NO_FIT  # no room even after eviction
     connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), ext)
-    return Admission(num_computed, n, n_local, ext, load_async, first_lookup, load_at)
+    return Admission(num_computed, n, n_local, ext, load_async, load_at)
