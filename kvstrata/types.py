@@ -300,16 +300,27 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """Whether the engine serves. ``status``: "ok", "starting", or "stalled"
-    (work is queued and no step has made progress for longer than
-    ``scheduler.stall_timeout_s``: a hung model step, loads that never land,
-    a scheduling bug). ``seconds_since_progress`` is 0 while idle."""
+    """Whether the engine serves. ``status``:
+
+        ok        it serves (healthy)
+        degraded  a fleet: some replicas serve, the ones in ``replicas_down``
+                  do not (healthy: requests are routed to the others)
+        starting  not serving yet: the engine (or, in a fleet with none
+                  serving, a replica) is still being started or connected
+        stalled   work is queued and no step has made progress for longer
+                  than ``scheduler.stall_timeout_s`` (a hung model step,
+                  loads that never land, a scheduling bug)
+        dead      a fleet with no replica serving and none being started
+
+    ``seconds_since_progress`` is 0 while idle; ``replicas_down`` names a
+    fleet's replicas that do not serve (empty for one engine)."""
 
     healthy: bool
     status: str
     reason: str | None = None
     seconds_since_progress: float = 0.0
     num_unfinished: int = 0
+    replicas_down: tuple[str, ...] = ()
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,6 +11,14 @@ lower tier ``<tier>`` comes from ``EngineStats.extra`` keys
 ``kvstrata_<key>`` (``metric_name``). Sampled KV block residency is three
 histograms (lifetime, idle time before eviction, gaps between reuses) and
 two counters.
+
+A fleet (``FleetStats``): the unlabelled series are the fleet's totals
+(counters summed, KV usage and known rates recomputed from the sums:
+``fleet.stats``); ``kvstrata_replica_up{replica=...}`` says which replicas
+serve, and every value that does not add up across replicas (flags,
+ratios, estimates) is a series per replica, labelled ``replica``, and never
+an unlabelled one (``kvstrata_replica_kv_cache_usage_ratio`` for each
+replica's KV usage).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvstrata.fleet.stats import FleetStats, is_additive
 from kvstrata.types import BlockResidencyStats, EngineStats, HistogramSnapshot
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -29,7 +38,9 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 _NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
 # The connector's books, the one place per-tier hits are counted: every
 # tier's hit_tokens over the tokens its lookups asked about (query_tokens).
-_TIER_HITS = re.compile(r"^connector\.([A-Za-z0-9_]+)\.hit_tokens$")
+# A tier's name is its configured name or its type ("redis-cluster", or a
+# dotted class path): anything between the two fixed parts.
+_TIER_HITS = re.compile(r"^connector\.(.+)\.hit_tokens$")
 _QUERY_KEY = "connector.query_tokens"
 
 
@@ -114,10 +125,22 @@ def tier_hit_rates(stats: EngineStats) -> dict[str, dict[str, float]]:
     return tiers
 
 
-def render_metrics(stats: EngineStats, server: ServerMetrics | None, model_name: str) -> str:
-    """The full /metrics page."""
+def render_metrics(stats: EngineStats | None, server: ServerMetrics | None, model_name: str, *,
+                   fleet: FleetStats | None = None) -> str:
+    """The full /metrics page: the engine's stats (a fleet's totals; None
+    when no replica answered), a fleet's per-replica series, the server's own."""
     label = f'model_name="{_escape(model_name)}"'
     lines: list[str] = []
+    if stats is not None:
+        _render_engine(lines, stats, label)
+    if fleet is not None:
+        _render_replicas(lines, fleet, label)
+    if server is not None:
+        _render_server(lines, server, label)
+    return "\n".join(lines) + "\n"
+
+
+def _render_engine(lines: list[str], stats: EngineStats, label: str) -> None:
     gauge = _emitter(lines, "gauge", label)
     counter = _emitter(lines, "counter", label)
     gauge("kvstrata_num_requests_running", "Requests in the running batch.", stats.num_running)
@@ -137,9 +160,26 @@ def render_metrics(stats: EngineStats, server: ServerMetrics | None, model_name:
         gauge(metric_name(key), f"Engine counter {key}.", stats.extra[key])
     if stats.block_residency is not None:
         _render_residency(lines, stats.block_residency, label)
-    if server is not None:
-        _render_server(lines, server, label)
-    return "\n".join(lines) + "\n"
+
+
+def _render_replicas(lines: list[str], fleet: FleetStats, label: str) -> None:
+    """Per replica: whether it serves, its KV usage, and each value of its
+    ``extra`` that does not add up across replicas (``is_additive``)."""
+    families: dict[str, list[tuple[str, float]]] = {
+        "kvstrata_replica_up": [(name, float(up)) for name, up in fleet.up.items()],
+        "kvstrata_replica_kv_cache_usage_ratio": [(name, s.kv_usage) for name, s in fleet.replicas.items()],
+    }
+    helps = {"kvstrata_replica_up": "Whether the fleet's replica serves (1) or not (0).",
+             "kvstrata_replica_kv_cache_usage_ratio": "Fraction of the replica's device KV blocks in use."}
+    for name, s in fleet.replicas.items():
+        for key in sorted(s.extra):
+            if not is_additive(key):
+                metric = metric_name(key)
+                families.setdefault(metric, []).append((name, s.extra[key]))
+                helps.setdefault(metric, f"Engine value {key}, per replica (it does not add up).")
+    for metric, series in families.items():
+        lines.extend((f"# HELP {metric} {helps[metric]}", f"# TYPE {metric} gauge"))
+        lines.extend(f'{metric}{{{label},replica="{_escape(r)}"}} {_fmt(v)}' for r, v in series)
 
 
 _RESIDENCY_HISTOGRAMS = (
@@ -217,7 +257,8 @@ _HIST_PART = re.compile(r"^(kvstrata_kv_block_\w+_seconds)_(bucket|sum|count)$")
 
 
 def stats_from_metrics(text: str) -> EngineStats:
-    """Read ``render_metrics``' page back into an EngineStats. ``extra``
+    """Read ``render_metrics``' page back into an EngineStats (a fleet's:
+    its totals, the per-replica series left out). ``extra``
     keys come back as their gauge names without the ``kvstrata_`` prefix
     (``metric_name`` is not invertible: dots became underscores), except
     the per-tier counters, which come back as the connector's books
@@ -228,8 +269,8 @@ def stats_from_metrics(text: str) -> EngineStats:
     residency: dict[str, Any] = {}
     hists: dict[str, dict[str, Any]] = {}
     for name, labels, value in parse_metrics(text):
-        if "model_name" not in labels:
-            continue  # the server's own histograms
+        if "model_name" not in labels or "replica" in labels:
+            continue  # the server's own histograms; a fleet's per-replica series
         if name in _FIELDS:
             fields[_FIELDS[name]] = value if name == "kvstrata_kv_cache_usage_ratio" else int(value)
         elif name in _TIER_FIELDS:

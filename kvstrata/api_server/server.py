@@ -38,6 +38,7 @@ from aiohttp import hdrs, web
 
 from kvstrata.enginecore.client import EngineClient
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
+from kvstrata.fleet.client import FleetClient
 from kvstrata.text.chat import chat_prompt
 from kvstrata.text.prompts import ChatPrompt, Prompt, PromptTokenizer
 from kvstrata.types import RequestOutput, SamplingParams
@@ -258,32 +259,43 @@ class OpenAIServer:
         return web.Response(body=_json.encode(self._card()), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 {"status": "ok"}; 503 while starting, when stalled (work queued,
-        no progress for scheduler.stall_timeout_s) or dead."""
+        """200 {"status": "ok"}, or for a fleet with some replicas down
+        200 {"status": "degraded", "replicas_down": [...]}; 503 while
+        starting, when stalled (work queued, no progress for
+        scheduler.stall_timeout_s) or dead (a fleet: no replica serving and
+        none being started)."""
         try:
             h = await self.engine.check_health()
         except EngineDeadError as e:
             return _error(503, str(e), "engine_dead")
+        if h.healthy and not h.replicas_down:
+            return web.json_response({"status": h.status})
+        body: dict[str, Any] = {"status": h.status, "reason": h.reason}
+        if h.replicas_down:
+            body["replicas_down"] = list(h.replicas_down)
         if h.healthy:
-            return web.json_response({"status": "ok"})
-        return web.json_response({"status": h.status, "reason": h.reason,
-                                  "seconds_since_progress": round(h.seconds_since_progress, 3),
-                                  "num_unfinished": h.num_unfinished}, status=503)
+            return web.json_response(body)
+        body.update(seconds_since_progress=round(h.seconds_since_progress, 3), num_unfinished=h.num_unfinished)
+        return web.json_response(body, status=503)
 
     async def fleet(self, request: web.Request) -> web.Response:
         """The replicas behind this server and the router's view (a fleet
         engine only: ``kvstrata serve --engines N`` or ``--engine ADDR``)."""
-        status = getattr(self.engine, "fleet_status", None)
-        if status is None:
+        if not isinstance(self.engine, FleetClient):
             return _error(404, "this server runs one engine, not a fleet", "invalid_request_error")
-        return web.json_response(status())
+        return web.json_response(self.engine.fleet_status())
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        """The engine's stats; a fleet's totals and per-replica series (also
+        while no replica serves: then its ``kvstrata_replica_up`` alone)."""
         try:
-            stats = await self.engine.stats()
+            if isinstance(self.engine, FleetClient):
+                fleet = await self.engine.fleet_stats()
+                text = render_metrics(fleet.totals, self.metrics, self.model_name, fleet=fleet)
+            else:
+                text = render_metrics(await self.engine.stats(), self.metrics, self.model_name)
         except EngineDeadError as e:
             return _error(503, str(e), "engine_dead")
-        text = render_metrics(stats, self.metrics, self.model_name)
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 

@@ -83,10 +83,12 @@ def register_engine(url: str, address: str, engine_id: str | None, config: Engin
 
 
 async def follow_registry(url: str, replicas: Sequence[Replica], router_config: RouterConfig,
-                          credentials: P.Credentials | None, *, interval_s: float = 0.5) -> FleetClient:
+                          credentials: P.Credentials | None, *, interval_s: float | None = None) -> FleetClient:
     """A fleet of ``replicas`` plus every engine registered at ``url``, then
-    following the registry. With no other replica, an unreachable registry
-    or an empty one is an error naming it."""
+    following the registry (its announcements at once, a full re-read every
+    ``interval_s``: by default the registry's ``scan_interval_s``). With no
+    other replica, an unreachable registry or an empty one is an error
+    naming it."""
     registry = RegistryConfig(url=url)
     directory = EngineDirectory(registry)
     try:

@@ -6,13 +6,19 @@ any machine find the engines of a fleet.
     async with reg: ...                                   # the engine serves meanwhile
     directory = EngineDirectory(config)
     await directory.members()                             # {engine_id: EngineRecord}
-    async for added, removed, changed_epoch in directory.watch(0.5): ...
+    async for added, removed, changed_epoch in directory.watch(): ...
 
 One key per engine, ``{prefix}:{fleet}:engine:{engine_id}``, its value the
 msgpack ``EngineRecord``, written with ``SET ... PX ttl`` and refreshed every
 ``heartbeat_s`` by an asyncio task: an engine that dies without deleting it
 disappears within ``ttl_s``. No protocol of our own beyond that: plain keys,
-SCAN (every master of a cluster), MGET, and two one-key Lua scripts.
+SCAN (every master of a cluster), MGET, two one-key Lua scripts, and one
+pub/sub channel, ``{prefix}:{fleet}:members``: the registering side
+publishes its engine id there whenever it writes or deletes its key (not
+at a refresh), and ``watch`` reads just that key when it hears one. A
+publish can be lost (a watcher reconnecting, a key that expired because
+its engine died), so ``watch`` also re-reads the whole membership every
+``scan_interval_s`` (5 s) and after every (re)subscription: the safety net.
 
 Ownership of a key (an engine id used twice): the engine that *starts* last
 wins. ``start()`` writes unconditionally (a starting engine is the newest
@@ -110,6 +116,7 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
     fleet: str = "default"
     ttl_s: float = 3.0
     heartbeat_s: float = 1.0
+    scan_interval_s: float = 5.0  # watch's full re-read, behind the channel's announcements
     password: str | None = None
 
     @property
@@ -137,6 +144,8 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"registry.ttl_s must be > 0, got {self.ttl_s}")
         if not 0 < self.heartbeat_s < self.ttl_s:
             raise ValueError(f"registry.heartbeat_s must be > 0 and < ttl_s ({self.ttl_s}), got {self.heartbeat_s}")
+        if not self.scan_interval_s > 0:
+            raise ValueError(f"registry.scan_interval_s must be > 0, got {self.scan_interval_s}")
 
     def cluster_nodes(self) -> list[tuple[str, int]]:
         rest = self.url.partition("://")[2].partition("?")[0].split("/", 1)[0]
@@ -162,6 +171,11 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def pattern(self) -> str:
         return f"{self.prefix}:{self.fleet}:engine:*"
+
+    @property
+    def channel(self) -> str:
+        """Where registrations announce the engine id whose key they wrote or deleted."""
+        return f"{self.prefix}:{self.fleet}:members"
 
     def connect(self) -> Redis | RedisCluster:
         """A new client (no connection is made until the first command).
@@ -215,6 +229,14 @@ def _reraise_if_cancelled(error: BaseException | None = None) -> None:
         raise asyncio.CancelledError() from error
 
 
+async def _close_quietly(pubsub: Any) -> None:
+    """Close a subscription whose connection may be broken already."""
+    try:
+        await pubsub.aclose()
+    except _UNREACHABLE:
+        pass
+
+
 async def _close(client: Redis | RedisCluster) -> None:
     if isinstance(client, RedisCluster):
         await client.aclose()
@@ -253,6 +275,7 @@ class EngineRegistration:
             client, self._client = self._client, None
             await _close(client)
             raise RegistryUnavailable(self.config.url, e) from e
+        await self._announce(self._client)
         self._task = asyncio.get_running_loop().create_task(
             self._beat(), name=f"kvstrata-registry-{self.record.engine_id}")
         log.info("fleet_registered", key=self.key, engine_id=self.record.engine_id, epoch=self.record.epoch,
@@ -281,7 +304,18 @@ class EngineRegistration:
             else:
                 if res == 1:
                     log.info("fleet_registration_rewritten", key=self.key, epoch=self.record.epoch)
+                    await self._announce(self._client)
                 self.taken_over = False
+
+    async def _announce(self, client: Redis | RedisCluster) -> None:
+        """Tell watchers our key changed (they read it). A lost announcement
+        costs only time: their periodic full read finds the key."""
+        try:
+            await client.publish(self.config.channel, self.record.engine_id)
+        except _UNREACHABLE as e:
+            _reraise_if_cancelled(e)
+            log.warning("fleet_registration_announce_failed", key=self.key, url=self.config.url,
+                        error=f"{type(e).__name__}: {e}")
 
     async def aclose(self) -> None:
         """Stop beating and delete the key if it still holds our record
@@ -294,7 +328,8 @@ class EngineRegistration:
         if client is None:
             return
         try:
-            await client.eval(_DELETE, 1, self.key, self._value)
+            if await client.eval(_DELETE, 1, self.key, self._value):
+                await self._announce(client)
         except _UNREACHABLE as e:
             log.warning("fleet_unregister_failed", key=self.key, url=self.config.url,
                         error=f"{type(e).__name__}: {e}", note=f"the key expires within {self.config.ttl_s}s")
@@ -327,14 +362,19 @@ def diff_members(old: dict[str, EngineRecord], new: dict[str, EngineRecord]) -> 
 
 
 class EngineDirectory:
-    """Owns: one Redis client, reading the fleet's members. ``undecodable``
-    counts values under the prefix that were skipped (not a record, or one
-    whose engine_id does not match its key), over all reads."""
+    """Owns: one Redis client reading the fleet's members, and (while
+    ``watch`` runs) one subscription to the registry's channel.
+    ``undecodable`` counts values under the prefix that were skipped (not a
+    record, or one whose engine_id does not match its key), over all reads;
+    ``scans`` the full reads, ``announcements`` the engine ids heard on the
+    channel."""
 
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
         self._client: Redis | RedisCluster | None = None
         self.undecodable = 0
+        self.scans = 0
+        self.announcements = 0
         self._bad_keys: set[str] = set()  # logged once while they stay bad
 
     def _conn(self) -> Redis | RedisCluster:
@@ -357,50 +397,119 @@ class EngineDirectory:
             # The client is kept (watch and other callers may be using it):
             # redis-py reconnects, and a cluster client reloads its slot map.
             raise RegistryUnavailable(self.config.url, e) from e
+        self.scans += 1
         out: dict[str, EngineRecord] = {}
         bad: set[str] = set()
         for raw_key, value in zip(keys, values):
-            if value is None:
-                continue  # expired between SCAN and MGET
             key = raw_key.decode(errors="replace") if isinstance(raw_key, bytes) else str(raw_key)
-            engine_id = key[prefix_len:]
-            try:
-                record = _decode(value)
-                if record.engine_id != engine_id:
-                    raise ValueError(f"record names engine {record.engine_id!r}")
-            except (msgspec.DecodeError, ValueError) as e:
-                self.undecodable += 1
-                bad.add(key)
-                if key not in self._bad_keys:
-                    log.warning("fleet_registry_bad_value", key=key, error=str(e), skipped=True)
-                continue
-            out[engine_id] = record
+            record = self._record(key[prefix_len:], value, key, bad)
+            if record is not None:
+                out[record.engine_id] = record
         self._bad_keys = bad
         return out
 
-    async def watch(self, interval_s: float = 1.0) -> AsyncIterator[MembershipDiff]:
-        """Poll every ``interval_s``: first the whole membership (as
-        ``added``, possibly empty), then each non-empty change. While Redis is
-        unreachable: log, yield nothing, keep the last membership."""
+    async def member(self, engine_id: str) -> EngineRecord | None:
+        """One engine's record, None when it is not registered (or its
+        value is bad). Raises ``RegistryUnavailable``."""
+        key = self.config.key(engine_id)
+        try:
+            value = await self._conn().get(key)
+        except _UNREACHABLE as e:
+            _reraise_if_cancelled(e)
+            raise RegistryUnavailable(self.config.url, e) from e
+        bad: set[str] = set()
+        record = self._record(engine_id, value, key, bad)
+        self._bad_keys = (self._bad_keys - {key}) | bad
+        return record
+
+    def _record(self, engine_id: str, value: bytes | None, key: str, bad: set[str]) -> EngineRecord | None:
+        if value is None:
+            return None  # expired between SCAN and MGET, or gone
+        try:
+            record = _decode(value)
+            if record.engine_id != engine_id:
+                raise ValueError(f"record names engine {record.engine_id!r}")
+        except (msgspec.DecodeError, ValueError) as e:
+            self.undecodable += 1
+            bad.add(key)
+            if key not in self._bad_keys:
+                log.warning("fleet_registry_bad_value", key=key, error=str(e), skipped=True)
+            return None
+        return record
+
+    async def _subscribe(self) -> Any:
+        """A subscription to the registry's channel (a cluster delivers a
+        publish to every node, so any node will do)."""
+        client = self._conn()
+        if isinstance(client, RedisCluster):
+            await client.initialize()  # its slot map, to pick a node for the subscription
+        pubsub = client.pubsub()
+        try:
+            await pubsub.subscribe(self.config.channel)
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
+
+    async def watch(self, interval_s: float | None = None) -> AsyncIterator[MembershipDiff]:
+        """First the whole membership (as ``added``, possibly empty), then
+        each non-empty change: an engine id announced on the registry's
+        channel is read at once; the whole membership is read again every
+        ``interval_s`` (default ``scan_interval_s``) and after every
+        (re)subscription, for what no announcement told (keys that expired,
+        announcements lost). While Redis is unreachable: log, yield nothing,
+        keep the last membership, retry every ``interval_s`` at most."""
+        interval = self.config.scan_interval_s if interval_s is None else interval_s
         known: dict[str, EngineRecord] | None = None
+        pubsub: Any = None
         down = False
-        while True:
-            try:
-                now = await self.members()
-                _reraise_if_cancelled()
-            except RegistryUnavailable as e:
-                if not down:
-                    log.warning("fleet_registry_unreachable", url=self.config.url, error=str(e))
-                down = True
-            else:
+        next_scan = 0.0
+        try:
+            while True:
+                try:
+                    if pubsub is None:
+                        pubsub = await self._subscribe()  # before the full read: nothing falls between
+                        next_scan = 0.0
+                    now = time.monotonic()
+                    if now >= next_scan:
+                        next_scan = now + interval
+                        fresh = await self.members()
+                        _reraise_if_cancelled()
+                        update = fresh
+                    else:
+                        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=next_scan - now)
+                        _reraise_if_cancelled()
+                        if msg is None or msg.get("type") != "message":
+                            continue
+                        self.announcements += 1
+                        engine_id = bytes(msg["data"]).decode(errors="replace")
+                        record = await self.member(engine_id)
+                        _reraise_if_cancelled()
+                        update = dict(known or {})
+                        if record is None:
+                            update.pop(engine_id, None)
+                        else:
+                            update[engine_id] = record
+                except (RegistryUnavailable, *_UNREACHABLE) as e:
+                    _reraise_if_cancelled(e)
+                    if not down:
+                        log.warning("fleet_registry_unreachable", url=self.config.url, error=str(e))
+                    down = True
+                    if pubsub is not None:
+                        stale, pubsub = pubsub, None
+                        await _close_quietly(stale)
+                    await asyncio.sleep(min(interval, self.config.heartbeat_s))
+                    continue
                 if down:
                     log.info("fleet_registry_back", url=self.config.url)
                 down = False
-                diff = diff_members(known or {}, now)
-                first, known = known is None, now
+                diff = diff_members(known or {}, update)
+                first, known = known is None, update
                 if first or diff:
                     yield diff
-            await asyncio.sleep(interval_s)
+        finally:
+            if pubsub is not None:
+                await _close_quietly(pubsub)
 
     async def aclose(self) -> None:
         client, self._client = self._client, None

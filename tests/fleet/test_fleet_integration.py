@@ -18,9 +18,6 @@ FleetClient with the KV-aware router.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 import time
 
 import pytest
@@ -28,12 +25,10 @@ import redis
 
 from kvstrata.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvstrata.errors import EngineDeadError
-from kvstrata.fleet import FleetClient, Replica, remote_connector
-from kvstrata.ipc.addresses import make_address
-from kvstrata.ipc.launcher import spawn_engine
-from kvstrata.ipc.protocol import Credentials
-from kvstrata.router import GPU, RouterConfig
+from kvstrata.fleet import FleetClient
+from kvstrata.router import GPU
 from kvstrata.types import SamplingParams
+from tests.fleet.fleet_helpers import Engines, open_fleet
 from tests.io.redis_cluster import RedisClusterProcs, started_cluster
 
 pytestmark = pytest.mark.redis
@@ -59,50 +54,6 @@ def fleet_engine_config(cluster: RedisClusterProcs, buffer_steps: int = 10_000) 
     return EngineConfig(device="cpu", log_level="WARNING", model=MODEL, kv_transfer=kvt,
                         cache=CacheConfig(block_size=BS, num_blocks=96, enable_kv_events=True,
                                           kv_events_buffer_steps=buffer_steps))
-
-
-class Engines:
-    """Engine subprocesses at fixed ipc addresses (restartable at the same one)."""
-
-    def __init__(self, config: EngineConfig, n: int) -> None:
-        self.config = config
-        self.addrs = [make_address("ipc") for _ in range(n)]
-        self.procs: list[subprocess.Popen | None] = [None] * n
-        for i in range(n):
-            self.start(i)
-
-    def start(self, i: int) -> None:
-        self.procs[i] = spawn_engine(self.config, self.addrs[i].url, Credentials.new(curve=False))
-
-    def kill(self, i: int) -> None:
-        proc = self.procs[i]
-        assert proc is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-    def url(self, i: int) -> str:
-        return self.addrs[i].url
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p is not None and p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            if p is not None:
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
-        for a in self.addrs:
-            a.cleanup()
-
-
-async def open_fleet(engines: Engines, policy: str = "kv") -> FleetClient:
-    replicas = [Replica(f"r{i}", "remote", remote_connector(engines.url(i), timeout_s=60.0), address=engines.url(i))
-                for i in range(len(engines.addrs))]
-    return await FleetClient.start(replicas, RouterConfig(policy=policy, load_skip_min_tokens=10_000),
-                                   retry_interval_s=0.2, grace_s=60.0)
 
 
 async def tokens(client, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], int]:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis
 
@@ -190,6 +191,54 @@ async def test_restart_new_epoch_seen_by_watch_and_older_engine_backs_off(backen
             diff = await w.next()
             assert set(diff.removed) == {"e0"} and diff.removed["e0"].epoch == 2
             assert w.diffs.empty()
+        finally:
+            await w.close()
+
+
+async def test_watch_hears_announcements_without_scanning(backend):
+    """Registrations announce their writes and deletes on the registry's
+    channel: a watcher whose full re-read is a minute away still sees an
+    engine join, restart and leave at once, each by reading one key."""
+    url, raw = backend
+    cfg = config(url, scan_interval_s=60.0, **FAST)
+    async with EngineDirectory(cfg) as d:
+        w = Watcher(d, None)
+        try:
+            assert (await w.next()).added == {}
+            reg = await EngineRegistration(cfg, rec("e0", 1)).start()
+            diff = await w.next(timeout=2.0)
+            assert set(diff.added) == {"e0"} and diff.added["e0"].epoch == 1
+            new = await EngineRegistration(cfg, rec("e0", 2, 6000)).start()
+            diff = await w.next(timeout=2.0)
+            assert diff.changed_epoch["e0"].epoch == 2 and not diff.added and not diff.removed
+            await reg.aclose()  # holds no longer its record: deletes nothing, announces nothing
+            await new.aclose()
+            diff = await w.next(timeout=2.0)
+            assert set(diff.removed) == {"e0"}
+            assert d.scans == 1 and d.announcements == 3  # one full read, at the start
+            # A key written behind the registry's back (no announcement) waits for the next full read.
+            raw.set(cfg.key("quiet"), msgspec.msgpack.encode(rec("quiet", 9)), px=20_000)
+            await asyncio.sleep(0.5)
+            assert w.diffs.empty() and "quiet" in await d.members()
+            raw.delete(cfg.key("quiet"))
+        finally:
+            await w.close()
+
+
+async def test_watch_finds_what_no_one_announced_at_its_full_reread(backend):
+    """An engine killed without deleting its key announces nothing: its key
+    expires and the watcher's periodic full read (the safety net) sees it gone."""
+    url, _ = backend
+    cfg = config(url, scan_interval_s=0.5, **FAST)
+    async with EngineDirectory(cfg) as d:
+        reg = await EngineRegistration(cfg, rec("e0", 1)).start()
+        w = Watcher(d, None)
+        try:
+            assert set((await w.next()).added) == {"e0"}
+            await kill9(reg)
+            diff = await w.next(timeout=cfg.ttl_s + 2 * cfg.scan_interval_s + 1.0)
+            assert set(diff.removed) == {"e0"}
+            assert d.announcements == 0 and d.scans >= 2
         finally:
             await w.close()
 
