@@ -305,9 +305,8 @@ class OpenAIServer:
                      prompt: Prompt, params: SamplingParams, rid: str, *, chat: bool) -> web.StreamResponse:
         timer = _Timer(self.metrics, time.perf_counter())
         with structlog.contextvars.bound_contextvars(request_id=rid):
-            routing = {"session_key": req.user} if req.user and getattr(self.engine, "takes_session_key", False) else {}
             agen = self.engine.generate(prompt, params, request_id=rid, priority=req.priority,
-                                        cache_salt=req.cache_salt, **routing)
+                                        cache_salt=req.cache_salt, session_key=req.user or None)
             try:
                 try:
                     first = await anext(agen)  # errors before any byte is sent become 4xx/5xx

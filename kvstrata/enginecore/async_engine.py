@@ -260,6 +260,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        session_key: str | None = None,  # for a fleet's routing (EngineClient): one engine ignores it
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's deltas; the last one has ``finished=True``.
 

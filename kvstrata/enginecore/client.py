@@ -69,10 +69,14 @@ class EngineClient(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        session_key: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's deltas; the last has ``finished=True``.
         Leaving the iteration early (``aclose()``, or being cancelled) aborts
-        the request. Bad input raises RequestError at the first ``anext``."""
+        the request. Bad input raises RequestError at the first ``anext``.
+        ``session_key`` (the OpenAI ``user`` field): a fleet routes one
+        conversation's requests by it; a single engine has nothing to route
+        and ignores it."""
         ...
 
     def chat(

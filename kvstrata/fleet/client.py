@@ -100,7 +100,6 @@ class FleetClient:
     supervisor, the KV batch decoder, the counters and the time hashing
     took after each decision."""
 
-    takes_session_key = True  # the HTTP server passes the OpenAI ``user`` field as ``session_key``
 
     def __init__(self, replicas: Sequence[Replica], router_config: RouterConfig | None = None, *,
                  check_interval_s: float = 0.25, retry_interval_s: float = 1.0, max_attempts: int = 3) -> None:

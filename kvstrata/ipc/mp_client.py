@@ -242,8 +242,9 @@ class MPEngineClient:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None,
-                       lora_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       cache_salt: str | None = None, lora_name: str | None = None,
+                       session_key: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """EngineClient.generate (``session_key``: for a fleet's routing; one engine ignores it)."""
         self._check_alive()
         assert self._inputs is not None
         req = await self._inputs.process(prompt, params, request_id=request_id, priority=priority,

@@ -34,9 +34,11 @@ class RecordingEngine:
         self.model_name = ckpt.name
         self.tokenizer = load_tokenizer(str(ckpt))
         self.params: list[SamplingParams] = []
+        self.session_keys: list[str | None] = []
 
     async def generate(self, prompt, params, **kwargs) -> AsyncGenerator[RequestOutput, None]:
         self.params.append(params)
+        self.session_keys.append(kwargs["session_key"])
         yield RequestOutput(request_id=kwargs["request_id"], new_token_ids=[5], text_delta="x", finished=True,
                             finish_reason="length", num_prompt_tokens=3)
 
@@ -125,3 +127,12 @@ async def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context():
         await session.close()
         await runner.cleanup()
         await engine.aclose()
+
+
+async def test_the_openai_user_field_reaches_the_engine_as_its_session_key(recording):
+    """A fleet routes a conversation by it (EngineClient.generate's session_key)."""
+    engine, session = await recording(GENERATION_CONFIG)
+    await _params(engine, session, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "user": "alice"})
+    await _params(engine, session, "/v1/completions", {"prompt": "hi"})
+    assert engine.session_keys == ["alice", None]
