@@ -210,6 +210,7 @@ class FleetClient:
         await self._subscribe(replica, router.index.expected_seq(replica.name) or 0)
         if replica.mark_live():
             self._push_live(replica)
+        client.on_dead(lambda reason: self._lost(replica, reason, client))  # pushed: no request needs to see it
         log.info("fleet_replica_up", replica=replica.name, address=replica.address, epoch=replica.epoch,
                  pid=client.info.pid)
         return True
@@ -572,9 +573,9 @@ class FleetClient:
                 self._bring_back(replica), name=f"kvstrata-fleet-bring-back-{replica.name}")
 
     async def _supervise(self) -> None:
-        """Connections that died with no request there to see it (the
-        client knows; it has no callback to tell), and replicas whose
-        bringing back ended without success."""
+        """The safety net: a connection whose death its client's ``on_dead``
+        did not report (every death is pushed from there as it is seen),
+        and replicas whose bringing back ended without success."""
         while True:
             await asyncio.sleep(self.check_interval_s)
             for replica in list(self.replicas.values()):

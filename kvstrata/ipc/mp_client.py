@@ -104,6 +104,7 @@ class MPEngineClient:
         self._calls: dict[int, asyncio.Future[P.Result]] = {}
         self._next_call = 0
         self._dead: EngineDeadError | None = None
+        self._on_dead: list[Callable[[str], None]] = []  # told once, on the loop, when the engine is seen dead
         self._closed = False
         self.num_protocol_errors = 0
         self._kv_listener: Callable[[P.KVEvents], None] | None = None
@@ -508,10 +509,25 @@ class MPEngineClient:
     def _on_process_exit(self, code: int | None) -> None:
         self._mark_dead(f"engine process exited with code {code}")
 
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` soon (on the loop) once the engine is
+        seen dead (at once if it already is): an EngineDead frame, the
+        connection's monitor, the process's exit or a failed send; not when
+        this client closes."""
+        if self._dead is not None:
+            if not self._closed:
+                self._loop.call_soon(callback, str(self._dead))
+            return
+        self._on_dead.append(callback)
+
     def _mark_dead(self, reason: str) -> None:
         if self._dead is not None:
             return
         self._dead = EngineDeadError(f"engine is dead ({reason})")
+        callbacks, self._on_dead = self._on_dead, []
+        if not self._closed:
+            for callback in callbacks:
+                self._loop.call_soon(callback, str(self._dead))
         if not self._closed:
             log.error("engine_dead", reason=reason, pending_requests=len(self._streams))
         for s in self._streams.values():

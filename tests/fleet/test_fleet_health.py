@@ -157,3 +157,21 @@ async def test_a_death_a_request_sees_reaches_the_router_at_once_and_the_replica
         if fleet is not None:
             await fleet.aclose()
         engines.close()
+
+
+async def test_a_death_no_request_sees_is_pushed_by_the_client_not_found_by_polling():
+    """MPEngineClient.on_dead: the connection's monitor sees r1's engine go,
+    and the fleet hears it at once (the supervisor's look is an hour away)."""
+    engines = Engines(tiny_config(), 2)
+    fleet = None
+    try:
+        fleet = await open_fleet(engines, policy="round-robin", check_interval_s=3600.0)
+        engines.kill(1)
+        await _until(lambda: not fleet.replicas["r1"].live, 20.0, "r1 down with no request and no supervisor tick")
+        assert fleet.router.live_replicas() == ["r0"] and fleet.counters.replica_deaths == 1
+        outs = [o async for o in fleet.generate([7] * 9, GREEDY)]
+        assert outs[-1].finished and fleet.counters.routed["r1"] == 0
+    finally:
+        if fleet is not None:
+            await fleet.aclose()
+        engines.close()

@@ -314,3 +314,36 @@ async def test_a_fleet_clients_chain_crosses_the_wire_and_the_engine_does_not_re
     assert outs[-1].num_cached_tokens == 3 * client.config.cache.block_size  # the chain is the engine's own
     assert after["engine.given_chains"] - before["engine.given_chains"] == 1
     assert after["engine.given_chains_refused"] - before["engine.given_chains_refused"] == 1
+
+
+async def test_on_dead_tells_each_callback_once_when_the_engine_goes(tmp_path):
+    from kvstrata.ipc.launcher import spawn_engine
+    from kvstrata.ipc.protocol import Credentials
+
+    addr = make_address("ipc")
+    proc = spawn_engine(null_config(), addr.url, Credentials.new(curve=False))
+    try:
+        heard: list[str] = []
+        async with await MPEngineClient.connect(addr.url) as client:
+            client.on_dead(heard.append)
+            proc.kill()
+            proc.wait(10)
+            async with asyncio.timeout(20):
+                while not heard:
+                    await asyncio.sleep(0.02)
+            late: list[str] = []
+            client.on_dead(late.append)  # already dead: told at once
+            await asyncio.sleep(0.05)
+            assert len(heard) == 1 and "connection" in heard[0] and late == heard
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        addr.cleanup()
+
+
+async def test_on_dead_is_not_told_when_our_own_client_closes(engine_url):
+    closed: list[str] = []
+    async with await MPEngineClient.connect(engine_url) as client:
+        client.on_dead(closed.append)
+    await asyncio.sleep(0.05)
+    assert closed == []
