@@ -48,7 +48,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
-from functools import partial
 from typing import Any, Self
 
 import msgspec
@@ -58,11 +57,11 @@ from kvstrata.config import EngineConfig
 from kvstrata.enginecore.client import generate_chat
 from kvstrata.enginecore.processing import InputProcessor
 from kvstrata.errors import EngineDeadError
+from kvstrata.fleet.feed import FeedCounters, KVFeed
 from kvstrata.fleet.replica import Replica
 from kvstrata.fleet.stats import FleetStats, fleet_totals
 from kvstrata.ipc import protocol as P
 from kvstrata.ipc.mp_client import MPEngineClient
-from kvstrata.kv.events import make_batch_decoder
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.router import NoLiveReplicaError, ReplicaLoad, Router, RouterConfig
 from kvstrata.text.prompts import Prompt
@@ -80,10 +79,7 @@ class FleetCounters(msgspec.Struct, kw_only=True):
     failed_mid_stream: int = 0
     replica_deaths: int = 0
     replica_restarts: int = 0
-    kv_batches: int = 0
-    kv_replays: int = 0
-    kv_snapshots: int = 0
-    load_reports: int = 0  # engines' LoadReports applied
+    feed: FeedCounters = msgspec.field(default_factory=FeedCounters)  # written by the KVFeed
 
 
 def _percentiles_us(ns: Sequence[int]) -> dict[str, float] | None:
@@ -97,8 +93,8 @@ class FleetClient:
     """Owns: the replicas (each the one writer of its own state), the router
     (index, loads, and a copy of the replicas' liveness pushed at each
     change), the input processor, the tasks bringing replicas back, the
-    supervisor, the KV batch decoder, the counters and the time hashing
-    took after each decision."""
+    supervisor, the router's feed (``KVFeed``), the counters and the time
+    hashing took after each decision."""
 
 
     def __init__(self, replicas: Sequence[Replica], router_config: RouterConfig | None = None, *,
@@ -121,8 +117,7 @@ class FleetClient:
         self.retry_interval_s = retry_interval_s
         self.max_attempts = max_attempts
         self.counters = FleetCounters(routed={n: 0 for n in names})
-        self._decode_batch = make_batch_decoder().decode
-        self._replaying: set[str] = set()
+        self._feed: KVFeed | None = None  # with the router
         self._finish_ns: deque[int] = deque(maxlen=4096)  # hashing the rest of a chain, after its decision
         self._bringing_back: dict[str, asyncio.Task[None]] = {}
         self._supervisor: asyncio.Task[None] | None = None
@@ -176,6 +171,7 @@ class FleetClient:
         if self._identity is None:
             self._identity = identity
             self.router = Router(identity, self._router_config)
+            self._feed = KVFeed(self.router, self.replicas, self._push_load, self.counters.feed)
             for replica in self.replicas.values():
                 self.router.reset_replica(replica.name, epoch=0)
                 self._push_live(replica)
@@ -207,71 +203,13 @@ class FleetClient:
             router.reset_replica(replica.name, replica.epoch)  # a new engine: its old blocks are gone
             self._push_live(replica)  # reset_replica made it live there; it is not, yet
         router.set_load(replica.name, ReplicaLoad())
-        await self._subscribe(replica, router.index.expected_seq(replica.name) or 0)
+        await self._feed.subscribe(replica)
         if replica.mark_live():
             self._push_live(replica)
         client.on_dead(lambda reason: self._lost(replica, reason, client))  # pushed: no request needs to see it
         log.info("fleet_replica_up", replica=replica.name, address=replica.address, epoch=replica.epoch,
                  pid=client.info.pid)
         return True
-
-    async def _subscribe(self, replica: Replica, start_seq: int) -> None:
-        client = replica.client
-        if client is None:
-            raise EngineDeadError(f"replica {replica.name} is not connected")
-        assert self.router is not None
-        if start_seq < (await client.kv_position())["oldest_seq"]:
-            # The engine's ring no longer holds what we missed: load a
-            # snapshot of its caches, then follow the stream from there.
-            snap = await client.kv_snapshot()
-            if snap["epoch"] != replica.epoch:
-                raise EngineDeadError(f"replica {replica.name} restarted during the snapshot")
-            self.router.index.load_snapshot(replica.name, replica.epoch, snap["next_seq"],
-                                            self._decode_batch(snap["payload"]))
-            self.counters.kv_snapshots += 1
-            log.info("fleet_kv_snapshot_loaded", replica=replica.name, wanted_seq=start_seq,
-                     next_seq=snap["next_seq"])
-            start_seq = snap["next_seq"]
-        await client.subscribe_kv_events(partial(self._on_kv_events, replica.name, replica.epoch), start_seq,
-                                         load_listener=partial(self._on_load, replica.name, replica.epoch))
-
-    def _on_load(self, name: str, epoch: int, msg: P.LoadReport) -> None:
-        """The engine's queued work (every router's requests): the router's
-        load for that replica from now on (``Replica.load``)."""
-        replica = self.replicas.get(name)
-        if replica is None or msg.epoch != epoch or replica.epoch != epoch or self.router is None:
-            return
-        replica.note_load(msg.load, msg.received)
-        self.counters.load_reports += 1
-        self._push_load(replica)
-
-    # --- KV events ----------------------------------------------------------------
-
-    def _on_kv_events(self, name: str, epoch: int, msg: P.KVEvents) -> None:
-        router = self.router
-        if router is None or msg.epoch != epoch or name not in self.replicas:
-            return
-        try:
-            batch = self._decode_batch(msg.payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.error("fleet_kv_events_undecodable", replica=name, seq=msg.seq, error=str(e))
-            return
-        res = router.ingest(name, msg.seq, batch, epoch=epoch)
-        self.counters.kv_batches += 1
-        if res.action == "gap" and name not in self._replaying:
-            replica = self.replicas[name]
-            self._replaying.add(name)
-            self.counters.kv_replays += 1
-            log.warning("fleet_kv_gap", replica=name, seq=msg.seq, expected_seq=res.expected_seq)
-            task = self._loop.create_task(self._replay(replica, res.expected_seq or 0))
-            task.add_done_callback(lambda _t, n=name: self._replaying.discard(n))
-
-    async def _replay(self, replica: Replica, start_seq: int) -> None:
-        try:
-            if replica.live:
-                await self._subscribe(replica, start_seq)
-        except (EngineDeadError, RuntimeError) as e:
-            log.warning("fleet_kv_replay_failed", replica=replica.name, error=str(e))
 
     # --- the EngineClient API ---------------------------------------------------------
 

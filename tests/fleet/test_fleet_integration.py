@@ -206,10 +206,10 @@ async def test_a_restarted_router_rebuilds_its_index_and_routes_home(cluster, re
 
         fleet = await open_fleet(engines)  # a new router: it knows nothing until the replays land
         async with asyncio.timeout(30):
-            while fleet.router.index.counters.batches == 0 and fleet.counters.kv_snapshots < 2:
+            while fleet.router.index.counters.batches == 0 and fleet.counters.feed.kv_snapshots < 2:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)
-        assert fleet.counters.kv_snapshots == (2 if buffer_steps == 2 else 0)
+        assert fleet.counters.feed.kv_snapshots == (2 if buffer_steps == 2 else 0)
         for k, p in enumerate(prompts):
             d = fleet.router.choose(fleet.router.hash_prompt(p), num_tokens=len(p))
             assert d.replica == homes[k] and d.device_hit_tokens >= 20, (k, d)

@@ -72,7 +72,7 @@ async def test_a_router_sees_the_load_another_router_put_on_an_engine(engines):
             while not (b.replicas["r0"].engine_load or EngineLoad()).num_running + \
                     (b.replicas["r0"].engine_load or EngineLoad()).num_waiting >= 3:
                 await asyncio.sleep(0.01)
-        assert b.replicas["r0"].running == 0 and b.counters.load_reports > 0
+        assert b.replicas["r0"].running == 0 and b.counters.feed.load_reports > 0
         load0 = b.router.load("r0")
         assert load0.running_requests >= 3 and load0.queued_prefill_tokens >= 0
         d = b.router.choose(b.router.hash_prompt(prompt), num_tokens=len(prompt))
