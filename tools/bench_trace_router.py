@@ -37,10 +37,13 @@ replica's pool (with its output) is cut to fit (counted as ``clipped``).
 
 Load: the first ``--num-requests`` requests of the trace (from
 ``--offset``); their timestamps are scaled linearly so that the fleet's
-offered load is ``--load`` of its simulated capacity, where a request's work
-is ``b * prompt_tokens + c * output_tokens + a * prefill_steps`` (no cache
-hits assumed; decode steps' overhead, shared by a batch, is not counted).
-The same arrival times are replayed for every policy.
+offered load is each of ``--loads`` of its simulated capacity, where a
+request's work is ``b * prompt_tokens + c * output_tokens + a *
+prefill_steps`` (no cache hits assumed; decode steps' overhead, shared by a
+batch, is not counted). Every policy replays the same arrival times at each
+load. ``utilization``: a policy's simulated busy time over the arrival span
+(the load it really put on the fleet, which the offered load, counted
+without cache hits, overstates).
 
 Shared tier (``--shared-tier-blocks N``): the fleet's shared remote tier
 (Redis / Redis Cluster in a real fleet) as an LRU of N blocks. Every block a
@@ -51,17 +54,26 @@ a token, in that step); the saving replica's event stream reports the tier's
 ``REMOTE`` stores and evictions, which the router counts for every replica.
 ``hit_rate_with_shared_tier`` is device plus tier hits.
 
-Load sweep (``--sweep-loads 0.6,0.8,1.0``): round-robin, kv and the single
-big cache replayed at each offered load, with TTFT p50 / p99, the kv /
-round-robin ratios and each policy's ``utilization`` (its simulated busy
-time over the arrival span: the load it really put on the fleet, which the
-offered load, counted without cache hits, overstates).
+Policies: ``round-robin``, ``least-loaded`` (kv with no hit credit),
+``session``, ``kv`` (the router's four), and the ideal baseline
+``single-big-cache``: ONE pool of all N pools' blocks and one waiting queue,
+served by N lanes (step loops), each with a replica's token budget and cost
+model: the fleet's compute with perfect sharing and one queue (not one
+replica N times faster, which made each request's own prefill N times
+shorter); its hit rate and wait are the references for kv's.
 
-Policies: ``round-robin``, ``session``, ``kv`` (the router's three), and the
-ideal baseline ``single-big-cache``: ONE replica whose pool is all N pools
-together, with the same per-step token budget and an N times faster cost
-model (a, b, c divided by N), so the same offered load; its hit rate is the
-reference for the others' (``hit_rate_vs_single_big_cache``).
+Per policy and load: TTFT, **wait** = TTFT less the request's own prefill
+(``own_prefill_s``: alone on an idle replica with nothing cached, ``a *
+ceil(prompt / budget) + b * prompt``) and **slowdown** = TTFT / own prefill,
+p50 / p99; **balance**: the worst ``--balance-window-s`` window (of the
+trace's clock, scaled as the arrivals) of max / mean prefill tokens
+dispatched per replica (prompt less its hits at admission;
+``kvstrata.router.load.worst_window_balance``); and the issue 24 §1 goals
+(``kvstrata.router.load.routing_goals``), with ``goals_missed`` listing
+the misses.
+
+The defaults are the named configuration (``NAMED``, printed as
+``configuration.name``): its figures reproduce from the bare command.
 
 Session key: the synthetic trace and the conversation trace carry no user
 id. The key is the request's first hash id that is not a fleet-wide shared
@@ -76,8 +88,8 @@ The router's token-denominated settings are scaled with the lengths
 (``decode_weight`` 16 -> 16 / divisor, ``load_skip_min_tokens`` 2048 ->
 2048 / divisor); the rest are ``RouterConfig`` defaults.
 
-    python tools/bench_trace_router.py [--replicas 4 --trace both --plot /tmp/out ...]
-    python tools/bench_trace_router.py --trace synthetic --shared-tier-blocks 131072 --sweep-loads 0.8,1.0
+    python tools/bench_trace_router.py [--replicas 4 --trace both --loads 0.8,1.0 --plot /tmp/out ...]
+    python tools/bench_trace_router.py --trace synthetic --shared-tier-blocks 131072
 """
 
 from __future__ import annotations
@@ -99,13 +111,15 @@ from kvstrata.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCa
 from kvstrata.kv.events import BlockRemoved, BlockStored, KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.router import GPU, REMOTE, ReplicaLoad, Router, RouterConfig
+from kvstrata.router.load import routing_goals, wait_summary, worst_window_balance
 
 TRACE_BLOCK = 512  # tokens per trace hash id
 VOCAB = 32_000
 TRACES = {"conversation": "mooncake_conversation_trace.jsonl", "synthetic": "mooncake_synthetic_trace.jsonl"}
 DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
-POLICIES = ("round-robin", "session", "kv")
+POLICIES = ("round-robin", "least-loaded", "session", "kv")
 BIG = "single-big-cache"
+NAMED = "route-goals-1"  # the defaults: the configuration the issue 24 §1 goals are checked in
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -162,7 +176,8 @@ def session_keys(rows: list[dict], first_only: bool = False) -> tuple[list[str],
     return keys, skipped
 
 
-def build_workload(rows: list[dict], args: argparse.Namespace, max_tokens: int) -> tuple[list[TraceRequest], dict]:
+def build_workload(rows: list[dict], args: argparse.Namespace, max_tokens: int,
+                   load: float) -> tuple[list[TraceRequest], dict]:
     div = args.length_divisor
     per_block = TRACE_BLOCK // div
     blocks: dict[int, list[int]] = {}
@@ -197,7 +212,7 @@ def build_workload(rows: list[dict], args: argparse.Namespace, max_tokens: int) 
         clipped.append(cut)
         work += b * len(toks) + c * n_out + a * math.ceil(len(toks) / budget)
     # Offered load: `work` seconds of compute over N replicas in `span` seconds.
-    span = work / (args.replicas * args.load)
+    span = work / (args.replicas * load)
     t0 = rows[0]["timestamp"]
     trace_span = max(rows[-1]["timestamp"] - t0, 1)
     scale = span / trace_span
@@ -213,6 +228,7 @@ def build_workload(rows: list[dict], args: argparse.Namespace, max_tokens: int) 
         "simulated_arrival_span_s": round(span, 3),
         "time_compression": round(trace_span / 1000 / span, 2),
         "offered_work_s": round(work, 3),
+        "balance_window_simulated_s": round(args.balance_window_s * 1000 * scale, 3),
         "session_key": f"first hash id after positions {skipped} (fleet-wide shared prefix)" if skipped
         else "first hash id",
     }
@@ -228,7 +244,7 @@ class SimRequest:
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "block_hashes",
                  "lora_name", "cache_salt", "mm_features", "prompt_embeds_digest", "num_preemptions",
                  "arrival", "output_len", "num_output", "first_token_t", "finish_t", "hit_tokens", "idx",
-                 "predicted_hit", "tier_hit_tokens")
+                 "predicted_hit", "tier_hit_tokens", "replica")
 
     def __init__(self, tr: TraceRequest) -> None:
         self.request_id = f"req-{tr.idx}"
@@ -248,6 +264,7 @@ class SimRequest:
         self.hit_tokens: int | None = None  # device hit at first admission
         self.tier_hit_tokens = 0  # shared-tier hit beyond it, loaded at first admission
         self.predicted_hit = 0
+        self.replica = ""
 
     @property
     def num_tokens(self) -> int:
@@ -304,12 +321,27 @@ class SharedTier:
         return self.pending.pop(owner, [])
 
 
+class Lane:
+    """One step loop of a replica: its running list, the step in flight."""
+
+    __slots__ = ("running", "sched", "busy")
+
+    def __init__(self) -> None:
+        self.running: list[SimRequest] = []
+        self.sched: list[tuple[SimRequest, int]] = []
+        self.busy = False
+
+
 class Replica:
-    """A real KVCacheManager with a simple continuous-batching step loop and
-    a linear cost model. Owns its waiting queue and running list."""
+    """A real KVCacheManager with simple continuous-batching step loops and
+    a linear cost model. A fleet replica has one lane; the single big cache
+    has one lane per fleet replica over one pool and one waiting queue (the
+    fleet's compute, each lane as fast as a replica; a lane sees blocks
+    another lane allocated in its step in flight as cached: an ideal).
+    Owns its waiting queue and its lanes."""
 
     def __init__(self, name: str, num_blocks: int, identity: CacheIdentity, args: argparse.Namespace,
-                 speed: float, shared: SharedTier | None = None) -> None:
+                 lanes: int = 1, shared: SharedTier | None = None) -> None:
         bs = identity.block_size
         spec = FullAttentionSpec(block_size=bs, num_kv_heads=8, head_size=128, dtype="bfloat16")
         self.kv = KVCacheManager(
@@ -318,32 +350,29 @@ class Replica:
             metrics_sample_rate=0.0, hash_block_size=bs)
         self.hasher = make_block_hasher(identity)
         self.name = name
-        self.a = args.step_overhead_s / speed
-        self.b = args.prefill_token_s / speed
-        self.c = args.decode_req_s / speed
-        self.r = args.remote_token_s / speed
+        self.a, self.b, self.c = args.step_overhead_s, args.prefill_token_s, args.decode_req_s
+        self.r = args.remote_token_s
         self.shared = shared
         self.loaded_tokens = 0
         self.budget = args.token_budget
         self.max_running = args.max_running
         self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.busy = False
+        self.lanes = [Lane() for _ in range(lanes)]
         self.seq = 0
         self.busy_s = 0.0
         self.prefill_tokens = 0
         self.preemptions = 0
         self.steps = 0
         self.dispatched = 0
-        self._sched: list[tuple[SimRequest, int]] = []
 
     def add(self, req: SimRequest) -> None:
         req.block_hashes.extend(self.hasher(req))  # as the engine does when a request arrives
         self.dispatched += 1
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def idle_lanes_to_start(self) -> list[Lane]:
+        """Idle lanes that have work: their own running requests, or the queue."""
+        return [lane for lane in self.lanes if not lane.busy and (lane.running or self.waiting)]
 
     def _preempt(self, req: SimRequest) -> None:
         self.kv.cache_blocks(req, req.num_computed_tokens)
@@ -353,11 +382,13 @@ class Replica:
         self.preemptions += 1
         self.waiting.appendleft(req)
 
-    def start_step(self) -> float:
-        """Schedule one step (allocations happen now); returns its simulated duration."""
+    def start_step(self, lane: Lane) -> float | None:
+        """Schedule one step of ``lane`` (allocations happen now); returns its
+        simulated duration, or None when it schedules nothing while another
+        lane runs (it waits for that lane to free blocks)."""
         kv, budget, sched = self.kv, self.budget, []
         kv.new_step_starts()
-        running = self.running
+        running = lane.running
         prefill = decodes = 0
         preempted = False
         i = 0
@@ -405,7 +436,10 @@ class Replica:
                 sched.append((req, n))
                 budget -= n
                 prefill += n
-        self._sched = sched
+        if not sched and any(other.busy for other in self.lanes if other is not lane):
+            return None
+        lane.sched = sched
+        lane.busy = True
         self.prefill_tokens += prefill
         self.loaded_tokens += loaded
         self.steps += 1
@@ -413,11 +447,11 @@ class Replica:
         self.busy_s += dt
         return dt
 
-    def end_step(self, now: float, finished: list[SimRequest]) -> None:
-        """The step's tokens are computed: sample, finish and free."""
+    def end_step(self, lane: Lane, now: float, finished: list[SimRequest]) -> None:
+        """The lane's step's tokens are computed: sample, finish and free."""
         kv = self.kv
         done = []
-        for req, n in self._sched:
+        for req, n in lane.sched:
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk
@@ -432,25 +466,36 @@ class Replica:
                 req.block_hashes.extend(self.hasher(req))
         if done:
             ids = {id(r) for r in done}
-            self.running = [r for r in self.running if id(r) not in ids]
+            lane.running = [r for r in lane.running if id(r) not in ids]
             for req in done:
                 kv.cache_blocks(req, req.num_computed_tokens)
                 kv.free(req)
             finished.extend(done)
-        self._sched = []
+        lane.sched = []
+        lane.busy = False
 
     def load(self) -> ReplicaLoad:
         """Outstanding work as an engine would report it: uncomputed prompt
         tokens (queued and in prefill), requests held."""
         q = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        q += sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
-        return ReplicaLoad(queued_prefill_tokens=q, running_requests=len(self.running) + len(self.waiting))
+        running = [r for lane in self.lanes for r in lane.running]
+        q += sum(r.num_tokens - r.num_computed_tokens for r in running if r.num_computed_tokens < r.num_tokens - 1)
+        return ReplicaLoad(queued_prefill_tokens=q, running_requests=len(running) + len(self.waiting))
+
+
+def own_prefill_s(prompt_tokens: int, args: argparse.Namespace) -> float:
+    """A request's TTFT alone on an idle replica with nothing cached, as the
+    cost model times it: its prompt in ``--token-budget`` chunks, one step each."""
+    return args.step_overhead_s * math.ceil(prompt_tokens / args.token_budget) + args.prefill_token_s * prompt_tokens
 
 
 # -- one simulation ----------------------------------------------------------------
 
 
-def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, identity: CacheIdentity) -> dict:
+def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, identity: CacheIdentity,
+             window_s: float | None = None) -> dict:
+    """Replay ``trace`` under ``policy``; ``window_s``: the balance window in
+    simulated seconds (default: the whole run)."""
     big = policy == BIG
     n = 1 if big else args.replicas
     pool = args.blocks_total if big else args.blocks_total // args.replicas
@@ -459,7 +504,7 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                                            load_skip_min_tokens=2048.0 / div, affinity=args.affinity,
                                            load_skip_factor=args.load_skip_factor))
     shared = SharedTier(args.shared_tier_blocks) if args.shared_tier_blocks > 0 else None
-    replicas = [Replica(f"replica-{i}", pool, identity, args, speed=args.replicas if big else 1.0, shared=shared)
+    replicas = [Replica(f"replica-{i}", pool, identity, args, lanes=args.replicas if big else 1, shared=shared)
                 for i in range(n)]
     by_name = {r.name: r for r in replicas}
     for r in replicas:
@@ -467,6 +512,7 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
     reqs = [SimRequest(tr) for tr in trace]
     keys = [tr.session_key for tr in trace]
     heap: list[tuple[float, int, int, object]] = []  # (time, 0 = step end / 1 = arrival, tie, payload)
+    # payload: the request arriving, or the (replica, lane) whose step ends
     tie = 0
     for req in reqs:
         heap.append((req.arrival, 1, tie, req))
@@ -481,9 +527,11 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
 
     def start(rep: Replica, t: float) -> None:
         nonlocal tie
-        rep.busy = True
-        heapq.heappush(heap, (t + rep.start_step(), 0, tie, rep))
-        tie += 1
+        for lane in rep.idle_lanes_to_start():
+            dt = rep.start_step(lane)
+            if dt is not None:
+                heapq.heappush(heap, (t + dt, 0, tie, (rep, lane)))
+                tie += 1
 
     gc.collect()
     gc.disable()  # latency figures without collector pauses (the heap is small)
@@ -502,15 +550,14 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                 without_hash.append((t2 - t1) / 1e3)
                 router.note_dispatched(d, req.num_tokens, hashes if args.predict else None, key=req.request_id)
                 req.predicted_hit = d.device_hit_tokens
+                req.replica = d.replica
                 rep = by_name[d.replica]
                 rep.add(req)
-                if not rep.busy:
-                    start(rep, now)
+                start(rep, now)
             else:
-                rep = obj
-                assert isinstance(rep, Replica)
+                rep, lane = obj  # type: ignore[misc]
                 done_before = len(finished)
-                rep.end_step(now, finished)
+                rep.end_step(lane, now, finished)
                 events = [e if e.medium == GPU else msgspec.structs.replace(e, medium=GPU)
                           for e in rep.kv.take_events()]
                 if shared is not None:  # write-through of the newly cached blocks, then the tier's REMOTE events
@@ -533,10 +580,7 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
                 for req in finished[done_before:]:  # as the fleet client does when a request's stream ends
                     router.note_settled(rep.name, req.request_id)
                 router.set_load(rep.name, rep.load())
-                if rep.has_work():
-                    start(rep, now)
-                else:
-                    rep.busy = False
+                start(rep, now)
     finally:
         gc.enable()
     assert len(finished) == len(reqs), (len(finished), len(reqs))
@@ -565,6 +609,12 @@ def simulate(trace: list[TraceRequest], policy: str, args: argparse.Namespace, i
         "ttft_p50_s": round(percentile(ttft, 0.5), 4),
         "ttft_p99_s": round(percentile(ttft, 0.99), 4),
         "ttft_mean_s": round(sum(ttft) / len(ttft), 4),
+        # TTFT less the request's own prefill alone on an idle replica (the cost model): the routing's share.
+        **wait_summary(ttft, [own_prefill_s(r.num_prompt_tokens, args) for r in reqs]),
+        # Prefill tokens each dispatch put on its replica (prompt less its hits), over sliding windows.
+        "balance": (worst_window_balance(
+            [(r.arrival, r.replica, r.num_prompt_tokens - (r.hit_tokens or 0) - r.tier_hit_tokens) for r in reqs],
+            [r.name for r in replicas], window_s if window_s is not None else math.inf) if not big else None),
         "throughput_tokens_per_s": round((prompt_tokens + output_tokens) / makespan, 1),
         "output_tokens_per_s": round(output_tokens / makespan, 1),
         "makespan_s": round(makespan, 3),
@@ -604,7 +654,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR)
     ap.add_argument("--num-requests", type=int, default=600, help="the first N requests (after --offset)")
     ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--load", type=float, default=0.8, help="offered load, fraction of the fleet's simulated capacity")
+    ap.add_argument("--loads", default="0.8,1.0", metavar="L1,L2,...",
+                    help="offered loads, fractions of the fleet's simulated capacity: every policy is replayed "
+                         "at each, and the goals are checked at each")
+    ap.add_argument("--balance-window-s", type=float, default=30.0,
+                    help="balance window, in seconds of the trace's own clock (scaled as the arrivals are)")
     ap.add_argument("--blocks-total", type=int, default=8192, help="KV blocks of all replicas together")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--length-divisor", type=int, default=16,
@@ -633,17 +687,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="RouterConfig.affinity of the kv policy (default: the router's default)")
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR",
                     help="write bench_trace_router.json and bench_trace_router.png there")
-    ap.add_argument("--sweep-loads", default="", metavar="L1,L2,...",
-                    help="also replay round-robin, kv and the single big cache at each of these offered loads "
-                         "and report TTFT p50 / p99, their kv / round-robin ratios and each policy's utilization "
-                         "(\"load_sweep\")")
     args = ap.parse_args(argv)
     try:
-        args.sweep_loads = [float(x) for x in args.sweep_loads.split(",") if x.strip()]
+        args.loads = [float(x) for x in args.loads.split(",") if x.strip()]
     except ValueError:
-        ap.error(f"--sweep-loads must be comma-separated numbers, got {args.sweep_loads!r}")
-    if any(x <= 0 for x in args.sweep_loads) or args.load <= 0:
-        ap.error("loads must be > 0")
+        ap.error(f"--loads must be comma-separated numbers, got {args.loads!r}")
+    if not args.loads or any(x <= 0 for x in args.loads) or args.balance_window_s <= 0:
+        ap.error("--loads must name at least one load, every load and --balance-window-s > 0")
     if TRACE_BLOCK % args.length_divisor:
         ap.error("--length-divisor must divide 512")
     if args.replicas < 1 or args.blocks_total // args.replicas < 2:
@@ -671,11 +721,12 @@ def plot(results: dict, ttfts: dict, out_dir: Path) -> str:
         ax.set_title(f"{tr}: TTFT CDF")
         ax.legend()
         ax = axes[1][j]
-        pols = list(results["traces"][tr]["policies"])
-        rates = [results["traces"][tr]["policies"][p]["prefix_hit_rate"] for p in pols]
-        ax.bar(pols, rates, color=["C0", "C1", "C2", "C3"][: len(pols)])
+        first = results["traces"][tr]["loads"][0]["policies"]
+        pols = list(first)
+        rates = [first[p]["prefix_hit_rate"] for p in pols]
+        ax.bar(pols, rates, color=[f"C{i}" for i in range(len(pols))])
         ax.set_ylabel("device prefix hit rate")
-        ax.set_title(f"{tr}: hit rate ({results['config']['replicas']} replicas)")
+        ax.set_title(f"{tr}: hit rate ({results['configuration']['replicas']} replicas)")
     fig.tight_layout()
     png = out_dir / "bench_trace_router.png"
     fig.savefig(png, dpi=100)
@@ -683,23 +734,14 @@ def plot(results: dict, ttfts: dict, out_dir: Path) -> str:
     return str(png)
 
 
-def load_sweep(rows: list[dict], args: argparse.Namespace, identity: CacheIdentity, max_tokens: int) -> list[dict]:
-    """TTFT of round-robin, kv and the single big cache at each of ``--sweep-loads``."""
-    out = []
-    for load in args.sweep_loads:
-        trace, _ = build_workload(rows, argparse.Namespace(**{**vars(args), "load": load}), max_tokens)
-        res = {p: simulate(trace, p, args, identity) for p in ("round-robin", "kv", BIG)}
-        row: dict = {"offered_load": load}
-        for p, r in res.items():
-            row[p] = {"ttft_p50_s": r["ttft_p50_s"], "ttft_p99_s": r["ttft_p99_s"], "utilization": r["utilization"],
-                      "prefix_hit_rate": r["prefix_hit_rate"]}
-        rr, kv, big = res["round-robin"], res["kv"], res[BIG]
-        row["kv_over_round_robin"] = {"ttft_p50": round(kv["ttft_p50_s"] / rr["ttft_p50_s"], 3),
-                                      "ttft_p99": round(kv["ttft_p99_s"] / rr["ttft_p99_s"], 3)}
-        row["big_over_round_robin"] = {"ttft_p50": round(big["ttft_p50_s"] / rr["ttft_p50_s"], 3),
-                                       "ttft_p99": round(big["ttft_p99_s"] / rr["ttft_p99_s"], 3)}
-        out.append(row)
-    return out
+def configuration(args: argparse.Namespace) -> dict:
+    """The run's settings, named: NAMED when they are the defaults (every
+    figure of the named configuration reproduces from ``python
+    tools/bench_trace_router.py``), else the settings that differ."""
+    cfg = {k.replace("_", "-"): (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    default = {k.replace("_", "-"): (str(v) if isinstance(v, Path) else v) for k, v in vars(parse_args([])).items()}
+    diff = sorted(k for k in cfg if k != "plot" and cfg[k] != default[k])
+    return {"name": NAMED if not diff else f"custom: {NAMED} but {', '.join(diff)}", **cfg}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -713,28 +755,41 @@ def main(argv: list[str] | None = None) -> dict:
         "timing": ("simulated: per-step compute time from the linear cost model step_s = a + b * prefill_tokens + "
                    "c * decode_requests; the KV cache managers, their events, the router's hashing, index and "
                    "decisions are real code (router_real figures are wall-clock on this machine)"),
-        "config": {k.replace("_", "-"): (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "baseline": (f"{BIG}: one replica with all {args.blocks_total} blocks, the same token budget, "
-                     f"{args.replicas}x faster cost model; routed by nothing"),
+        "command": "python tools/bench_trace_router.py" + "".join(f" {a}" for a in (argv or [])),
+        "configuration": configuration(args),
+        "baseline": (f"{BIG}: one replica with all {args.blocks_total} blocks and {args.replicas} lanes (step "
+                     f"loops) over them and one waiting queue, each lane a replica's token budget and cost model: "
+                     f"the fleet's compute, one pool, one queue; routed by nothing"),
+        "wait": ("wait = TTFT - own prefill, own prefill = a * ceil(prompt / token_budget) + b * prompt: the "
+                 "request alone on an idle replica with nothing cached; slowdown = TTFT / own prefill"),
+        "balance": (f"max / mean over replicas of the prefill tokens dispatched (prompt less its hits at "
+                    f"admission), worst over every {args.balance_window_s:g} s window of the trace's clock"),
         "traces": {},
     }
     ttfts: dict[str, dict[str, list[float]]] = {}
     for name in names:
         rows = load_trace(args.trace_dir / TRACES[name], args.offset, args.num_requests)
-        trace, info = build_workload(rows, args, max_tokens)
-        pol_out: dict[str, dict] = {}
-        ttfts[name] = {}
-        for policy in (*POLICIES, BIG):
-            r = simulate(trace, policy, args, identity)
-            ttfts[name][policy] = r.pop("_ttft")
-            pol_out[policy] = r
-        ref = pol_out[BIG]["prefix_hit_rate"]
-        for policy in POLICIES:
-            pol_out[policy]["hit_rate_vs_single_big_cache"] = (
-                round(pol_out[policy]["prefix_hit_rate"] / ref, 3) if ref else None)
-        results["traces"][name] = {"workload": info, "policies": pol_out}
-        if args.sweep_loads:
-            results["traces"][name]["load_sweep"] = load_sweep(rows, args, identity, max_tokens)
+        per_load = []
+        for load in args.loads:
+            trace, info = build_workload(rows, args, max_tokens, load)
+            pol_out: dict[str, dict] = {}
+            for policy in (*POLICIES, BIG):
+                r = simulate(trace, policy, args, identity, info["balance_window_simulated_s"])
+                ttft = r.pop("_ttft")
+                if load == args.loads[0]:
+                    ttfts.setdefault(name, {})[policy] = ttft
+                pol_out[policy] = r
+            ref = pol_out[BIG]["prefix_hit_rate"]
+            for policy in POLICIES:
+                pol_out[policy]["hit_rate_vs_single_big_cache"] = (
+                    round(pol_out[policy]["prefix_hit_rate"] / ref, 3) if ref else None)
+            per_load.append({"offered_load": load, "workload": info, "policies": pol_out, "goals": routing_goals(
+                pol_out["kv"], pol_out["round-robin"], pol_out["least-loaded"], pol_out[BIG])})
+        results["traces"][name] = {"loads": per_load}
+    misses = [f"{name} load {row['offered_load']}: {goal}" for name, tr in results["traces"].items()
+              for row in tr["loads"] for goal, g in row["goals"].items() if isinstance(g, dict) and not g["met"]]
+    results["goals_missed"] = misses
+    results["summary"] = summary(results)
     results["wall_s"] = round(time.perf_counter() - wall0, 1)
     if args.plot is not None:
         args.plot.mkdir(parents=True, exist_ok=True)
@@ -742,6 +797,21 @@ def main(argv: list[str] | None = None) -> dict:
         (args.plot / "bench_trace_router.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return results
+
+
+def summary(results: dict) -> list[dict]:
+    """One row per trace, load and policy: the figures the goals read."""
+    rows = []
+    for name, tr in results["traces"].items():
+        for row in tr["loads"]:
+            for pol, r in row["policies"].items():
+                rows.append({"trace": name, "load": row["offered_load"], "policy": pol,
+                             "ttft_p50_s": r["ttft_p50_s"], "ttft_p99_s": r["ttft_p99_s"],
+                             "wait_p50_s": r["wait_p50_s"], "wait_p99_s": r["wait_p99_s"],
+                             "slowdown_p50": r["slowdown_p50"], "slowdown_p99": r["slowdown_p99"],
+                             "hit": r["prefix_hit_rate"],
+                             "balance": r["balance"]["max_over_mean"] if r["balance"] else None})
+    return rows
 
 
 if __name__ == "__main__":

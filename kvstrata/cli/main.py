@@ -20,6 +20,7 @@ import sys
 
 from kvstrata.config_io import ConfigError, add_config_args, load_config
 from kvstrata.logs import configure_logging
+from kvstrata.router.policy import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "`kvstrata engine --listen`, or ipc://PATH")
     fleet.add_argument("--credentials", default=None, metavar="FILE",
                        help="the engines' CURVE key file (`kvstrata engine --credentials`), needed for tcp://")
-    fleet.add_argument("--router-policy", choices=("kv", "session", "round-robin"), default="kv",
-                       help="kv: least uncached prefill + load (default); session: by the request's `user`; "
-                            "round-robin")
+    fleet.add_argument("--router-policy", choices=POLICIES, default="kv",
+                       help="kv: least uncached prefill + load (default); least-loaded: least load, no cache "
+                            "credit; session: by the request's `user`; round-robin")
     fleet.add_argument("--router-affinity", type=float, default=2.0, metavar="A",
                        help="kv policy: weigh each cached token A more against load (keeps conversations "
                             "where their prefix is; default %(default)s)")

@@ -5,7 +5,7 @@ sockets, no processes, no I/O; the server wires it to the engines.
     index    PrefixIndex: hash -> replicas per medium, epochs, sequence gaps
     load     ReplicaLoad and the rule that skips hot replicas
     hashes   PromptHasher: a prompt's hash chain, as the engine computes it
-    policy   Router, RouterConfig, Decision: kv / session / round-robin
+    policy   Router, RouterConfig, Decision: kv / least-loaded / session / round-robin
 """
 
 from kvstrata.router.hashes import PromptHasher

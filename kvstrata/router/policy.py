@@ -6,6 +6,10 @@
                  queued prefill and running decodes; replicas far above the
                  mean load are skipped; ties go by a stable hash of the
                  prompt's first block, so new prefixes spread deterministically
+    least-loaded kv with no hit credit: the least queued prefill and running
+                 decodes (the same load kv scores), ties to the first
+                 live replica after the last one dispatched to; hashes
+                 nothing (the baseline that balances load alone)
     session      a stable hash of a session / user key (rendezvous hashing:
                  when the first choice is dead, the key's next choice)
     round-robin  the next live replica after the last one dispatched to
@@ -38,7 +42,7 @@ from kvstrata.router.hashes import PromptChain, PromptHasher
 from kvstrata.router.index import MEDIA, IngestResult, PrefixIndex
 from kvstrata.router.load import ReplicaLoad, overloaded
 
-POLICIES = ("kv", "session", "round-robin")
+POLICIES = ("kv", "least-loaded", "session", "round-robin")
 
 
 class NoLiveReplicaError(RuntimeError):
@@ -121,12 +125,15 @@ def _seed(replica: str) -> int:
 class Router:
     """Owns: the prefix index, each replica's load and liveness, the
     round-robin cursor, the hasher's LRU of recent chains, the recent
-    decision times. Single-threaded (the server's event loop)."""
+    decision times, the recent dispatches (``dispatch_log``: request key and
+    replica, for benchmarks' per-replica figures). Single-threaded (the
+    server's event loop)."""
 
     def __init__(self, identity: CacheIdentity, config: RouterConfig | None = None) -> None:
         self.config = config = config if config is not None else RouterConfig()
         self.hasher = PromptHasher(identity, max_prompts=config.chain_cache_prompts)
         self.decision_ns: deque[int] = deque(maxlen=4096)  # each choose(), lazy hashing included
+        self.dispatch_log: deque[tuple[str, str]] = deque(maxlen=65536)  # (key, replica) per keyed dispatch
         self.block_size = identity.block_size
         self.index = PrefixIndex(max_replicas=config.max_replicas, shared_remote=config.shared_remote,
                                  replay_window=config.replay_window)
@@ -138,7 +145,8 @@ class Router:
         self._live: list[tuple[str, int]] = []  # (replica, slot) of the live ones, slot order
         self._rr_last = -1  # slot of the last dispatch
         self._policies: dict[str, Callable[[list[BlockHash] | PromptChain, str | None, int], Decision]] = {
-            "kv": self._choose_kv, "session": self._choose_session, "round-robin": self._choose_round_robin,
+            "kv": self._choose_kv, "least-loaded": self._choose_least_loaded, "session": self._choose_session,
+            "round-robin": self._choose_round_robin,
         }
 
     # -- membership, load, events -------------------------------------------------
@@ -230,6 +238,8 @@ class Router:
         :meth:`note_settled` (``PrefixIndex.predict``)."""
         if isinstance(hashes, PromptChain):
             hashes = hashes.finish()
+        if key is not None:
+            self.dispatch_log.append((key, decision.replica))
         if hashes:
             if key is None:
                 raise ValueError("note_dispatched(hashes=...) needs key=: the request's id, "
@@ -253,6 +263,20 @@ class Router:
         after = live >> (self._rr_last + 1)  # live slots after the cursor, else wrap to the lowest
         slot = (self._rr_last + 1 + ((after & -after).bit_length() - 1)) if after else (live & -live).bit_length() - 1
         return Decision(replica=self.index.replica_at(slot), policy="round-robin", reason="next live replica")
+
+    def _choose_least_loaded(self, hashes: list[BlockHash] | PromptChain, session_key: str | None,
+                             num_tokens: int) -> Decision:
+        """kv's cost with every hit counted as a miss: the prompt plus the
+        load, so the least load wins; among equals, the first live slot
+        after the round-robin cursor (idle replicas take turns)."""
+        decode_weight, loads, last = self.config.decode_weight, self._loads, self._rr_last
+        best_key, best = None, ""
+        for name, slot in self._live:
+            key = (loads[name].cost(decode_weight), slot <= last, slot)  # after the cursor first, then wrap
+            if best_key is None or key < best_key:
+                best_key, best = key, name
+        assert best_key is not None  # choose() checked that some replica is live
+        return Decision(replica=best, policy="least-loaded", reason="least load", cost=num_tokens + best_key[0])
 
     def _choose_session(self, hashes: list[BlockHash] | PromptChain, session_key: str | None, num_tokens: int) -> Decision:
         if session_key is None:

@@ -1,7 +1,7 @@
 """Router decisions: never a dead replica; kv picks the replica with the
 largest credited prefix when loads are equal, skips replicas far above the
 mean load, breaks ties by the prefix's hash (stable, spread); session and
-round-robin; choose changes nothing."""
+round-robin; least-loaded (kv with no hit credit); choose changes nothing."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ BS = 4
 IDENTITY = CacheIdentity(model_fingerprint="router-test", kv_dtype="float32", kv_layout="per_layer", block_size=BS)
 CHAIN = [bytes([i]) * 8 for i in range(8)]
 NAMES = ["r0", "r1", "r2", "r3"]
-ALL_POLICIES = ["kv", "session", "round-robin"]
+ALL_POLICIES = ["kv", "least-loaded", "session", "round-robin"]
 
 
 def make_router(names=NAMES, **cfg) -> Router:
@@ -212,7 +212,7 @@ def test_a_restarted_replica_is_credited_nothing_from_its_old_epoch():
 
 
 @pytest.mark.parametrize("cfg, match", [
-    ({"policy": "random"}, "router policy must be one of kv, session, round-robin; got 'random'"),
+    ({"policy": "random"}, "router policy must be one of kv, least-loaded, session, round-robin; got 'random'"),
     ({"medium_weights": {"GPU": 1.0}}, "medium_weights must name exactly"),
     ({"medium_weights": {"GPU": 1.0, "CPU": 2.0, "DISK": 0.5, "REMOTE": 0.5}}, r"medium_weights\['CPU'\]"),
     ({"load_skip_factor": 0.5}, "load_skip_factor must be >= 1"),
@@ -256,3 +256,70 @@ def test_cli_router_affinity_default_is_the_routers():
 
     args = build_parser().parse_args(["serve"])
     assert args.router_affinity == RouterConfig().affinity
+
+
+@settings(max_examples=200, deadline=None)
+@given(placed=placement, dead=st.sets(st.sampled_from(NAMES), max_size=3),
+       loads=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 8)), min_size=4, max_size=4),
+       cursor=st.integers(0, 3))
+def test_least_loaded_picks_the_least_load_whatever_is_cached(placed, dead, loads, cursor):
+    """The replica with the least queued prefill plus weighted decodes,
+    cached prefixes ignored; among equals, the first live one after the
+    last dispatch (wrapping)."""
+    router = make_router(policy="least-loaded", decode_weight=16.0)
+    populate(router, placed)
+    for _ in range(cursor + 1):  # the last dispatch went to NAMES[cursor]
+        router.note_dispatched(router.choose(CHAIN, policy="round-robin"), 0)
+    for n, (q, running) in zip(NAMES, loads):
+        router.set_load(n, ReplicaLoad(queued_prefill_tokens=q, running_requests=running))
+    for n in dead:
+        router.mark_dead(n)
+    live = [n for n in NAMES if n not in dead]
+    cost = {n: q + 16.0 * running for n, (q, running) in zip(NAMES, loads) if n in live}
+    least = min(cost.values())
+    tied = [n for n in live if cost[n] == least]
+    after = [n for n in tied if NAMES.index(n) > cursor]
+    d = router.choose(CHAIN, num_tokens=len(CHAIN) * BS)
+    assert d.replica == (after or tied)[0]
+    assert (d.policy, d.hit_tokens, d.device_hit_tokens, d.skipped) == ("least-loaded", 0, 0, ())
+    assert d.cost == len(CHAIN) * BS + least
+
+
+def test_least_loaded_ignores_a_cached_prefix_that_kv_follows():
+    router = make_router(["a", "b"], policy="least-loaded")
+    store(router, "a", CHAIN)  # a holds the whole prompt
+    router.set_load("a", ReplicaLoad(queued_prefill_tokens=1))
+    assert router.choose(CHAIN).replica == "b"
+    assert router.choose(CHAIN, policy="kv").replica == "a"
+
+
+def test_least_loaded_idle_replicas_take_turns_and_its_queue_grows():
+    router = make_router(policy="least-loaded")
+    router.mark_dead("r1")
+    picks = []
+    for _ in range(6):
+        d = router.choose(CHAIN, num_tokens=32)
+        picks.append(d.replica)
+        router.note_dispatched(d, 32)
+    assert picks == ["r0", "r2", "r3", "r0", "r2", "r3"]  # equal loads at each turn: the cursor's order
+    assert router.load("r0") == ReplicaLoad(queued_prefill_tokens=64, running_requests=2)  # no hit credit
+    router.set_load("r2", ReplicaLoad())  # r2 finished its work: it is the least loaded
+    assert router.choose(CHAIN).replica == "r2"
+
+
+def test_least_loaded_hashes_nothing_of_a_lazy_chain():
+    router = make_router(policy="least-loaded")
+    tokens = list(range(len(CHAIN) * BS))
+    chain = router.chain(tokens)
+    d = router.choose(chain)
+    assert chain.known == [] and d.replica == "r0"
+    router.note_dispatched(d, len(tokens), chain, key="req-1")  # finished here, then credited
+    assert len(chain.known) == len(CHAIN) and router.index.counters.predicted == len(CHAIN)
+
+
+def test_keyed_dispatches_are_logged_with_their_replica():
+    router = make_router(["a", "b"], policy="round-robin")
+    for i in range(3):
+        router.note_dispatched(router.choose(CHAIN), 32, key=f"req-{i}")
+    router.note_dispatched(router.choose(CHAIN), 32)  # no key: nothing to name it by
+    assert list(router.dispatch_log) == [("req-0", "a"), ("req-1", "b"), ("req-2", "a")]
