@@ -148,7 +148,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     connector: str = "offload"
     role: Literal["both", "producer", "consumer"] = "both"
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    options: dict[str, Any] = msgspec.field(default_factory=dict)  # Any: TOML values, the connector's to decode
 
     def validate(self, prefix: str = "kv_transfer") -> None:
         if not isinstance(self.connector, str) or not self.connector:

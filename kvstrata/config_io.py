@@ -19,7 +19,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 
@@ -28,14 +28,18 @@ from kvstrata.config import EngineConfig
 ENV_PREFIX = "KVSTRATA_"
 _NONE_WORDS = ("none", "null")
 
+# A field's annotation: a class, a union, a Literal or a generic alias
+# (``dict[str, Any]``); read with ``typing.get_args`` and ``msgspec.convert``.
+FieldType: TypeAlias = object
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the field."""
 
 
-def config_fields(root: type = EngineConfig, prefix: str = "") -> dict[str, Any]:
+def config_fields(root: type = EngineConfig, prefix: str = "") -> dict[str, FieldType]:
     """Every leaf field as ``{"section.field": type}``; nested Structs recurse."""
-    out: dict[str, Any] = {}
+    out: dict[str, FieldType] = {}
     for f in msgspec.structs.fields(root):
         path = f"{prefix}{f.name}"
         section = _struct_of(f.type)
@@ -46,7 +50,7 @@ def config_fields(root: type = EngineConfig, prefix: str = "") -> dict[str, Any]
     return out
 
 
-def _struct_of(typ: Any) -> type | None:
+def _struct_of(typ: FieldType) -> type | None:
     """The section Struct of a field typed ``Section`` or ``Section | None``
     (an optional section, like ``kv_transfer``, exists once any of its fields is set)."""
     for t in _union_args(typ):
@@ -55,7 +59,7 @@ def _struct_of(typ: Any) -> type | None:
     return None
 
 
-def parse_value(path: str, raw: Any, typ: Any, source: str) -> Any:
+def parse_value(path: str, raw: object, typ: FieldType, source: str) -> object:
     """Convert one value to the field's type; strings (env, CLI) are parsed."""
     try:
         if isinstance(raw, str):
@@ -69,7 +73,7 @@ def parse_value(path: str, raw: Any, typ: Any, source: str) -> Any:
         raise ConfigError(f"{path}: {e} (from {source}: {raw!r})") from None
 
 
-def values_from_toml(path: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+def values_from_toml(path: str, fields: Mapping[str, FieldType]) -> dict[str, object]:
     """Read a TOML file (sync: called at start, before any event loop)."""
     try:
         with open(path, "rb") as f:
@@ -78,7 +82,7 @@ def values_from_toml(path: str, fields: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: {e}") from None
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, raw in _flatten(data):
         if key not in fields:
             raise ConfigError(f"unknown config field {key!r} in {path} (known: {_sections(fields)})")
@@ -86,11 +90,11 @@ def values_from_toml(path: str, fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def values_from_env(env: Mapping[str, str], fields: Mapping[str, Any]) -> dict[str, Any]:
+def values_from_env(env: Mapping[str, str], fields: Mapping[str, FieldType]) -> dict[str, object]:
     """``KVSTRATA_<SECTION>__<FIELD>``; top-level fields as ``KVSTRATA_<FIELD>``.
     A variable with ``__`` that names no field is an error (a typo would
     otherwise be ignored); other KVSTRATA_* variables belong to other tools."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -117,8 +121,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                        help=f"{_type_name(typ)} (default {_lookup(defaults, path)!r})")
 
 
-def values_from_args(args: argparse.Namespace, fields: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def values_from_args(args: argparse.Namespace, fields: Mapping[str, FieldType]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for dest, raw in vars(args).items():
         if dest.startswith("cfg:"):
             key = dest[4:]
@@ -128,10 +132,10 @@ def values_from_args(args: argparse.Namespace, fields: Mapping[str, Any]) -> dic
 
 def load_config(*, toml_path: str | None = None, env: Mapping[str, str] | None = None,
                 args: argparse.Namespace | None = None,
-                overrides: Mapping[str, Any] | None = None) -> EngineConfig:
+                overrides: Mapping[str, object] | None = None) -> EngineConfig:
     """Merge every source, build the EngineConfig and validate it."""
     fields = config_fields()
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     if toml_path is None and args is not None:
         toml_path = getattr(args, "config", None)
     if toml_path:
@@ -146,8 +150,8 @@ def load_config(*, toml_path: str | None = None, env: Mapping[str, str] | None =
     return build_config(merged)
 
 
-def build_config(flat: Mapping[str, Any]) -> EngineConfig:
-    nested: dict[str, Any] = {}
+def build_config(flat: Mapping[str, object]) -> EngineConfig:
+    nested: dict[str, Any] = {}  # Any: sections (dicts) and leaf values, built by path
     for key, value in flat.items():
         node = nested
         *parents, leaf = key.split(".")
@@ -165,8 +169,8 @@ def build_config(flat: Mapping[str, Any]) -> EngineConfig:
     return cfg
 
 
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
+def _flatten(data: Mapping[str, object], prefix: str = "") -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
     for k, v in data.items():
         if isinstance(v, dict) and not _is_leaf_table(prefix + k):
             out.extend(_flatten(v, f"{prefix}{k}."))
@@ -181,7 +185,7 @@ def _is_leaf_table(path: str) -> bool:
     return typ is not None and _is_container(typ)
 
 
-def _is_container(typ: Any) -> bool:
+def _is_container(typ: FieldType) -> bool:
     for t in _union_args(typ):
         origin = typing.get_origin(t) or t
         if origin in (list, dict, tuple, set, frozenset):
@@ -189,28 +193,28 @@ def _is_container(typ: Any) -> bool:
     return False
 
 
-def _allows_none(typ: Any) -> bool:
+def _allows_none(typ: FieldType) -> bool:
     return any(t is type(None) for t in _union_args(typ))
 
 
-def _union_args(typ: Any) -> tuple[Any, ...]:
+def _union_args(typ: FieldType) -> tuple[FieldType, ...]:
     if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
         return typing.get_args(typ)
     return (typ,)
 
 
-def _type_name(typ: Any) -> str:
+def _type_name(typ: FieldType) -> str:
     return getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
 
 
-def _lookup(tree: Mapping[str, Any], path: str) -> Any:
-    node: Any = tree
+def _lookup(tree: Mapping[str, object], path: str) -> object:
+    node: object = tree
     for part in path.split("."):
         node = node.get(part) if isinstance(node, Mapping) else None
     return node
 
 
-def _sections(fields: Mapping[str, Any]) -> str:
+def _sections(fields: Mapping[str, FieldType]) -> str:
     return ", ".join(sorted({k.split(".")[0] for k in fields}))
 
 
@@ -225,7 +229,7 @@ def is_secret_key(key: str) -> bool:
     return k in _SECRET_KEYS or k.endswith(("_password", "_secret", "_token", "_api_key", "_secret_key"))
 
 
-def redact_secrets(data: Any) -> Any:
+def redact_secrets(data: Any) -> Any:  # Any: plain config data; the result has its shape
     """``data`` (plain config data: dicts, lists, scalars) with every secret
     value replaced by ``REDACTED``, at any depth (tier options are free-form)."""
     if isinstance(data, Mapping):

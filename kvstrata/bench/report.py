@@ -8,11 +8,10 @@ is importable."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from kvstrata.types import BlockResidencyStats, EngineStats, HistogramSnapshot
 from kvstrata.bench.driver import LoadResult
-from kvstrata.bench.transcripts import example_conversation, format_transcripts, sample_turns
+from kvstrata.bench.transcripts import Report, example_conversation, format_transcripts, sample_turns
 from kvstrata.api_server.metrics import metric_name, tier_hit_rates
 
 PERCENTILES = (50, 90, 99)
@@ -40,7 +39,7 @@ def summarize(values_s: list[float]) -> dict[str, float | None]:
 
 
 def build_report(result: LoadResult, before: EngineStats | None, after: EngineStats | None,
-                 **context: Any) -> dict[str, Any]:
+                 **context: object) -> Report:
     recs = result.records
     ok = [r for r in recs if r.error is None]
     duration = max(result.end - result.start, 1e-9)
@@ -54,7 +53,7 @@ def build_report(result: LoadResult, before: EngineStats | None, after: EngineSt
     for r in ok:
         t = r.chunk_times
         itl.extend(t[i] - t[i - 1] for i in range(1, len(t)))
-    report: dict[str, Any] = {
+    report: Report = {
         **context,
         "num_requests": len(recs),
         "num_completed": len(ok),
@@ -78,14 +77,14 @@ def build_report(result: LoadResult, before: EngineStats | None, after: EngineSt
     return report
 
 
-def engine_deltas(before: EngineStats | None, after: EngineStats | None) -> dict[str, Any]:
+def engine_deltas(before: EngineStats | None, after: EngineStats | None) -> Report:
     """Every engine stat during the run: prefix hit rate per tier,
     preemptions, engine counters, block residency, ``extra``."""
     if after is None:
         return {"prefix_cache": None, "preemptions": None, "engine": None, "kv_block_residency": None}
     t1 = tier_hit_rates(after)
     t0 = tier_hit_rates(before) if before is not None else {}
-    tiers: dict[str, Any] = {}
+    tiers: dict[str, Report] = {}
     for tier, v in t1.items():
         b = t0.get(tier, {"hits": 0.0, "queries": 0.0})
         hits, queries = v["hits"] - b["hits"], v["queries"] - b["queries"]
@@ -110,13 +109,13 @@ def engine_deltas(before: EngineStats | None, after: EngineStats | None) -> dict
     }
 
 
-def residency_delta(before: BlockResidencyStats | None, after: BlockResidencyStats | None) -> dict[str, Any] | None:
+def residency_delta(before: BlockResidencyStats | None, after: BlockResidencyStats | None) -> Report | None:
     """Sampled KV blocks evicted during the run: how many, their reuses, and
     per quantity the mean and the bucket bounds holding the median and p90
     (None when sampling is off)."""
     if after is None:
         return None
-    out: dict[str, Any] = {
+    out: Report = {
         "sample_rate": after.sample_rate,
         "samples": after.num_samples - (before.num_samples if before is not None else 0),
         "reuses": after.num_reuses - (before.num_reuses if before is not None else 0),
@@ -126,13 +125,13 @@ def residency_delta(before: BlockResidencyStats | None, after: BlockResidencySta
     return out
 
 
-def _histogram_summary(after: HistogramSnapshot, before: HistogramSnapshot | None) -> dict[str, Any]:
+def _histogram_summary(after: HistogramSnapshot, before: HistogramSnapshot | None) -> Report:
     counts = list(after.counts)
     total, count = after.sum, after.count
     if before is not None and before.bounds == after.bounds:
         counts = [a - b for a, b in zip(counts, before.counts)]
         total, count = total - before.sum, count - before.count
-    summary: dict[str, Any] = {"count": count, "mean": round(total / count, 4) if count else None}
+    summary: Report = {"count": count, "mean": round(total / count, 4) if count else None}
     for p in (50, 90):
         summary[f"p{p}_le"] = _bucket_bound(after.bounds, counts, count * p / 100) if count else None
     return summary
@@ -148,7 +147,7 @@ def _bucket_bound(bounds: tuple[float, ...], counts: list[int], rank: float) -> 
     return "+Inf"
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_report(report: Report) -> str:
     """A short human-readable table (the JSON is the full report)."""
     lines = [
         f"requests        {report['num_completed']}/{report['num_requests']} ok in {report['duration_s']} s "

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
-
 import msgspec
 import structlog
 
@@ -17,7 +15,8 @@ from kvstrata.enginecore.client import EngineClient, served_model_name
 from kvstrata.bench import workloads as W
 from kvstrata.bench.driver import TURN_ORDERS, LoadResult, run_load
 from kvstrata.bench.report import build_report, write_plots
-from kvstrata.bench.targets import EngineTarget, HttpTarget
+from kvstrata.bench.targets import EngineTarget, HttpTarget, LoadTarget
+from kvstrata.bench.transcripts import Report
 
 log = structlog.get_logger(__name__)
 TARGETS = ("inproc", "zmq", "http")
@@ -85,7 +84,7 @@ def make_workload(args: argparse.Namespace) -> list[W.Conversation]:
 
 
 @contextlib.asynccontextmanager
-async def open_target(args: argparse.Namespace, config: EngineConfig) -> AsyncIterator[Any]:
+async def open_target(args: argparse.Namespace, config: EngineConfig) -> AsyncIterator[LoadTarget]:
     """Yield a target; everything it started is stopped on exit."""
     from kvstrata.ipc.engines import connect_engine, open_engine
 
@@ -135,7 +134,7 @@ def model_name(config: EngineConfig) -> str:
 
 
 async def run_bench(args: argparse.Namespace, config: EngineConfig, convs: list[W.Conversation], *,
-                    desc: str = "requests") -> tuple[dict[str, Any], LoadResult]:
+                    desc: str = "requests") -> tuple[Report, LoadResult]:
     """Run the load; the caller writes the outputs (``save_outputs``) off the loop."""
     async with open_target(args, config) as target:
         before = await target.stats()
@@ -149,7 +148,7 @@ async def run_bench(args: argparse.Namespace, config: EngineConfig, convs: list[
     return report, result
 
 
-def save_outputs(args: argparse.Namespace, report: dict[str, Any], result: LoadResult) -> None:
+def save_outputs(args: argparse.Namespace, report: Report, result: LoadResult) -> None:
     """JSON report file and plots, when asked for (synchronous: after the loop)."""
     if args.plot_dir:
         report["plots"] = write_plots(result, args.plot_dir) or "matplotlib not installed: no plots"

@@ -8,10 +8,14 @@ first conversation, in workload order, whose every turn succeeded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 from kvstrata.bench.driver import LoadResult
 from kvstrata.bench.targets import RequestRecord
+
+# The load-test report: plain JSON, written out whole and read back by key.
+# Any: its values are numbers, strings, lists and nested reports of fixed shapes.
+Report: TypeAlias = dict[str, Any]
 
 EXCERPT_CHARS = 72
 MESSAGE_CHARS = 400
@@ -32,7 +36,7 @@ def _ok_by_conversation(result: LoadResult) -> tuple[list[str], dict[str, dict[i
     return order, turns
 
 
-def sample_turns(result: LoadResult, n: int = 4) -> list[dict[str, Any]]:
+def sample_turns(result: LoadResult, n: int = 4) -> list[Report]:
     """Up to ``n`` turns: conversation k's turn k (its last one if shorter)."""
     order, turns = _ok_by_conversation(result)
     out = []
@@ -48,7 +52,7 @@ def sample_turns(result: LoadResult, n: int = 4) -> list[dict[str, Any]]:
     return out
 
 
-def example_conversation(result: LoadResult) -> dict[str, Any] | None:
+def example_conversation(result: LoadResult) -> Report | None:
     """The first conversation whose turns all succeeded, message by message
     (each cut at ``MESSAGE_CHARS``; the shared system prompt to a line)."""
     order, turns = _ok_by_conversation(result)
@@ -68,7 +72,7 @@ def example_conversation(result: LoadResult) -> dict[str, Any] | None:
     return None
 
 
-def format_transcripts(report: dict[str, Any]) -> list[str]:
+def format_transcripts(report: Report) -> list[str]:
     """The answers and the example conversation as report lines."""
     lines: list[str] = []
     samples = report.get("answers") or []

@@ -9,7 +9,8 @@ import contextlib
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -22,6 +23,7 @@ from kvstrata.bench.report import format_report
 from kvstrata.bench.runner import make_workload, model_name, run_bench, save_outputs
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 # `kvstrata run`'s workload and KV sizes. 12 chats of 3 turns, 4 requests at
 # a time, in rounds (each round in a seeded shuffled order): a chat's next
@@ -41,7 +43,7 @@ RUN_CPU_TIER_MIB = 32
 RUN_CHUNK_TOKENS = 16
 
 
-def run_async(coro: Any) -> Any:
+def run_async(coro: Coroutine[Any, Any, _T]) -> _T:  # Any: the coroutine's yield and send types, as asyncio.run's
     try:
         import uvloop
 

@@ -51,7 +51,7 @@ answered, a load landed, a store write finished), so the engine never polls.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 
@@ -67,7 +67,14 @@ if TYPE_CHECKING:
 ConnectorMetadata: TypeAlias = msgspec.Struct  # one step's plan, or the worker's report: frozen plain data
 BlockIds: TypeAlias = tuple[list[int], ...]  # a request's block ids, one list per KV cache group
 KVCaches: TypeAlias = Sequence[tuple["torch.Tensor", "torch.Tensor"]]  # (key, value) cache per layer
-KVParams: TypeAlias = dict[str, Any]  # a connector's transfer parameters for a finished request (JSON-like)
+JSONValue: TypeAlias = dict[str, "JSONValue"] | list["JSONValue"] | str | int | float | bool | None
+KVParams: TypeAlias = dict[str, JSONValue]  # a connector's transfer parameters for a finished request
+# The model side's CacheBlend builder (``kvstrata.worker.segment_blender``):
+# (token ids, segment spans, each segment's stored KV or None, recompute ratio)
+#   -> (the KV of every token, (layers, 2, tokens, kv heads, head size); each
+#       segment's KV computed on its own where none was stored, else None)
+Blender: TypeAlias = Callable[[list[int], Sequence[tuple[int, int]], list["torch.Tensor | None"], float],
+                              tuple["torch.Tensor", list["torch.Tensor | None"]]]
 
 
 class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -171,7 +178,7 @@ class KVConnectorWorker(Protocol):
 
     def start_load_kv(self) -> None: ...
 
-    def set_blender(self, blender: Callable[..., Any]) -> bool:
+    def set_blender(self, blender: Blender) -> bool:
         """Offer the model side's CacheBlend builder (``kvstrata.worker.blend``:
         the KV of a request's segments); returns whether this worker blends
         with it (False: it cannot, and keeps nothing)."""
@@ -289,7 +296,7 @@ class NoOpConnectorWorker:
     def start_load_kv(self) -> None:
         return None
 
-    def set_blender(self, blender: Callable[..., Any]) -> bool:
+    def set_blender(self, blender: Blender) -> bool:
         return False
 
     def loads_layer_by_layer(self) -> bool:

@@ -13,7 +13,8 @@ saves and never loads; "consumer" (the decode engine) loads and never saves.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -22,14 +23,20 @@ from kvstrata.config import KVTransferConfig
 __all__ = ["ROLES", "KVTransferConfig", "decode_options"]
 
 ROLES = ("both", "producer", "consumer")
-_Options = TypeVar("_Options")
 
 
-def decode_options(options: dict[str, Any], cls: type[_Options], prefix: str) -> _Options:
+class _Validating(Protocol):
+    def validate(self, prefix: str) -> None: ...
+
+
+_Options = TypeVar("_Options", bound=_Validating)
+
+
+def decode_options(options: Mapping[str, object], cls: type[_Options], prefix: str) -> _Options:
     """A connector's options table -> its options Struct; errors name the field."""
     try:
         opts = msgspec.convert(options, cls)
     except msgspec.ValidationError as e:
         raise ValueError(f"{prefix}: {e}") from None
-    opts.validate(prefix)  # type: ignore[attr-defined]  # every options Struct validates itself
+    opts.validate(prefix)
     return opts

@@ -152,7 +152,7 @@ class ObservedTier:
         self.name, self.kind, self.write_back = tier.name, tier.kind, tier.write_back
         self.counters = tier.counters
 
-    def __getattr__(self, name: str) -> Any:  # start, drain, aclose, stats, pin, unpin, ...: the tier's own
+    def __getattr__(self, name: str) -> Any:  # Any: the tier's own start, drain, aclose, stats, pin, ...
         return getattr(self._tier, name)
 
     @classmethod

@@ -15,11 +15,12 @@ them reports its save done.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvstrata.connector.base import (
+    Blender,
     BlockIds,
     BlockTables,
     ConnectorMetadata,
@@ -218,7 +219,7 @@ class MultiWorker:
         for c in self.children:
             c.start_load_kv()
 
-    def set_blender(self, blender: Callable[..., Any]) -> bool:
+    def set_blender(self, blender: Blender) -> bool:
         return any([c.set_blender(blender) for c in self.children])  # every child is offered it
 
     def loads_layer_by_layer(self) -> bool:

@@ -34,7 +34,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Any:  # Any: a lazily imported export (PEP 562)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvstrata.enginecore' has no attribute {name!r}")

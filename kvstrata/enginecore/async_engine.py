@@ -46,14 +46,14 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, Unpack
 
 import structlog
 
 from kvstrata.config import EngineConfig
 from kvstrata.connector import KVConnector
 from kvstrata.enginecore.builder import build_engine_core
-from kvstrata.enginecore.client import generate_chat, served_model_name
+from kvstrata.enginecore.client import GenerateOptions, generate_chat, served_model_name
 from kvstrata.enginecore.engine_core import EngineCore, ModelRunnerLike
 from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.enginecore.request import EngineRequest
@@ -71,6 +71,7 @@ log = structlog.get_logger(__name__)
 OutputSink = Callable[[RequestOutput | BaseException], None]
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+_T = TypeVar("_T")
 
 
 class KVEventSink(Protocol):
@@ -197,8 +198,8 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self._core.max_model_len
 
-    def chat(self, messages: Sequence[Any], params: SamplingParams | None = None,
-             **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+    def chat(self, messages: Sequence[object], params: SamplingParams | None = None,
+             **kwargs: Unpack[GenerateOptions]) -> AsyncGenerator[RequestOutput, None]:
         return generate_chat(self, messages, params, **kwargs)
 
     @property
@@ -604,7 +605,7 @@ def _bare_poll(so: SchedulerOutput) -> bool:
                 or so.kv_connector_metadata is not None)
 
 
-def run(main: Coroutine[Any, Any, Any]) -> Any:
+def run(main: Coroutine[Any, Any, _T]) -> _T:  # Any: the coroutine's yield and send types, as asyncio.run's
     """Run ``main`` to completion on uvloop when it is installed, else asyncio's loop."""
     try:
         import uvloop

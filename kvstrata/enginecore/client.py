@@ -17,12 +17,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any, Protocol, Self
+from typing import Protocol, Self, TypedDict, Unpack
 
 from kvstrata.config import EngineConfig
 from kvstrata.text.prompts import ChatPrompt, Prompt
 from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
+
+
+class GenerateOptions(TypedDict, total=False):
+    """``EngineClient.generate``'s keyword arguments, as ``chat`` passes them on."""
+
+    request_id: str | None
+    priority: int
+    cache_salt: str | None
+    lora_name: str | None
+    session_key: str | None
 
 
 class EngineClient(Protocol):
@@ -81,9 +91,9 @@ class EngineClient(Protocol):
 
     def chat(
         self,
-        messages: Sequence[Any],
+        messages: Sequence[object],
         params: SamplingParams | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[GenerateOptions],
     ) -> AsyncGenerator[RequestOutput, None]:
         """``generate`` on a conversation (``{"role", "content"}`` dicts or
         objects), rendered with the model's chat template (or the plain
@@ -136,8 +146,8 @@ def served_model_name(config: EngineConfig) -> str:
     return name[:-5] if name.lower().endswith(".gguf") else name
 
 
-async def generate_chat(client: EngineClient, messages: Sequence[Any], params: SamplingParams | None = None,
-                        **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+async def generate_chat(client: EngineClient, messages: Sequence[object], params: SamplingParams | None = None,
+                        **kwargs: Unpack[GenerateOptions]) -> AsyncGenerator[RequestOutput, None]:
     """What every ``EngineClient.chat`` does: ``generate`` on a ``ChatPrompt``
     (rendered and tokenized by the client's one text path)."""
     agen = client.generate(ChatPrompt(messages=list(messages)), params, **kwargs)

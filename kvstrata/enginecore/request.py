@@ -16,11 +16,14 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvstrata.types import SamplingParams
+
+if TYPE_CHECKING:
+    from kvstrata.kv.types import BlockHash
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,7 +72,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     block_hashes: list[bytes] | None = None
 
 
-BlockHasher = Callable[[Any], list]
+BlockHasher = Callable[["Request"], "list[BlockHash]"]  # kvstrata.kv.BlockHasher: the hashes of newly full blocks
 
 
 class Request:

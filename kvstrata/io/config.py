@@ -9,13 +9,21 @@ Bad values raise ValueError naming the field.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
 from kvstrata.io.policies import POLICIES
 
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+
+class _Validating(Protocol):
+    def validate(self, prefix: str) -> None: ...
+
+
+_Options = TypeVar("_Options", bound=_Validating)  # a tier's options Struct
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> None:
@@ -61,7 +69,7 @@ class TierSpec(msgspec.Struct, **_STRUCT):
     type: str
     name: str | None = None
     write: Literal["through", "back"] = "through"
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    options: dict[str, Any] = msgspec.field(default_factory=dict)  # Any: TOML values, the tier's to decode
     # Caps the tier's read bandwidth (bytes/s; None: no cap): a slower
     # medium for benchmarks, or a link the tier shares.
     read_bandwidth_bps: float | None = None
@@ -245,7 +253,7 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
                 check_float(f"tiers[{i}].read_bandwidth_bps", spec.read_bandwidth_bps)
 
 
-def decode_options(options: dict[str, Any], cls: type[msgspec.Struct], prefix: str) -> Any:
+def decode_options(options: Mapping[str, object], cls: type[_Options], prefix: str) -> _Options:
     """Options dict -> the tier's options Struct; errors name the field."""
     try:
         opts = msgspec.convert(options, cls)

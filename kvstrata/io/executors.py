@@ -25,7 +25,7 @@ import heapq
 import itertools
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 
@@ -42,7 +42,7 @@ class Priority(enum.IntEnum):
 class _Job:
     __slots__ = ("priority", "fn", "args", "fut", "on_drop")
 
-    def __init__(self, priority: Priority, fn: Callable[..., Awaitable[Any]], args: tuple,
+    def __init__(self, priority: Priority, fn: Callable[..., Awaitable[object]], args: tuple,
                  fut: asyncio.Future, on_drop: Callable[[], None] | None) -> None:
         self.priority = priority
         self.fn = fn
@@ -98,7 +98,7 @@ class PriorityExecutor:
         self,
         priority: Priority,
         fn: Callable[..., Awaitable[T]],
-        *args: Any,
+        *args: object,
         on_drop: Callable[[], None] | None = None,
     ) -> asyncio.Future[T] | None:
         """Queue ``fn(*args)``; returns its future, or None when dropped
@@ -175,7 +175,7 @@ class PriorityExecutor:
             self._start(job)
 
 
-async def run_in_thread(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+async def run_in_thread(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: object) -> T:
     """Run blocking ``fn`` on ``pool``. If the caller is cancelled, wait for
     the thread to finish first (it cannot be stopped and may still be using
     buffers the caller's cleanup would free), then propagate the cancel."""

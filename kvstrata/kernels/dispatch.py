@@ -20,12 +20,20 @@ first imported (``triton.jit`` alone decides at decoration time).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Literal
+from typing import Callable, Literal, Protocol
 
 import torch
 
 Impl = Literal["auto", "torch", "triton"]
 IMPLS = ("auto", "torch", "triton")
+
+
+class TritonKernel(Protocol):
+    """A kernel as ``LazyKernel.for_device`` gives it (``triton.jit``'s
+    JITFunction or the interpreter's InterpretedFunction): launched as
+    ``kernel[grid](*args, **meta)``, or passed to another kernel as a constexpr."""
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]: ...
 
 
 def interpret_requested() -> bool:
@@ -63,15 +71,15 @@ class LazyKernel:
         once more whenever one is 1 or a multiple of 16, so no request pays a
         compile for a shape that warm-up did not happen to cover."""
         self._fn = fn
-        self._compiled: Any = None
-        self._interpreted: Any = None
+        self._compiled: TritonKernel | None = None
+        self._interpreted: TritonKernel | None = None
         self._do_not_specialize = tuple(do_not_specialize)
 
     @property
     def __name__(self) -> str:
         return self._fn.__name__
 
-    def for_device(self, device: torch.device) -> Any:
+    def for_device(self, device: torch.device) -> TritonKernel:
         """The launchable kernel (``kernel[grid](...)``) for tensors on ``device``."""
         if device.type == "cuda" and not interpret_requested():
             if self._compiled is None:

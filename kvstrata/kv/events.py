@@ -62,7 +62,7 @@ class BlockStored(KVCacheEvent, frozen=True):
     lora_id: int | None = None  # vLLM's deprecated LoRA id: always None here (LoRA is keyed by lora_name)
     medium: str | None = DEVICE_MEDIUM
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None  # vLLM: per-block extra hash keys; not published here
+    extra_keys: list[Any] | None = None  # Any: vLLM's wire type (per-block extra hash keys); not published here
     group_idx: int | None = 0  # None (as vLLM may send it) means group 0
 
 
@@ -107,7 +107,7 @@ class _MapBlockStored(_MapEvent, frozen=True, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = DEVICE_MEDIUM
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[Any] | None = None  # Any: vLLM's wire type
     group_idx: int | None = None  # as vLLM: absent means group 0
 
 

@@ -16,9 +16,16 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class ChatTokenizer(Protocol):
+    """What the chat functions use of a tokenizer (``kvstrata.text.tokenizer.Tokenizer``
+    has it; a tokenizer without a ``chat_template`` attribute gets the plain format)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 class ChatTemplateError(ValueError):
@@ -53,7 +60,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError
 
         try:
@@ -71,7 +78,7 @@ def load_chat_template(directory: str | Path | None) -> ChatTemplate | None:
         return None
     d = Path(directory).expanduser()
     cfg_path = d / "tokenizer_config.json"
-    cfg: dict[str, Any] = {}
+    cfg: dict[str, object] = {}
     if cfg_path.is_file():
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -90,13 +97,13 @@ def load_chat_template(directory: str | Path | None) -> ChatTemplate | None:
                         eos_token=_token_str(cfg.get("eos_token")))
 
 
-def _token_str(token: Any) -> str:
+def _token_str(token: object) -> str:
     if isinstance(token, dict):
         token = token.get("content")
     return token if isinstance(token, str) else ""
 
 
-def message_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
+def message_dicts(messages: Sequence[object]) -> list[dict[str, object]]:
     """Messages as plain dicts with text content (parts of type "text"
     joined); raises ValueError naming the first bad one."""
     if not messages:
@@ -117,7 +124,7 @@ def message_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def plain_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+def plain_chat(messages: Sequence[Mapping[str, object]]) -> str:
     """The fallback for checkpoints without a template: role tags, one
     message per block, the last line opening the assistant's turn."""
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
@@ -125,7 +132,7 @@ def plain_chat(messages: Sequence[Mapping[str, Any]]) -> str:
     return "".join(parts)
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[Any]) -> str | list[int]:
+def chat_prompt(tokenizer: ChatTokenizer, messages: Sequence[object]) -> str | list[int]:
     """The prompt for ``messages``: token ids of the rendered template when
     the tokenizer has one (special tokens are in the text), else the plain
     format as text (tokenized as any prompt). ValueError names what is wrong."""
@@ -133,7 +140,7 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Any]) -> str | list[int]:
     return text if plain else tokenizer.encode(text, add_special_tokens=False)
 
 
-def chat_text(tokenizer: Any, messages: Sequence[Any]) -> tuple[str, bool]:
+def chat_text(tokenizer: ChatTokenizer, messages: Sequence[object]) -> tuple[str, bool]:
     """The rendered prompt for ``messages`` as text, and whether tokenizing
     it adds the tokenizer's special tokens (no when the template wrote them)."""
     msgs = message_dicts(messages)

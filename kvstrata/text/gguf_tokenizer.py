@@ -15,11 +15,18 @@ The result tokenizes as transformers'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from kvstrata.text.chat import ChatTemplate
+
+if TYPE_CHECKING:
+    import gguf
+
+# Any: a metadata value as the file holds it (a string, a number, a bool or a
+# list of them), used as read; every reader checks the keys it needs.
+GGUFValue: TypeAlias = Any
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 # llama.cpp's recommended sampling, when the file carries it
@@ -44,7 +51,7 @@ class GGUFTokenizerParts(NamedTuple):
     bos_token_id: int | None
     chat_template: ChatTemplate | None
     eos_token_ids: tuple[int, ...] = ()  # EOS, end-of-turn, end-of-message: every id that ends a reply
-    metadata_sampling: dict[str, Any] = {}  # the file's ``general.sampling.*`` (llama.cpp's sampling defaults)
+    metadata_sampling: dict[str, object] = {}  # the file's ``general.sampling.*`` (llama.cpp's sampling defaults)
 
 
 def read_gguf_tokenizer(path: str | Path, metadata: GGUFMetadata | None = None) -> GGUFTokenizerParts:
@@ -90,10 +97,10 @@ class GGUFMetadata:
     numbers, lists of either). The one reader of GGUF metadata: the
     tokenizer here and the checkpoint reader (``kvstrata.worker.model.gguf_file``)."""
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: gguf.GGUFReader) -> None:
         self._fields = reader.fields
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: GGUFValue = None) -> GGUFValue:
         f = self._fields.get(key)
         if f is None:
             return default

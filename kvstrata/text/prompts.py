@@ -85,7 +85,7 @@ class ChatPrompt(msgspec.Struct, frozen=True, kw_only=True):
     one. ``add_special_tokens`` None: only the plain format's (a template
     writes its own)."""
 
-    messages: list[Any]
+    messages: list[Any]  # Any: free-form messages (dicts or Structs) on the wire; message_dicts checks them
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
 
@@ -246,7 +246,7 @@ class PromptTokenizer:
         self._check_tokens(len(ids), field)
         return PromptIds(ids, spans)
 
-    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
         if self._workers is None:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # see the module's docstring
             self._workers = ThreadPoolExecutor(self.max_workers, thread_name_prefix="kvstrata-tokenize",
@@ -263,5 +263,5 @@ def _lower_priority() -> None:
             pass
 
 
-def _content(message: Any) -> Any:
+def _content(message: object) -> object:
     return message.get("content") if isinstance(message, Mapping) else getattr(message, "content", None)

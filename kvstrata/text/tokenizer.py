@@ -194,7 +194,7 @@ class HFTokenizer:
         self.all_special_ids = frozenset(i for i, t in added.items() if t.special)
         self.max_token_chars = token_char_bound(self._tok)
 
-    def _special_id(self, token: Any, fallback: Any) -> int | None:
+    def _special_id(self, token: object, fallback: object) -> int | None:
         if isinstance(token, dict):
             token = token.get("content")
         if isinstance(token, str):
@@ -265,7 +265,7 @@ def load_tokenizer(path: str | None, *, gguf_metadata: GGUFMetadata | None = Non
     return ByteTokenizer(generation_defaults=sampling_defaults_in(_read_json(gen), GENERATION_CONFIG_KEYS, str(gen)))
 
 
-def eos_ids_in(cfg: dict[str, Any], where: str) -> tuple[int, ...]:
+def eos_ids_in(cfg: Mapping[str, object], where: str) -> tuple[int, ...]:
     """``eos_token_id`` of a config.json / generation_config.json: absent, an
     int or a list of ints; anything else is a ValueError naming ``where``.
     The one parser of it (the checkpoint loader uses it too)."""
@@ -288,7 +288,7 @@ GGUF_SAMPLING_KEYS: Mapping[str, str] = MappingProxyType({
 _INT_FIELDS = ("top_k", "max_tokens")
 
 
-def sampling_defaults_in(cfg: Mapping[str, Any], keys: Mapping[str, str], where: str) -> Mapping[str, float | int]:
+def sampling_defaults_in(cfg: Mapping[str, object], keys: Mapping[str, str], where: str) -> Mapping[str, float | int]:
     """The SamplingParams defaults ``cfg`` sets, by ``keys`` (config key ->
     field). A value a request could not carry (not a number, out of range)
     is left out, with a warning naming ``where``."""
@@ -348,7 +348,7 @@ def token_char_bound(tok: _HFTokenizerImpl) -> int | None:
     return max(longest, 1) * factor
 
 
-def _shrink_factor(spec: dict[str, Any]) -> int | None:
+def _shrink_factor(spec: dict[str, Any]) -> int | None:  # Any: a tokenizer.json component
     kind = spec.get("type")
     if kind == "Sequence":
         factors = [_shrink_factor(s) for s in spec.get("normalizers") or spec.get("pretokenizers") or []]
@@ -366,7 +366,7 @@ def _shrink_factor(spec: dict[str, Any]) -> int | None:
     return _KEEPS_CHARS.get(kind)  # type: ignore[arg-type]
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, object]:
     if not path.is_file():
         return {}
     try:

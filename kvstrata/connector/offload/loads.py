@@ -98,7 +98,7 @@ class LoadPlanner:
         self.wakeup = wakeup
         self._loads: dict[str, LoadTracker] = {}
         self._prefetched: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()  # lookups (-> sources found) and fetches (-> None)
+        self._tasks: set[asyncio.Task[object]] = set()  # lookups (-> sources found) and fetches (-> None)
         # step -> (request, the blocks it recomputes if the step fails), per bulk load
         self._step_bulk: dict[int, list[tuple[str, list[int]]]] = {}
 
@@ -484,13 +484,13 @@ class LoadPlanner:
     def has_pending(self) -> bool:
         return bool(self._tasks) or any(t.handover == "layer" for t in self._loads.values())
 
-    def spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+    def spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:  # Any: as asyncio's create_task
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
 
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
+    def _task_done(self, task: asyncio.Task[object]) -> None:
         self._tasks.discard(task)
         if not task.cancelled():
             self.wakeup()  # a lookup answered or a load landed: the engine can go on

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import torch
@@ -41,8 +42,12 @@ from kvstrata.connector.metrics import TransferMetrics
 from kvstrata.connector.offload.lending import Lender, Lent
 from kvstrata.io import L1_SOURCE, ChunkKey, MemoryObj, StorageManager
 from kvstrata.io.memory import release_all
+from kvstrata.types import BlendSpec
 
 _SEGMENT_TAG = b"kvstrata-segment-v1"
+
+# The LoadPlanner's task spawner; Any: a coroutine's yield and send types, as asyncio's create_task
+Spawner = Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
 
 
 def segment_key(fingerprint: str, token_ids: list[int]) -> ChunkKey:
@@ -66,7 +71,7 @@ class _Blend:
         self.end = spans[-1][1]
         self.skip = 0  # leading tokens the device already holds (before the first segment)
         self.objs: list[MemoryObj | None] | None = None  # per segment: its stored KV (a reference), or None
-        self.fetch: asyncio.Task[Any] | None = None  # promotion of the segments on lower tiers
+        self.fetch: asyncio.Task[None] | None = None  # promotion of the segments on lower tiers
         self.fetched: dict[int, MemoryObj] = {}  # its results so far (references)
         self.blocks: list[int] | None = None  # allocated: the blocks covering [0, end)
 
@@ -79,7 +84,7 @@ class _Blend:
         release_all([*fetched.values(), *(o for o in objs or [] if o is not None)])
 
 
-def blend_of(request: ConnectorRequest) -> Any:
+def blend_of(request: ConnectorRequest) -> BlendSpec | None:
     params = getattr(request, "sampling_params", None)
     return None if params is None else params.blend
 
@@ -89,7 +94,7 @@ class SegmentPlanner:
     fetches) and its blocks, until handed over, preempted or finished."""
 
     def __init__(self, store: StorageManager, fingerprint: str, lender: Lender, metrics: TransferMetrics,
-                 spawn: Any, *, block_size: int, num_layers: int, num_kv_heads: int, head_size: int,
+                 spawn: Spawner, *, block_size: int, num_layers: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype) -> None:
         self.store = store
         self.fingerprint = fingerprint

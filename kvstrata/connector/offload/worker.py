@@ -23,13 +23,12 @@ save is dropped. Never touches the store or any loop-owned state.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 
 import numpy as np
 import structlog
 import torch
 
-from kvstrata.connector.base import ConnectorMetadata, ConnectorSpec, KVCaches
+from kvstrata.connector.base import Blender, ConnectorMetadata, ConnectorSpec, KVCaches
 from kvstrata.connector.metadata import BlendLoad, ChunkTransfer, OffloadMetadata, RequestTransfer, WorkerReport
 from kvstrata.kernels import KVStreams
 
@@ -41,13 +40,6 @@ class _Xfer:
 
     def __init__(self, handle: int, buf: torch.Tensor, slots: torch.Tensor, req_id: str, block_ids: list[int]) -> None:
         self.handle, self.buf, self.slots, self.req_id, self.block_ids = handle, buf, slots, req_id, block_ids
-
-
-# (token ids, segment spans, each segment's stored KV or None, recompute ratio)
-#   -> (the KV of every token, (layers, 2, tokens, kv heads, head size); each
-#       segment's KV computed on its own where none was stored, else None)
-Blender = Callable[[list[int], Sequence[tuple[int, int]], list[torch.Tensor | None], float],
-                   tuple[torch.Tensor, list[torch.Tensor | None]]]
 
 
 class OffloadWorker:

@@ -34,6 +34,7 @@ class FSTier(SharedMediumTier):
 
     kind = "fs"
     options_type = FSOptions
+    _opts: FSOptions
 
     def __init__(self, opts: FSOptions, *, name: str = "fs", write_back: bool = False) -> None:
         super().__init__(opts, name=name, write_back=write_back, max_in_flight=opts.io_threads)

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 from kvstrata.io.backends.base import ObjectMeta
 from kvstrata.io.backends.redis_tls import SharedContextSSLConnection, tls_context
 from kvstrata.io.backends.shared import SharedMediumTier
-from kvstrata.io.config import RedisOptions
+from kvstrata.io.config import RedisClusterOptions, RedisOptions
 from kvstrata.io.executors import Priority, run_in_thread
 from kvstrata.io.keys import ChunkKey
 from kvstrata.io.memory import MemoryObj, dtype_name
@@ -79,6 +79,7 @@ class RedisStoreBase(SharedMediumTier):
     then costs only that shard's keys)."""
 
     faults = _FAULTS
+    _opts: RedisOptions | RedisClusterOptions
 
     def __init__(self, opts, *, name: str, write_back: bool = False) -> None:
         super().__init__(opts, name=name, write_back=write_back, max_in_flight=opts.max_in_flight)
@@ -249,6 +250,7 @@ class RedisTier(RedisStoreBase):
 
     kind = "redis"
     options_type = RedisOptions
+    _opts: RedisOptions
 
     def __init__(self, opts: RedisOptions, *, name: str = "redis", write_back: bool = False) -> None:
         super().__init__(opts, name=name, write_back=write_back)

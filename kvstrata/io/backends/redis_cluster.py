@@ -56,6 +56,7 @@ class RedisClusterTier(RedisStoreBase):
     kind = "redis-cluster"
     options_type = RedisClusterOptions
     faults = _FAULTS
+    _opts: RedisClusterOptions
 
     def __init__(self, opts: RedisClusterOptions, *, name: str = "redis-cluster", write_back: bool = False) -> None:
         super().__init__(opts, name=name, write_back=write_back)

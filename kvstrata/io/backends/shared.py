@@ -12,14 +12,27 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Protocol
 
 from kvstrata.io.backends.base import Health, ObjectMeta
-from kvstrata.io.config import TierSpec, decode_options
+from kvstrata.io.config import HealthConfig, TierSpec, decode_options
 from kvstrata.io.executors import Priority, PriorityExecutor
 from kvstrata.io.keys import ChunkKey
 from kvstrata.io.memory import MemoryObj
 from kvstrata.io.stats import TierCounters, TierStats
+
+
+class SharedOptions(Protocol):
+    """What the common part reads of a tier's options Struct (``FSOptions``,
+    ``RedisOptions``, ...); each subclass narrows ``_opts`` to its own."""
+
+    @property
+    def health(self) -> HealthConfig: ...
+
+    @property
+    def max_queued_puts(self) -> int: ...
+
+    def validate(self, prefix: str) -> None: ...
 
 
 class SharedMediumTier:
@@ -30,7 +43,7 @@ class SharedMediumTier:
     options_type: type = object
     faults: tuple[type[BaseException], ...] = (OSError,)
 
-    def __init__(self, opts: Any, *, name: str, write_back: bool, max_in_flight: int) -> None:
+    def __init__(self, opts: SharedOptions, *, name: str, write_back: bool, max_in_flight: int) -> None:
         opts.validate(name)
         self.name = name
         self.write_back = write_back

@@ -17,11 +17,15 @@ They are normalised into ``LlamaArchConfig.rope`` (a ``RopeConfig``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 
 from kvstrata.text.tokenizer import eos_ids_in
+
+# A config.json (or what a GGUF's metadata says it would be). Any: its values
+# are JSON of any shape, each checked where it is read.
+HFConfig: TypeAlias = dict[str, Any]
 
 class FamilySpec(msgspec.Struct, frozen=True, kw_only=True):
     """How one architecture differs from Llama, as data."""
@@ -102,7 +106,7 @@ class LlamaArchConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_windows: tuple[int | None, ...] = ()
 
 
-def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
+def parse_arch_config(raw: HFConfig, where: str) -> LlamaArchConfig:
     """Validate a config.json dict; ``where`` (the file path) goes into every error."""
     archs = raw.get("architectures")
     by_type = {f.model_type: a for a, f in FAMILIES.items()}
@@ -161,7 +165,7 @@ def parse_arch_config(raw: dict[str, Any], where: str) -> LlamaArchConfig:
     )
 
 
-def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
+def _parse_rope(raw: HFConfig, where: str) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     if scaling:
@@ -180,7 +184,7 @@ def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedArchitectureError(f"{where}: rope partial_rotary_factor != 1 is not supported")
-    fields: dict[str, Any] = {"rope_type": rope_type, "theta": float(theta)}
+    fields: dict[str, Any] = {"rope_type": rope_type, "theta": float(theta)}  # Any: RopeConfig's keywords
     if rope_type in ("linear", "llama3"):
         if "factor" not in params:
             raise CheckpointError(f"{where}: rope_scaling type {rope_type!r} needs 'factor'")
@@ -209,7 +213,7 @@ def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
     return RopeConfig(**fields)
 
 
-def _int(raw: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+def _int(raw: HFConfig, key: str, where: str, default: int | None = None) -> int:
     value = raw.get(key, default)
     if value is None:
         raise CheckpointError(f"{where}: missing field {key!r}")
@@ -218,7 +222,7 @@ def _int(raw: dict[str, Any], key: str, where: str, default: int | None = None) 
     return value
 
 
-def eos_token_ids(raw: dict[str, Any], where: str) -> tuple[int, ...]:
+def eos_token_ids(raw: HFConfig, where: str) -> tuple[int, ...]:
     """``eos_token_id`` of a config.json or generation_config.json: an int, a
     list of ints, or absent. Anything else names the file."""
     try:
@@ -227,7 +231,7 @@ def eos_token_ids(raw: dict[str, Any], where: str) -> tuple[int, ...]:
         raise CheckpointError(str(e)) from None
 
 
-def with_generation_eos(arch: LlamaArchConfig, generation_config: dict[str, Any], where: str) -> LlamaArchConfig:
+def with_generation_eos(arch: LlamaArchConfig, generation_config: HFConfig, where: str) -> LlamaArchConfig:
     """``arch`` stopping also at every EOS id ``generation_config.json`` lists
     (instruct checkpoints often name their end-of-turn token only there)."""
     extra = eos_token_ids(generation_config, where)
@@ -235,7 +239,7 @@ def with_generation_eos(arch: LlamaArchConfig, generation_config: dict[str, Any]
     return arch if merged == arch.eos_token_ids else msgspec.structs.replace(arch, eos_token_ids=merged)
 
 
-def _layer_windows(raw: dict[str, Any], family: FamilySpec, arch_name: str, where: str) -> tuple[int | None, ...]:
+def _layer_windows(raw: HFConfig, family: FamilySpec, arch_name: str, where: str) -> tuple[int | None, ...]:
     n = raw.get("num_hidden_layers")
     if type(n) is not int or n < 1:
         return ()  # _int reports it

@@ -24,12 +24,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 if TYPE_CHECKING:
     import torch
+
+    from kvstrata.worker.model.config import HFConfig
 
 from kvstrata.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
@@ -38,7 +40,7 @@ log = structlog.get_logger(__name__)
 _BUILD_VERSION = 1
 _INIT_STD = 0.02
 
-DEFAULT_MODEL_CONFIG: dict[str, Any] = {
+DEFAULT_MODEL_CONFIG: HFConfig = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 512,
@@ -64,7 +66,7 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstrata"
 
 
-def default_model_dir(seed: int = 0, root: Path | None = None, config: dict[str, Any] | None = None) -> Path:
+def default_model_dir(seed: int = 0, root: Path | None = None, config: HFConfig | None = None) -> Path:
     """The default checkpoint's directory, built first if it does not exist yet."""
     config = DEFAULT_MODEL_CONFIG if config is None else config
     key = json.dumps({"v": _BUILD_VERSION, "seed": seed, "config": config}, sort_keys=True)
@@ -87,7 +89,7 @@ def default_model_dir(seed: int = 0, root: Path | None = None, config: dict[str,
     return final
 
 
-def write_random_checkpoint(directory: Path, config: dict[str, Any], seed: int) -> None:
+def write_random_checkpoint(directory: Path, config: HFConfig, seed: int) -> None:
     """Write ``config`` and seeded N(0, 0.02) weights (norms at 1) as an HF checkpoint."""
     import torch  # here, not at import: locating a checkpoint (the CLI) needs no torch
     from safetensors.torch import save_file
@@ -107,7 +109,7 @@ def _init(shape: tuple[int, ...], name: str, gen: torch.Generator) -> torch.Tens
     return torch.empty(shape).normal_(0.0, _INIT_STD, generator=gen)
 
 
-def _tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+def _tensor_shapes(c: HFConfig) -> list[tuple[str, tuple[int, ...]]]:
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     q = c["num_attention_heads"] * c["head_dim"]
     kv = c["num_key_value_heads"] * c["head_dim"]

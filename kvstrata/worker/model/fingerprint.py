@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 _VERSION = b"kvstrata-model-fingerprint-v1\0"
 _VOLATILE_KEYS = frozenset({"transformers_version", "_name_or_path", "use_cache"})
@@ -25,7 +25,7 @@ _WINDOW = 4 * 1024
 _NUM_WINDOWS = 16
 
 
-def checkpoint_fingerprint(config: dict[str, Any], files: list[Path], dtype: str) -> str:
+def checkpoint_fingerprint(config: Mapping[str, object], files: list[Path], dtype: str) -> str:
     """Hex sha256 over the config, ``dtype`` and a sample of every weight file."""
     digest = hashlib.sha256(_VERSION)
     stable = {k: v for k, v in config.items() if k not in _VOLATILE_KEYS}

@@ -34,14 +34,14 @@ import mmap
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvstrata.kernels import KernelArgumentError, PackedWeight, pack_weight, quant_type
-from kvstrata.text.gguf_tokenizer import GGUFMetadata
-from kvstrata.worker.model.config import CheckpointError
+from kvstrata.text.gguf_tokenizer import GGUFMetadata, GGUFValue
+from kvstrata.worker.model.config import CheckpointError, HFConfig
 
 # GGUF architecture -> HF architecture; and which ones llama.cpp stores with q/k permuted
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -78,7 +78,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"model: {self.path.name!r}: GGUF architecture {self.arch_name!r} is not supported "
                                   f"(supported: {sorted(_ARCHS)})")
         self._tensors = {t.name: t for t in infos}
-        self._config: dict[str, Any] | None = None
+        self._config: HFConfig | None = None
 
     def _corrupt(self, e: Exception) -> str:
         return (f"model: {str(self.path)!r} is a truncated or corrupt GGUF file ({self.path.stat().st_size} bytes): "
@@ -90,7 +90,7 @@ class GGUFCheckpoint:
         """The file's metadata, read once (the tokenizer is built from it too)."""
         return self._meta
 
-    def field(self, key: str, default: Any = None) -> Any:
+    def field(self, key: str, default: GGUFValue = None) -> GGUFValue:
         return self._meta.get(key, default)
 
     def string(self, key: str) -> str:
@@ -99,23 +99,23 @@ class GGUFCheckpoint:
             raise CheckpointError(f"model: {self.path.name!r} has no {key!r} metadata")
         return v
 
-    def _need(self, key: str) -> Any:
+    def _need(self, key: str) -> GGUFValue:
         v = self.field(f"{self.arch_name}.{key}")
         if v is None:
             raise CheckpointError(f"model: {self.path.name!r} is missing metadata {self.arch_name}.{key}")
         return v
 
-    def hf_config(self) -> dict[str, Any]:
+    def hf_config(self) -> HFConfig:
         """What config.json would say."""
         if self._config is None:
             self._config = self._hf_config()
         return dict(self._config)
 
-    def _hf_config(self) -> dict[str, Any]:
+    def _hf_config(self) -> HFConfig:
         heads = int(self._need("attention.head_count"))
         hidden = int(self._need("embedding_length"))
         vocab = self.field(f"{self.arch_name}.vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])
-        cfg: dict[str, Any] = {
+        cfg: HFConfig = {
             "architectures": [_ARCHS[self.arch_name]],
             "hidden_size": hidden,
             "intermediate_size": int(self._need("feed_forward_length")),
@@ -233,10 +233,10 @@ class _Metadata(GGUFMetadata):
     """The metadata as plain values, parsed here (``GGUFMetadata`` reads a
     ``gguf.GGUFReader``'s fields: the slow path this file avoids)."""
 
-    def __init__(self, values: dict[str, Any]) -> None:  # not super().__init__: it takes a reader
+    def __init__(self, values: dict[str, GGUFValue]) -> None:  # not super().__init__: it takes a reader
         self._values = values
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: GGUFValue = None) -> GGUFValue:
         return self._values.get(key, default)
 
 
@@ -268,7 +268,7 @@ class _Cursor:
         self.pos += n
         return s
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int) -> GGUFValue:
         if vtype == _STRING:
             return self.raw_string().decode("utf-8")
         if vtype == _ARRAY:
@@ -288,7 +288,7 @@ class _Cursor:
         return v
 
 
-def _read_header(buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo]]:
+def _read_header(buf: mmap.mmap) -> tuple[dict[str, GGUFValue], list[_TensorInfo]]:
     """The metadata (key -> plain value) and the tensor index of a
     little-endian GGUF v2/v3 file; ValueError / struct.error when it is
     cut short or malformed."""
@@ -300,7 +300,7 @@ def _read_header(buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo]]:
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (big-endian, or not 2 or 3) is not supported")
     num_tensors, num_kv = cur.u64(), cur.u64()
-    values: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": num_tensors, "GGUF.kv_count": num_kv}
+    values: dict[str, GGUFValue] = {"GGUF.version": version, "GGUF.tensor_count": num_tensors, "GGUF.kv_count": num_kv}
     for _ in range(num_kv):
         key = cur.raw_string().decode("utf-8")
         values[key] = cur.value(cur.u32())

@@ -3,7 +3,7 @@
 
 One entry point does the building for every format::
 
-    build_model(raw_config: dict[str, Any],
+    build_model(raw_config: HFConfig,
                 tensors: Iterable[tuple[str, torch.Tensor]],
                 *, dtype: str = "float32", device: str = "cpu",
                 source: str = "<tensors>") -> tuple[LlamaForCausalLM, LlamaArchConfig]
@@ -32,14 +32,13 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 import structlog
 import torch
 from safetensors import safe_open
 
 from kvstrata.text.gguf_tokenizer import GGUFMetadata
-from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig, parse_arch_config, with_generation_eos
+from kvstrata.worker.model.config import (CheckpointError, HFConfig, LlamaArchConfig, parse_arch_config,
+                                          with_generation_eos)
 from kvstrata.worker.model.fingerprint import checkpoint_fingerprint
 from kvstrata.worker.model.gguf_file import GGUFCheckpoint, GGUFTensor, is_gguf_path
 from kvstrata.worker.model.gguf_packed import choose_paths, install, pack_linears, resident_bytes
@@ -58,6 +57,8 @@ _PACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A checkpoint tensor: loaded, a GGUF one read on demand, or (``shapes_only``) its shape.
+_Source = torch.Tensor | GGUFTensor | tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,7 @@ def weight_files(directory: Path) -> list[Path]:
     )
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def _read_config(path: Path) -> HFConfig:
     if not path.is_file():
         raise CheckpointError(f"model: {str(path.parent)!r} is missing {path.name}")
     try:
@@ -167,7 +168,7 @@ def _slices(arch: LlamaArchConfig) -> dict[str, list[int]]:
 
 
 def build_model(
-    raw_config: dict[str, Any],
+    raw_config: HFConfig,
     tensors: Iterable[tuple[str, torch.Tensor | GGUFTensor]],
     *,
     dtype: str = "float32",
@@ -220,7 +221,7 @@ def _load_gguf(path: str, dtype: str, device: str, quantized_weights: str) -> Lo
     return LoadedCheckpoint(model, arch, ck.path, dtype_name, fingerprint, ck.metadata, weight_bytes, mode)
 
 
-def _build_packed(ck: GGUFCheckpoint, raw: dict[str, Any], dtype: str,
+def _build_packed(ck: GGUFCheckpoint, raw: HFConfig, dtype: str,
                   device: str) -> tuple[LlamaForCausalLM, LlamaArchConfig, str, str]:
     """The model with its linear layers packed: built on the meta device (no
     dense weight is ever allocated for them), the packed modules put in,
@@ -263,7 +264,7 @@ def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
 
 
 def _fill_tensors(model: LlamaForCausalLM, arch: LlamaArchConfig,
-                  tensors: Iterable[tuple[str, Any, str]], source: Path, *, shapes_only: bool = False) -> None:
+                  tensors: Iterable[tuple[str, _Source, str]], source: Path, *, shapes_only: bool = False) -> None:
     """Copy (HF name, tensor, file name) items into ``model``: each needed
     once, nothing extra, shapes exact; errors name the tensor and the file.
     With ``shapes_only`` the items carry shapes instead of tensors and only
@@ -321,7 +322,7 @@ def _copy(
     piece: int,
     offsets: dict[str, list[int]],
     name: str,
-    tensor: torch.Tensor | GGUFTensor,
+    tensor: _Source,
     key: str,
     file_name: str,
     shapes_only: bool = False,
