@@ -201,7 +201,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, kw_only=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: Any = None  # Any: the connector's own metadata Struct (kvstrata.connector)
     # Draft tokens per request, computed after its next token and verified
     # (speculative decoding); counted in num_scheduled_tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
@@ -234,7 +234,7 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, kw_only=True):
     finished_sending: list[str] = []
     finished_recving: list[str] = []
     invalid_block_ids: list[int] = []
-    kv_connector_stats: Any = None
+    kv_connector_stats: Any = None  # Any: the connector's own report Struct
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":

@@ -264,10 +264,10 @@ def stats_from_metrics(text: str) -> EngineStats:
     the per-tier counters, which come back as the connector's books
     (``connector.<tier>.hit_tokens``, ``connector.query_tokens``), so
     ``tier_hit_rates`` reads the page as it reads the engine."""
-    fields: dict[str, Any] = {}
+    fields: dict[str, int | float] = {}
     extra: dict[str, float] = {}
-    residency: dict[str, Any] = {}
-    hists: dict[str, dict[str, Any]] = {}
+    residency: dict[str, Any] = {}  # Any: histogram parts and counts, read back by name
+    hists: dict[str, dict[str, Any]] = {}  # Any: {le: [(bound, count)], sum, count}
     for name, labels, value in parse_metrics(text):
         if "model_name" not in labels or "replica" in labels:
             continue  # the server's own histograms; a fleet's per-replica series
@@ -303,7 +303,7 @@ def stats_from_metrics(text: str) -> EngineStats:
     return EngineStats(**fields, extra=extra)
 
 
-def _histogram_from(h: dict[str, Any]) -> HistogramSnapshot:
+def _histogram_from(h: dict[str, Any]) -> HistogramSnapshot:  # Any: as in hists
     """Per-bucket counts from cumulative ``le`` buckets."""
     le = sorted(h["le"])
     counts, prev = [], 0

@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from kvstrata.text.prompts import ChatPrompt, Prompt, SegmentedPrompt, TextPrompt
 from kvstrata.types import DEFAULT_BLEND_RATIO, BlendSpec, Logprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from kvstrata.text.tokenizer import Tokenizer
+
+R = TypeVar("R", bound=msgspec.Struct)  # a request body's type
 
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
 
@@ -83,7 +88,7 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
-    prompt: str | list[Any]  # str, token ids, or a one-element batch of either
+    prompt: str | list[Any]  # Any: str, token ids, or a one-element batch of either (checked on use)
     echo: bool = False
 
 
@@ -102,7 +107,7 @@ class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
 
 
-def decode_request(body: bytes | bytearray, typ: type) -> Any:
+def decode_request(body: bytes | bytearray, typ: type[R]) -> R:
     try:
         if not body.isascii():  # msgspec checks the strings it keeps, not the keys and values it skips
             body.decode("utf-8")
@@ -210,7 +215,7 @@ class CompletionChoice(msgspec.Struct, frozen=True):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: Any = None
+    logprobs: dict[str, object] | None = None  # completion_logprobs' JSON
 
 
 class CompletionResponse(msgspec.Struct, frozen=True):
@@ -231,14 +236,14 @@ class ChatChoice(msgspec.Struct, frozen=True):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None = None
-    logprobs: Any = None
+    logprobs: dict[str, object] | None = None  # chat_logprobs' JSON
 
 
 class ChatStreamChoice(msgspec.Struct, frozen=True):
     index: int
     delta: ChatResponseMessage
     finish_reason: str | None = None
-    logprobs: Any = None
+    logprobs: dict[str, object] | None = None  # chat_logprobs' JSON
 
 
 class ChatResponse(msgspec.Struct, frozen=True):
@@ -340,7 +345,7 @@ class DetokenizeResponse(msgspec.Struct, frozen=True):
 _MIN_LOGPROB = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
 
 
-def token_text(tokenizer: Any, token_id: int) -> str:
+def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
     """One token as text (special tokens included); ``token_id:N`` without a tokenizer."""
     if tokenizer is None:
         return f"token_id:{token_id}"
@@ -351,7 +356,7 @@ def _lp(value: float) -> float:
     return value if value > _MIN_LOGPROB else _MIN_LOGPROB
 
 
-def completion_logprobs(lps: list[Logprobs], tokenizer: Any, text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(lps: list[Logprobs], tokenizer: Tokenizer | None, text_offset: int = 0) -> dict[str, object]:
     """``/v1/completions`` ``logprobs``: parallel lists of the sampled tokens,
     their log-probabilities, the top-n alternatives (token -> logprob) and
     each token's character offset in the text (from ``text_offset``)."""
@@ -369,7 +374,7 @@ def completion_logprobs(lps: list[Logprobs], tokenizer: Any, text_offset: int = 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(lps: list[Logprobs], tokenizer: Any) -> dict[str, Any]:
+def chat_logprobs(lps: list[Logprobs], tokenizer: Tokenizer | None) -> dict[str, object]:
     """``/v1/chat/completions`` ``logprobs``: ``{"content": [{token, logprob,
     bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
     content = []

@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 import structlog
@@ -39,11 +39,14 @@ from aiohttp import hdrs, web
 from kvstrata.enginecore.client import EngineClient
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
 from kvstrata.fleet.client import FleetClient
-from kvstrata.text.chat import chat_prompt
+from kvstrata.text.chat import ChatTokenizer, chat_prompt
 from kvstrata.text.prompts import ChatPrompt, Prompt, PromptTokenizer
 from kvstrata.types import RequestOutput, SamplingParams
 from kvstrata.api_server import openai_types as T
 from kvstrata.api_server.metrics import ServerMetrics, render_metrics
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+R = TypeVar("R", bound=msgspec.Struct)  # a request body's type
 
 log = structlog.get_logger(__name__)
 _json = msgspec.json.Encoder()
@@ -65,7 +68,7 @@ def _model_not_found(name: str) -> web.Response:
                   code="model_not_found")
 
 
-def _chat_prompt(tokenizer: Any, messages: list[T.ChatMessage]) -> str | list[int]:
+def _chat_prompt(tokenizer: ChatTokenizer | None, messages: list[T.ChatMessage]) -> str | list[int]:
     """The model's chat template (token ids), or the plain format, rendered
     on the caller's thread (for tools; requests go through the engine
     client's text path); bad messages are a 400 naming the field."""
@@ -101,7 +104,7 @@ def _client_left(request: web.Request) -> bool:
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves in OpenAI's JSON shape: aiohttp's own (404 route,
     405, 413 body too large) keep their status; anything unexpected is a
     logged 500 (a bug: malformed input must have been a 4xx before)."""
@@ -158,7 +161,7 @@ class OpenAIServer:
         ])
         return app
 
-    async def _decode(self, request: web.Request, typ: type) -> Any:
+    async def _decode(self, request: web.Request, typ: type[R]) -> R:
         """The JSON body as ``typ``: _UnsupportedMediaType for a body that says
         it is not JSON (none said is taken as JSON), RequestValidationError
         for a malformed one, 413 past ``MAX_BODY_BYTES``."""
@@ -167,7 +170,7 @@ class OpenAIServer:
             raise _UnsupportedMediaType(f"Content-Type must be application/json, got {request.content_type}")
         return T.decode_request(await _read_body(request), typ)
 
-    async def _request(self, request: web.Request, typ: type) -> Any:
+    async def _request(self, request: web.Request, typ: type[R]) -> R | web.Response:
         """Decode and check ``model``; a ``web.Response`` (415, 400, 404) when the request stops here."""
         try:
             req = await self._decode(request, typ)
@@ -270,7 +273,7 @@ class OpenAIServer:
             return _error(503, str(e), "engine_dead")
         if h.healthy and not h.replicas_down:
             return web.json_response({"status": h.status})
-        body: dict[str, Any] = {"status": h.status, "reason": h.reason}
+        body: dict[str, object] = {"status": h.status, "reason": h.reason}
         if h.replicas_down:
             body["replicas_down"] = list(h.replicas_down)
         if h.healthy:
@@ -357,7 +360,7 @@ class OpenAIServer:
         if chat:
             lp = T.chat_logprobs(lps, tok) if logprobs else None
             choice = T.ChatChoice(0, T.ChatResponseMessage("assistant", "".join(text)), last.finish_reason, lp)
-            body: Any = T.ChatResponse(rid, now, self.model_name, [choice], usage)
+            body: T.ChatResponse | T.CompletionResponse = T.ChatResponse(rid, now, self.model_name, [choice], usage)
         else:
             lp = T.completion_logprobs(lps, tok) if logprobs else None
             body = T.CompletionResponse(rid, now, self.model_name,
@@ -390,7 +393,7 @@ class OpenAIServer:
                 lps = out.logprobs or [] if logprobs else None
                 if chat:
                     lp = None if lps is None else T.chat_logprobs(lps, tok)
-                    chunk: Any = T.ChatChunk(rid, now, model, [T.ChatStreamChoice(
+                    chunk: T.ChatChunk | T.CompletionResponse = T.ChatChunk(rid, now, model, [T.ChatStreamChoice(
                         0, T.ChatResponseMessage(content=out.text_delta), fr, lp)])
                 else:
                     lp = None if lps is None else T.completion_logprobs(lps, tok, text_offset)
@@ -401,7 +404,7 @@ class OpenAIServer:
             timer.finish(last)
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = self._usage(last, timer.n_out)
-                tail: Any = (T.ChatChunk(rid, now, model, [], usage) if chat
+                tail: T.ChatChunk | T.CompletionResponse = (T.ChatChunk(rid, now, model, [], usage) if chat
                              else T.CompletionResponse(rid, now, model, [], usage))
                 await resp.write(_sse(tail))
             await resp.write(b"data: [DONE]\n\n")
@@ -474,7 +477,7 @@ def _is_json(content_type: str) -> bool:
                                                     and content_type.endswith("+json"))
 
 
-def _sse(obj: Any) -> bytes:
+def _sse(obj: msgspec.Struct) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 

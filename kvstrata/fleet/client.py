@@ -47,14 +47,14 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
-from typing import Any, Self
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Self, Unpack
 
 import msgspec
 import structlog
 
 from kvstrata.config import EngineConfig
-from kvstrata.enginecore.client import generate_chat
+from kvstrata.enginecore.client import GenerateOptions, generate_chat
 from kvstrata.enginecore.processing import InputProcessor
 from kvstrata.errors import EngineDeadError
 from kvstrata.fleet.feed import FeedCounters, KVFeed
@@ -67,6 +67,9 @@ from kvstrata.router import NoLiveReplicaError, ReplicaLoad, Router, RouterConfi
 from kvstrata.text.prompts import Prompt
 from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineStats, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from kvstrata.fleet.registry import EngineDirectory, EngineRecord
 
 log = structlog.get_logger(__name__)
 
@@ -122,14 +125,14 @@ class FleetClient:
         self._bringing_back: dict[str, asyncio.Task[None]] = {}
         self._supervisor: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
-        self._directory: Any = None  # a registry EngineDirectory being followed (closed with the fleet)
+        self._directory: EngineDirectory | None = None  # a registry being followed (closed with the fleet)
         self._closed = False
 
     # --- construction -----------------------------------------------------------
 
     @classmethod
     async def start(cls, replicas: Sequence[Replica], router_config: RouterConfig | None = None, *,
-                    grace_s: float = 2.0, **kwargs: Any) -> FleetClient:
+                    grace_s: float = 2.0, **kwargs: float) -> FleetClient:
         """Connect to (or start) every replica at once. Returns when every
         replica is live or has failed once (a connection still being checked
         counts as neither), or ``grace_s`` after the first one came up (the others keep trying in the background: an
@@ -246,8 +249,8 @@ class FleetClient:
         lazy walk's hashing included), for the tools."""
         return self.router.decision_ns if self.router is not None else deque()
 
-    def chat(self, messages: Sequence[Any], params: SamplingParams | None = None,
-             **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+    def chat(self, messages: Sequence[object], params: SamplingParams | None = None,
+             **kwargs: Unpack[GenerateOptions]) -> AsyncGenerator[RequestOutput, None]:
         return generate_chat(self, messages, params, **kwargs)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -388,7 +391,7 @@ class FleetClient:
         return EngineHealth(healthy=False, status=status, reason=reason, seconds_since_progress=since,
                             num_unfinished=unfinished, replicas_down=down)
 
-    def fleet_status(self) -> dict[str, Any]:
+    def fleet_status(self) -> dict[str, object]:  # JSON for GET /fleet
         """Per replica: live, address, epoch, load, routed count, last error;
         the router's decision time (the whole ``choose``, lazy hashing
         included), the hashing that finishes a chain after its decision,
@@ -443,7 +446,8 @@ class FleetClient:
         await replica.close()
         log.info("fleet_replica_removed", replica=name, address=replica.address)
 
-    def follow(self, directory: Any, make_replica: Any, *, interval_s: float | None = None) -> None:
+    def follow(self, directory: EngineDirectory, make_replica: Callable[[EngineRecord], Replica], *,
+               interval_s: float | None = None) -> None:
         """Follow a registry (``fleet.registry.EngineDirectory``): engines that
         register join, ones whose key expires or is deleted leave, one that
         re-registers at another address is replaced. Changes arrive as the

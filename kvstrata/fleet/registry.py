@@ -182,8 +182,9 @@ class RegistryConfig(msgspec.Struct, kw_only=True, frozen=True):
         Short timeouts and no hidden retries: a beat that fails is retried
         at the next beat, not inside this one."""
         timeout = min(1.0, self.heartbeat_s)
-        common: dict[str, Any] = dict(password=self.password, socket_timeout=timeout,
-                                      socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+        common: dict[str, Any] = dict(  # Any: redis-py's connection keywords
+            password=self.password, socket_timeout=timeout, socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0))
         if self.scheme in _CLUSTER_SCHEMES:
             if self.scheme == "rediss-cluster":
                 common.update(ssl=True, ssl_cert_reqs="required", **self.cluster_tls())
@@ -229,7 +230,7 @@ def _reraise_if_cancelled(error: BaseException | None = None) -> None:
         raise asyncio.CancelledError() from error
 
 
-async def _close_quietly(pubsub: Any) -> None:
+async def _close_quietly(pubsub: Any) -> None:  # Any: redis-py's PubSub or ClusterPubSub
     """Close a subscription whose connection may be broken already."""
     try:
         await pubsub.aclose()
@@ -461,7 +462,7 @@ class EngineDirectory:
         keep the last membership, retry every ``interval_s`` at most."""
         interval = self.config.scan_interval_s if interval_s is None else interval_s
         known: dict[str, EngineRecord] | None = None
-        pubsub: Any = None
+        pubsub: Any = None  # Any: redis-py's PubSub or ClusterPubSub
         down = False
         next_scan = 0.0
         try:

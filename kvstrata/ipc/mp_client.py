@@ -34,14 +34,14 @@ import asyncio
 import subprocess
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar, Unpack
 
 import msgspec
 import structlog
 import zmq
 
 from kvstrata.config import EngineConfig
-from kvstrata.enginecore.client import generate_chat, served_model_name
+from kvstrata.enginecore.client import GenerateOptions, generate_chat, served_model_name
 from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.errors import EngineDeadError, EngineOverloadedError, RequestError
@@ -210,9 +210,8 @@ class MPEngineClient:
     def max_model_len(self) -> int:
         return self.facts.max_model_len
 
-    # Any: EngineClient.chat's signature (chat messages are free-form JSON; kwargs go to generate)
-    def chat(self, messages: Sequence[Any], params: SamplingParams | None = None,
-             **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+    def chat(self, messages: Sequence[object], params: SamplingParams | None = None,
+             **kwargs: Unpack[GenerateOptions]) -> AsyncGenerator[RequestOutput, None]:
         return generate_chat(self, messages, params, **kwargs)
 
     @property
