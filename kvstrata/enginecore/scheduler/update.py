@@ -42,7 +42,22 @@ def apply_sampled(requests: dict[str, Request], so: SchedulerOutput, out: ModelR
         if req is None or req.status is not _RUNNING:
             continue  # aborted (or replaced) while the step ran
         if len(new_ids) == 1:
-            status = _append_one(req, new_ids[0], max_model_len)  # the hot path
+            # append_and_check inlined for the one-token case (the hot path:
+            # a call per request per step measured +5% on the scheduler step)
+            tok = new_ids[0]
+            ids = req.all_token_ids
+            ids.append(tok)
+            num_tokens = len(ids)
+            if num_tokens >= req.hash_boundary:
+                req.grow_block_hashes()
+            num_out = num_tokens - req.num_prompt_tokens
+            if num_out >= req.max_tokens or num_tokens >= max_model_len:
+                status = _LENGTH
+            elif tok in req.stop_ids and num_out >= req.min_tokens:
+                status = _STOPPED
+                req.stop_reason = None if tok in req.eos_token_ids else tok
+            else:
+                status = None
         else:
             new_ids, status = append_and_check(req, new_ids, max_model_len)
         num_generated += len(new_ids)
@@ -58,22 +73,6 @@ def apply_sampled(requests: dict[str, Request], so: SchedulerOutput, out: ModelR
             num_cached_tokens=req.num_cached_tokens,
         ))
     return outputs, stopped, num_generated
-
-
-def _append_one(req: Request, tok: int, max_model_len: int) -> RequestStatus | None:
-    """``append_and_check`` inlined for the one-token case."""
-    ids = req.all_token_ids
-    ids.append(tok)
-    num_tokens = len(ids)
-    if num_tokens >= req.hash_boundary:
-        req.grow_block_hashes()
-    num_out = num_tokens - req.num_prompt_tokens
-    if num_out >= req.max_tokens or num_tokens >= max_model_len:
-        return _LENGTH
-    if tok in req.stop_ids and num_out >= req.min_tokens:
-        req.stop_reason = None if tok in req.eos_token_ids else tok
-        return _STOPPED
-    return None
 
 
 def settle_drafts(req: Request | None, num_drafts: int, num_sampled: int, counters: SpecDecodeCounters) -> None:
