@@ -291,7 +291,8 @@ class InputBatch:
             state = requests[req_id]
             start = state.num_computed_tokens
             end = start + n
-            known = state.num_known
+            host = len(state.token_ids)
+            known = host + (state.flight is not None)  # num_known, inlined (per request per step)
             rows[b], starts[b], counts[b] = state.row, start, n
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts:
@@ -301,7 +302,7 @@ class InputBatch:
                 tokens.extend(drafts)
             else:
                 assert end <= known, f"{req_id}: scheduled past its known tokens ({end} > {known})"
-                if start == len(state.token_ids):  # its input token is still on the device
+                if start == host:  # its input token is still on the device
                     assert n == 1, f"{req_id}: only a decode step reads a token in flight"
                     fed.append((len(tokens), state))
                     tokens.append(0)
