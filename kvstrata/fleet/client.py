@@ -29,9 +29,10 @@ liveness, in-flight requests); the fleet calls its methods and pushes what
 they report changed to the router, whose live set is only a copy.
 
 Failures: a replica whose engine dies (process exit, disconnect, EngineDead)
-is marked down at once when a request sees it, and otherwise by the
-supervisor within ``check_interval_s`` (0.25 s): no request is routed to
-it after that, and bringing it back starts at once. A request that had not
+is marked down at once when a request or its client sees it
+(``MPEngineClient.on_dead``; the supervisor's look every
+``check_interval_s`` is a safety net): no request is routed to it after
+that, and bringing it back starts at once. A request that had not
 streamed anything when its replica died is sent again to another replica
 (at most ``max_attempts`` replicas); one that had streamed tokens ends with
 ``EngineDeadError`` naming the replica (its tokens cannot be taken back).
