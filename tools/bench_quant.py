@@ -241,6 +241,9 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="also the SmolLM2 GGUF end to end (CPU)")
     parser.add_argument("--engine-only", action="store_true", help="only the end-to-end engine runs")
     args = parser.parse_args()
+    from kvstrata.logs import configure_logging
+
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     if args.threads or args.quick:
         torch.set_num_threads(args.threads or 1)
     args.reps = args.reps or (2 if args.quick else 5)
