@@ -64,14 +64,19 @@ def _one_at_a_time(path: str) -> dict[str, list[int]]:
     return got
 
 
-def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_managers):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_managers, graphs):
     """launch N, launch N+1, collect N, update N, launch N+2, collect N+1 ...
-    (the order the engine's step thread runs them in)."""
+    (the order the engine's step thread runs them in); with decode graphs
+    (emulated on a CPU: the padded graph layout, replayed eagerly) the fed
+    tokens land in the graph's persistent input rows."""
     expected = _one_at_a_time(tiny)
     cfg = config(tiny, pipelined=True, async_scheduling=True)
     core = build_engine_core(cfg, build_runner(cfg))
     kv_managers.append(core.kv)
     assert core.can_pipeline
+    if graphs:
+        core.runner.capture_decode_graphs([1, 2, 4, 8], emulate=True)
     for r in _requests("r"):
         core.add_request(r)
     got: dict[str, list[int]] = {}
@@ -88,6 +93,8 @@ def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_
     assert got == expected
     assert core.runner.batch.num_fed_tokens > 0  # decode inputs came from tokens not yet read back
     assert not core.runner._launched
+    if graphs:
+        assert core.runner.graphs.num_replays > 0
 
 
 async def _engine_tokens(path: str, **kw) -> tuple[dict[str, list[int]], AsyncEngine]:
