@@ -108,6 +108,8 @@ class EngineCore:
         scheduler and the runner hold, or None."""
         self.config = config
         self.runner = runner
+        # the runner as a PipelinedRunner, checked once (a runtime Protocol check costs microseconds)
+        self._pipelined = runner if isinstance(runner, PipelinedRunner) else None
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.identity = identity
@@ -207,17 +209,17 @@ class EngineCore:
 
     @property
     def can_pipeline(self) -> bool:
-        return isinstance(self.runner, PipelinedRunner)
+        return self._pipelined is not None
 
     def launch(self, scheduler_output: SchedulerOutput) -> None:
         """Launch a step (the step thread; a ``PipelinedRunner``); never raises."""
-        assert isinstance(self.runner, PipelinedRunner)
-        self.runner.launch(scheduler_output)
+        assert self._pipelined is not None
+        self._pipelined.launch(scheduler_output)
 
     def collect(self) -> ModelRunnerOutput:
         """The oldest launched step's output (the step thread)."""
-        assert isinstance(self.runner, PipelinedRunner)
-        return self.runner.collect()
+        assert self._pipelined is not None
+        return self._pipelined.collect()
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         self.consecutive_failed_steps = 0

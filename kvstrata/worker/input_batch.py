@@ -334,9 +334,9 @@ class InputBatch:
             into.append(at)
             rows.append(row)
         for source, into, rows in by_source.values():
-            into_t = to_device(into, torch.int64, self.device)
-            rows_t = to_device(rows, torch.int64, self.device)
-            input_ids.index_copy_(0, into_t, source.index_select(0, rows_t).to(input_ids.dtype))
+            idx = to_device(into + rows, torch.int64, self.device)  # one copy: [positions | rows]
+            n = len(into)
+            input_ids.index_copy_(0, idx[:n], source.index_select(0, idx[n:]).to(input_ids.dtype))
 
     def graph_size_for(self, num_tokens: int, num_seqs: int) -> int | None:
         """The captured batch size a step of ``num_tokens`` tokens over

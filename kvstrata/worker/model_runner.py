@@ -259,11 +259,8 @@ class ModelRunner:
             self._settle()
             return Ready(self._execute(so))
         step = self.batch.prepare(so.num_scheduled_tokens)
-        graphs = self.graphs
-        hidden = graphs.run(step) if graphs is not None and graphs.can_run(step) else self._run_forward(step)
-        requests = self.batch.requests
-        for req_id, n in so.num_scheduled_tokens.items():
-            requests[req_id].num_computed_tokens += n
+        hidden = self._forward(step)
+        self._advance(so.num_scheduled_tokens)
         if not step.sample_states:
             return Ready(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids]))
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
@@ -294,12 +291,21 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.empty()
         step = self.batch.prepare(scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens)
+        return self._sample(scheduler_output, step, self._forward(step), ())
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """Hidden states of ``step``'s real rows: its captured graph replayed
+        when there is one for it, else the eager forward."""
         graphs = self.graphs
         if graphs is not None and graphs.can_run(step):
-            hidden = graphs.run(step)
-        else:
-            hidden = self._run_forward(step)[: step.num_tokens]
-        return self._sample(scheduler_output, step, hidden, ())
+            return graphs.run(step)
+        return self._run_forward(step)[: step.num_tokens]
+
+    def _advance(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """Count a step's scheduled tokens as computed in the runner's copy."""
+        requests = self.batch.requests
+        for req_id, n in num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += n
 
     def _run_forward(self, step: StepInputs) -> torch.Tensor:
         """The model's forward over ``step`` (every row, padding included)."""
@@ -371,9 +377,7 @@ class ModelRunner:
                 logprobs_out = [None] * len(step.req_ids)
                 for b, lp in zip(sample_idx, logprobs, strict=True):
                     logprobs_out[b] = lp
-        requests = self.batch.requests
-        for req_id, n in so.num_scheduled_tokens.items():
-            requests[req_id].num_computed_tokens += n
+        self._advance(so.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs_out)
 
     def _sample_with_drafts(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor,
