@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -57,12 +56,12 @@ from kvstrata.enginecore.client import GenerateOptions, generate_chat, served_mo
 from kvstrata.enginecore.engine_core import EngineCore, ModelRunnerLike
 from kvstrata.enginecore.processing import InputProcessor, ModelFacts, OutputProcessor
 from kvstrata.enginecore.request import EngineRequest
+from kvstrata.enginecore.stepping import OverlappedSteps, PipelinedSteps, SerialSteps, Step
 from kvstrata.errors import EngineDeadError
 from kvstrata.kv.events import KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.text.tokenizer import Tokenizer
-from kvstrata.types import (EngineHealth, EngineLoad, EngineStats, ModelRunnerOutput, RequestOutput, SamplingParams,
-                            SchedulerOutput)
+from kvstrata.types import EngineHealth, EngineLoad, EngineStats, RequestOutput, SamplingParams, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -106,7 +105,7 @@ class AsyncEngine:
         # When the loop last made progress (computed a token, or had no work).
         self._progress_at = time.monotonic()
         self._stall_timeout_s = core.config.scheduler.stall_timeout_s
-        # Overlap scheduling with the model step (_OverlappedSteps).
+        # Overlap scheduling with the model step (OverlappedSteps).
         # Speculative decoding proposes drafts from committed tokens only: it
         # keeps steps serial.
         wanted = core.config.scheduler.async_scheduling
@@ -118,7 +117,7 @@ class AsyncEngine:
             log.info("async_scheduling_off", reason="speculative decoding")
         self.pipelined = (self.async_scheduling and bool(core.config.scheduler.pipelined_steps)
                           and core.can_pipeline)
-        strategy = _PipelinedSteps if self.pipelined else _OverlappedSteps if self.async_scheduling else _SerialSteps
+        strategy = PipelinedSteps if self.pipelined else OverlappedSteps if self.async_scheduling else SerialSteps
         self._steps = strategy(core, executor)
         self._connector: KVConnector | None = None  # a KV connector this engine opened (and closes)
         self._publisher: KVEventSink | None = None  # KV events, when cache.kv_events_endpoint is set
@@ -401,7 +400,7 @@ class AsyncEngine:
     async def _run(self) -> None:
         """The engine loop: take the next step (queued behind the last one, or
         scheduled now, or sleep until woken), let the stepping strategy queue
-        the one after it (``_OverlappedSteps``), apply its output; a step that
+        the one after it (``OverlappedSteps``), apply its output; a step that
         raises goes to ``_recover``."""
         steps = self._steps
         polled = False  # the last step computed no token: a bare poll now waits for a wake-up
@@ -439,7 +438,7 @@ class AsyncEngine:
         finally:
             self._looked_again()
 
-    async def _next_step(self, polled: bool) -> _Step | None:
+    async def _next_step(self, polled: bool) -> Step | None:
         """Schedule a step and hand it to the step thread; None after sleeping
         until woken (no work, or only a bare poll that nothing asked for)."""
         core, wake = self._core, self._wakeup
@@ -458,7 +457,7 @@ class AsyncEngine:
             return None
         return so, self._steps.submit(so)
 
-    async def _recover(self, so: SchedulerOutput, exc: Exception, queued: _Step | None) -> None:
+    async def _recover(self, so: SchedulerOutput, exc: Exception, queued: Step | None) -> None:
         """Step ``so`` raised: fail its requests. A step queued behind it may
         have read its KV: its requests that ``so`` also ran are failed already
         (their output is dropped), ones it admitted with prefix hits are failed
@@ -509,93 +508,6 @@ class AsyncEngine:
         self._looked_again()
         self._executor.shutdown(wait=False)
         log.info("engine_closed")
-
-
-_Step = tuple[SchedulerOutput, "asyncio.Future[ModelRunnerOutput]"]  # a step handed to the step thread
-
-
-class _SerialSteps:
-    """Steps one at a time: schedule, execute, update, then the next.
-
-    Owns: the step queued behind the running one (``queued``; never here)
-    and the count of steps scheduled while the one before them ran."""
-
-    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor) -> None:
-        self._core = core
-        self._executor = executor
-        self.queued: _Step | None = None  # never: nothing is queued behind a step
-        self.num_overlapped = 0
-
-    def submit(self, so: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
-        """Hand ``so`` to the step thread (steps run there one at a time, in order)."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._core.execute, so)
-
-    def after(self, so: SchedulerOutput, *, more: bool) -> None:
-        """``so`` was handed to the step thread: nothing more to do now
-        (``more``: whether a step may be queued behind it)."""
-
-    def take_queued(self) -> _Step | None:
-        queued, self.queued = self.queued, None
-        return queued
-
-
-class _OverlappedSteps(_SerialSteps):
-    """Async scheduling: while step N runs, step N+1 is scheduled and queued
-    behind it. The scheduler counts a placeholder for each token N samples;
-    the runner finds that token in its own copy of the request when N+1
-    starts (one step thread: N+1 starts after N ends); N's output is applied
-    while N+1 runs, and a request that stopped at N gets nothing from N+1."""
-
-    def after(self, so: SchedulerOutput, *, more: bool) -> None:
-        """Queue the step after ``so`` (which computes tokens) while it runs."""
-        if not more or not so.total_num_scheduled_tokens:
-            return  # closing, or a bare poll: what follows waits for its answer
-        nxt = self._core.schedule()
-        if self._core.should_execute(nxt):
-            self.queued = (nxt, self.submit(nxt))
-            self.num_overlapped += 1
-
-
-class _PipelinedSteps(_OverlappedSteps):
-    """Async scheduling with pipelined steps (``scheduler.pipelined_steps``):
-    the step thread launches step N+1 before it reads N's sampled tokens
-    back (N+1's decode inputs come from N's tokens on the device), so the
-    host's work on a step hides behind the device's work on the one before.
-    The step thread's jobs, in order: launch N, launch N+1, collect N,
-    launch N+2, collect N+1, ... (``ModelRunner.launch``/``collect``).
-
-    Owns also: the output futures of launched steps not yet being collected,
-    oldest first (each launch gets exactly one collect, in order)."""
-
-    def __init__(self, core: EngineCore, executor: ThreadPoolExecutor) -> None:
-        super().__init__(core, executor)
-        self._uncollected: deque[asyncio.Future[ModelRunnerOutput]] = deque()
-
-    def submit(self, so: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
-        loop = asyncio.get_running_loop()
-        loop.run_in_executor(self._executor, self._core.launch, so)  # never raises: collect does
-        out: asyncio.Future[ModelRunnerOutput] = loop.create_future()
-        self._uncollected.append(out)
-        return out
-
-    def after(self, so: SchedulerOutput, *, more: bool) -> None:
-        """Launch the step after ``so`` (when there is one), then collect the
-        oldest launched step: ``so``'s output is read after the next launch."""
-        super().after(so, more=more)
-        out = self._uncollected.popleft()
-        collected = asyncio.get_running_loop().run_in_executor(self._executor, self._core.collect)
-        collected.add_done_callback(partial(_settle_future, out))
-
-
-def _settle_future(out: asyncio.Future[ModelRunnerOutput], done: asyncio.Future[ModelRunnerOutput]) -> None:
-    if out.done():
-        return
-    if done.cancelled():
-        out.cancel()
-    elif (exc := done.exception()) is not None:
-        out.set_exception(exc)
-    else:
-        out.set_result(done.result())
 
 
 def _bare_poll(so: SchedulerOutput) -> bool:
