@@ -47,7 +47,6 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import time
 
 import numpy as np
@@ -57,6 +56,8 @@ import torch.nn.functional as F
 from kvstrata.kernels import PackedWeight, choose_cpu_path, dequantize, pack_weight, quant_matmul, with_cpu_path
 from kvstrata.kernels.quant import QUANT_TYPES
 from kvstrata.kernels.quant_cpu import Int4Path
+
+from bench_timing import cuda_eager_time  # tools/
 
 SETS = {
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
@@ -107,18 +108,7 @@ def bench_cpu(layers: dict[str, PackedWeight], reps: int) -> dict:
 
 
 def cuda_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_eager_time(fn, reps) * 1e3
 
 
 def bench_gpu(layers: dict[str, PackedWeight], reps: int) -> dict:

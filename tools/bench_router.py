@@ -98,13 +98,19 @@ class NaiveIndex:
         return best, best_cost  # type: ignore[return-value]
 
 
-def build(args: argparse.Namespace, rng: random.Random):
+def fresh_router(args: argparse.Namespace) -> tuple[Router, list[str]]:
+    """A router over ``args.replicas`` empty replicas (epoch 1), and their names."""
     identity = CacheIdentity(model_fingerprint="bench-model", kv_dtype="bfloat16", kv_layout="per_layer",
                              block_size=args.block_size, hash_algo=args.hash_algo)
     router = Router(identity, RouterConfig(max_replicas=args.max_replicas))
     replicas = [f"engine-{i}" for i in range(args.replicas)]
     for r in replicas:
         router.reset_replica(r, epoch=1)
+    return router, replicas
+
+
+def build(args: argparse.Namespace, rng: random.Random):
+    router, replicas = fresh_router(args)
     naive = NaiveIndex(replicas)
     families = [[rng.randrange(32_000) for _ in range(args.prompt_tokens // 4)] for _ in range(args.families)]
     prompts, plans = [], []
@@ -243,12 +249,7 @@ def hashing_traffic(args: argparse.Namespace, kind: str, stats) -> dict:
     """Per request: the decision with lazy hashing, the finish after it, and
     the hashing before the decision (see the module's docstring)."""
     rng = random.Random(args.seed + (1 if kind == "cold" else 2))
-    identity = CacheIdentity(model_fingerprint="bench-model", kv_dtype="bfloat16", kv_layout="per_layer",
-                             block_size=args.block_size, hash_algo=args.hash_algo)
-    router = Router(identity, RouterConfig(max_replicas=args.max_replicas))
-    replicas = [f"engine-{i}" for i in range(args.replicas)]
-    for r in replicas:
-        router.reset_replica(r, epoch=1)
+    router, replicas = fresh_router(args)
     seq = dict.fromkeys(replicas, 0)
     n, turn = args.prompt_tokens, args.turn_tokens
     turns = max(n // (4 * turn), 1)  # each conversation: its last `turns` turns, up to n tokens
