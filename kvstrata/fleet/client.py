@@ -277,7 +277,7 @@ class FleetClient:
             replica = self.replicas[decision.replica]
             assert replica.live, decision  # the router's live set is the replicas', pushed
             lost = replica.connection_lost()
-            if lost is not None:  # died since the supervisor's last look: not a try
+            if lost is not None:  # seen dead, its push (on_dead) not run yet: not a try
                 self._lost(replica, lost)
                 continue
             if sent is None:

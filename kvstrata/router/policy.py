@@ -20,8 +20,9 @@ better a :class:`PromptChain` (``Router.chain``): then the kv policy hashes
 a block only while some live replica still holds the prefix before it, and
 the other policies hash nothing; ``chain.finish()`` completes the chain
 after the decision (for ``note_dispatched`` and the engine). Each call's
-duration, lazy hashing included, is kept in ``Router.decision_ns``. The caller applies it (``note_dispatched`` adds the request's load
-and moves the round-robin cursor) and keeps loads current (``set_load``),
+duration, lazy hashing included, is kept in ``Router.decision_ns``. The
+caller applies it (``note_dispatched`` adds the request's load and moves
+the round-robin cursor) and keeps loads current (``set_load``),
 liveness (``mark_dead`` / ``mark_alive``) and the index (``ingest``,
 ``reset_replica``) fed from the engines.
 """
