@@ -207,7 +207,7 @@ class DiskTier:
             free = await run_in_thread(self._pool, self.files.free_bytes)
         except OSError:
             return  # the next write says more
-        fits = min(self._opts.capacity_bytes, self._used + sum(n for n, _ in self._deleting.values()) + free)
+        fits = min(self._opts.capacity_bytes, self._on_medium() - self._reserved + free)
         if fits > self.capacity:
             log.info("disk_tier_room_back", tier=self.name, capacity_bytes=self.capacity, new_capacity_bytes=fits)
             self.capacity = fits
