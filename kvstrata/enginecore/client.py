@@ -15,6 +15,7 @@ the engine core sees ids only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol, Self, TypedDict, Unpack
@@ -150,9 +151,6 @@ async def generate_chat(client: EngineClient, messages: Sequence[object], params
                         **kwargs: Unpack[GenerateOptions]) -> AsyncGenerator[RequestOutput, None]:
     """What every ``EngineClient.chat`` does: ``generate`` on a ``ChatPrompt``
     (rendered and tokenized by the client's one text path)."""
-    agen = client.generate(ChatPrompt(messages=list(messages)), params, **kwargs)
-    try:
+    async with contextlib.aclosing(client.generate(ChatPrompt(messages=list(messages)), params, **kwargs)) as agen:
         async for out in agen:
             yield out
-    finally:
-        await agen.aclose()

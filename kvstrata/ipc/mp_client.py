@@ -31,6 +31,7 @@ pending stream and utility call then fails with ``EngineDeadError``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -249,12 +250,9 @@ class MPEngineClient:
         assert self._inputs is not None
         req = await self._inputs.process(prompt, params, request_id=request_id, priority=priority,
                                          cache_salt=cache_salt, lora_name=lora_name)
-        agen = self.generate_request(req)
-        try:
+        async with contextlib.aclosing(self.generate_request(req)) as agen:
             async for out in agen:
                 yield out
-        finally:
-            await agen.aclose()
 
     async def generate_request(self, req: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request already made and checked by an ``InputProcessor``
