@@ -307,13 +307,11 @@ class PrefixIndex:
         """An event's hashes as index keys (int hashes: 8 bytes, big-endian)."""
         if not hashes:
             return hashes
-        if type(hashes[0]) is int:
-            if not self.low64:
-                self._to_low64()
-            return [(h & _MASK64).to_bytes(8, "big") if type(h) is int else h[-8:] for h in hashes]
-        if self.low64:
-            return [h.to_bytes(8, "big") if type(h) is int else h[-8:] for h in hashes]
-        return hashes
+        if type(hashes[0]) is int and not self.low64:
+            self._to_low64()
+        if not self.low64:
+            return hashes
+        return [(h & _MASK64).to_bytes(8, "big") if type(h) is int else h[-8:] for h in hashes]
 
     def _to_low64(self) -> None:
         """Switch to 8-byte keys: every key held is cut (keys that now
