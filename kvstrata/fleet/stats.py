@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from kvstrata.enginecore.spec_decode import SpecDecodeCounters
 from kvstrata.types import BlockResidencyStats, EngineStats, HistogramSnapshot
 
 # Extra keys that are not counters: flags (``store.cpu.available``), rates
@@ -84,11 +85,10 @@ def _kv_usage(stats: list[EngineStats]) -> float:
 
 def _recomputed_rates(extra: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
-    if "spec.num_draft_tokens" in extra:
-        drafts, tokens = extra.get("spec.num_drafts", 0.0), extra["spec.num_draft_tokens"]
-        accepted = extra.get("spec.num_accepted_tokens", 0.0)
-        out["spec.acceptance_rate"] = accepted / tokens if tokens else 0.0
-        out["spec.mean_accepted_length"] = accepted / drafts if drafts else 0.0
+    if "spec.num_draft_tokens" in extra:  # the engines' own formulas, over the summed counts
+        out.update(SpecDecodeCounters(num_drafts=int(extra.get("spec.num_drafts", 0.0)),
+                                      num_draft_tokens=int(extra["spec.num_draft_tokens"]),
+                                      num_accepted_tokens=int(extra.get("spec.num_accepted_tokens", 0.0))).as_extra())
     for key in extra:
         if key.endswith(".read_failures"):
             base = key[: -len(".read_failures")]
