@@ -60,16 +60,15 @@ class KVFeed:
             raise EngineDeadError(f"replica {replica.name} is not connected")
         if start_seq is None:
             start_seq = self._router.index.expected_seq(replica.name) or 0
-        if start_seq < (await client.kv_position())["oldest_seq"]:
+        if start_seq < (await client.kv_position()).oldest_seq:
             snap = await client.kv_snapshot()
-            if snap["epoch"] != replica.epoch:
+            if snap.epoch != replica.epoch:
                 raise EngineDeadError(f"replica {replica.name} restarted during the snapshot")
-            self._router.index.load_snapshot(replica.name, replica.epoch, snap["next_seq"],
-                                             self._decode_batch(snap["payload"]))
+            self._router.index.load_snapshot(replica.name, replica.epoch, snap.next_seq,
+                                             self._decode_batch(snap.payload))
             self.counters.kv_snapshots += 1
-            log.info("fleet_kv_snapshot_loaded", replica=replica.name, wanted_seq=start_seq,
-                     next_seq=snap["next_seq"])
-            start_seq = snap["next_seq"]
+            log.info("fleet_kv_snapshot_loaded", replica=replica.name, wanted_seq=start_seq, next_seq=snap.next_seq)
+            start_seq = snap.next_seq
         await client.subscribe_kv_events(partial(self._on_kv_events, replica.name, replica.epoch), start_seq,
                                          load_listener=partial(self._on_load, replica.name, replica.epoch))
 

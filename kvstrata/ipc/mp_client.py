@@ -324,29 +324,29 @@ class MPEngineClient:
         return await self._call(P.HealthCheck(), P.HealthInfo)
 
     async def subscribe_kv_events(self, listener: Callable[[P.KVEvents], None], start_seq: int = 0, *,
-                                  load_listener: Callable[[P.LoadReport], None] | None = None) -> dict:
+                                  load_listener: Callable[[P.LoadReport], None] | None = None) -> P.KVPosition:
         """Receive the engine's KV events: ``listener`` is called on this loop
         with each ``KVEvents`` (the buffered ones from ``start_seq`` first,
         then each step's), and ``load_listener`` with each ``LoadReport``
         (the engine's queued work, sent to subscribers when it changes).
-        Returns the engine's ``{"epoch", "next_seq", "oldest_seq"}`` at
-        subscription (a ``KVPosition`` as a dict); ``KVEventsOffError`` (a
+        Returns the engine's ``KVPosition`` (epoch, next_seq, oldest_seq) at
+        subscription; ``KVEventsOffError`` (a
         RuntimeError) when the engine runs without ``cache.enable_kv_events``.
         Calling it again re-subscribes (a replay from another ``start_seq``)."""
         self._kv_listener = listener
         self._load_listener = load_listener
-        return msgspec.structs.asdict(await self._call(P.KVSubscribe(start_seq), P.KVPosition))
+        return await self._call(P.KVSubscribe(start_seq), P.KVPosition)
 
-    async def kv_position(self) -> dict:
-        """The engine's KV event stream: ``{"epoch", "next_seq", "oldest_seq"}``
-        (the oldest batch its replay ring still holds; a ``KVPosition``)."""
-        return msgspec.structs.asdict(await self._call(P.GetKVPosition(), P.KVPosition))
+    async def kv_position(self) -> P.KVPosition:
+        """The engine's KV event stream: epoch, next_seq, and oldest_seq (the
+        oldest batch its replay ring still holds)."""
+        return await self._call(P.GetKVPosition(), P.KVPosition)
 
-    async def kv_snapshot(self) -> dict:
-        """Every cache of the engine now: ``{"epoch", "next_seq", "oldest_seq",
-        "payload"}`` (a ``KVSnapshot``; ``payload`` a msgpack KVEventBatch of
-        BlockStored events, consistent with the stream up to ``next_seq - 1``)."""
-        return msgspec.structs.asdict(await self._call(P.GetKVSnapshot(), P.KVSnapshot))
+    async def kv_snapshot(self) -> P.KVSnapshot:
+        """Every cache of the engine now (``payload``: a msgpack KVEventBatch
+        of BlockStored events, consistent with the stream up to
+        ``next_seq - 1``)."""
+        return await self._call(P.GetKVSnapshot(), P.KVSnapshot)
 
     async def shutdown_engine(self) -> None:
         """Ask the engine to stop (every client's requests end with EngineDeadError)."""
