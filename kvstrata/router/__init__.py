@@ -5,6 +5,7 @@ sockets, no processes, no I/O; the server wires it to the engines.
     index    PrefixIndex: hash -> replicas per medium, epochs, sequence gaps
     load     ReplicaLoad and the rule that skips hot replicas
     hashes   PromptHasher: a prompt's hash chain, as the engine computes it
+    shared   SharedPrefixes: prefixes many prompts continue, held everywhere for kv
     policy   Router, RouterConfig, Decision: kv / least-loaded / session / round-robin
 """
 

@@ -3,9 +3,11 @@
     kv           (default) the least work: prefill tokens not cached on the
                  replica (device hits count fully, CPU / disk / remote hits
                  by their weight, shared remote hits for everyone) plus its
-                 queued prefill and running decodes; replicas far above the
-                 mean load are skipped; ties go by a stable hash of the
-                 prompt's first block, so new prefixes spread deterministically
+                 queued prefill and running decodes; a prefix many prompts
+                 continue (a shared system prompt) counts as held by every
+                 replica; replicas far above the mean load are skipped; ties
+                 go by a stable hash of the prompt's first block, so new
+                 prefixes spread deterministically
     least-loaded kv with no hit credit: the least queued prefill and running
                  decodes (the same load kv scores), ties to the first
                  live replica after the last one dispatched to; hashes
@@ -42,6 +44,7 @@ from kvstrata.kv.types import BlockHash
 from kvstrata.router.hashes import PromptChain, PromptHasher
 from kvstrata.router.index import MEDIA, IngestResult, PrefixIndex
 from kvstrata.router.load import ReplicaLoad, overloaded
+from kvstrata.router.shared import SharedPrefixes
 
 POLICIES = ("kv", "least-loaded", "session", "round-robin")
 
@@ -66,7 +69,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache's rate in ``tools/bench_trace_router.py`` where 1 hit 0.89-0.94,
     with the same load balance and TTFT). ``chain_cache_prompts``: the
     prompts whose chains the hasher remembers (keys: sessions and first
-    blocks; 0: none), so a follow-up turn hashes only its new tail."""
+    blocks; 0: none), so a follow-up turn hashes only its new tail.
+    ``shared_prefix_fanout``: after this many different continuations of a
+    cached prefix were dispatched, kv counts that prefix as held by every
+    replica (``kvstrata.router.shared``: a shared system prompt no longer
+    ties every new conversation to the replica that cached it first); 0:
+    never."""
 
     policy: str = "kv"
     medium_weights: dict[str, float] = msgspec.field(
@@ -79,6 +87,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay_window: int = 10_000
     affinity: float = 2.0
     chain_cache_prompts: int = 512
+    shared_prefix_fanout: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -97,13 +106,18 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("decode_weight and load_skip_min_tokens must be >= 0")
         if self.chain_cache_prompts < 0:
             raise ValueError(f"chain_cache_prompts must be >= 0, got {self.chain_cache_prompts!r}")
+        if self.shared_prefix_fanout < 0:
+            raise ValueError(f"shared_prefix_fanout must be >= 0, got {self.shared_prefix_fanout!r}")
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """Where a request goes and why. ``hit_tokens``: the winner's cached
     prefix (any medium, shared included), ``device_hit_tokens`` the part on
     its device; ``cost``: the work scored (kv policy; 0 for the others);
-    ``skipped``: live replicas passed over for load."""
+    ``skipped``: live replicas passed over for load; ``cached_blocks``: the
+    longest prefix of the prompt any live replica holds (kv), and
+    ``shared_blocks`` the leading blocks counted as held everywhere (kv:
+    ``kvstrata.router.shared``)."""
 
     replica: str
     policy: str
@@ -112,6 +126,8 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     device_hit_tokens: int = 0
     cost: float = 0.0
     skipped: tuple[str, ...] = ()
+    cached_blocks: int = 0
+    shared_blocks: int = 0
 
 
 def _rendezvous(key: bytes, replicas: Sequence[str]) -> list[str]:
@@ -125,7 +141,8 @@ def _seed(replica: str) -> int:
 
 class Router:
     """Owns: the prefix index, each replica's load and liveness, the
-    round-robin cursor, the hasher's LRU of recent chains, the recent
+    round-robin cursor, the hasher's LRU of recent chains, the shared
+    prefixes (``shared``, None when off), the recent
     decision times, the recent dispatches (``dispatch_log``: request key and
     replica, for benchmarks' per-replica figures). Single-threaded (the
     server's event loop)."""
@@ -138,6 +155,7 @@ class Router:
         self.block_size = identity.block_size
         self.index = PrefixIndex(max_replicas=config.max_replicas, shared_remote=config.shared_remote,
                                  replay_window=config.replay_window)
+        self.shared = SharedPrefixes(config.shared_prefix_fanout) if config.shared_prefix_fanout else None
         w = config.medium_weights
         self._weights = tuple(w[m] for m in MEDIA)
         self._loads: dict[str, ReplicaLoad] = {}
@@ -236,11 +254,15 @@ class Router:
         queued prefill, one more request runs there, round-robin moves on;
         with ``hashes`` (the prompt's; a PromptChain is finished here) and ``key`` (the request's id), the
         replica is credited with them ahead of its events until
-        :meth:`note_settled` (``PrefixIndex.predict``)."""
+        :meth:`note_settled` (``PrefixIndex.predict``), and a prompt that
+        goes on past its cached prefix counts as one more continuation of
+        it (``SharedPrefixes.note_branch``)."""
         if isinstance(hashes, PromptChain):
             hashes = hashes.finish()
         if key is not None:
             self.dispatch_log.append((key, decision.replica))
+        if hashes and self.shared is not None:
+            self.shared.note_branch(hashes, decision.cached_blocks)
         if hashes:
             if key is None:
                 raise ValueError("note_dispatched(hashes=...) needs key=: the request's id, "
@@ -297,6 +319,7 @@ class Router:
             hashes = hashes.known  # block 0 at least, when the prompt has a full block
         else:
             hits = index.prefix_blocks(hashes, self._live_mask)
+        s = self.shared.depth(hashes) if self.shared is not None else 0  # held everywhere, for the cost
         w0, w1, w2, w3 = self._weights
         bs, decode_weight, affinity = self.block_size, self.config.decode_weight, self.config.affinity
         live, all_loads = self._live, self._loads
@@ -304,15 +327,21 @@ class Router:
         skip = overloaded(loads, self.config.load_skip_factor, self.config.load_skip_min_tokens)
         best_cost, best = None, []
         skipped = []
+        cached = 0
         for (name, slot), load, skipped_it in zip(live, loads, skip):
+            a = hits.get(3 * w + slot, 0)
+            if a > cached:
+                cached = a
             if skipped_it:
                 skipped.append(name)
                 continue
             g = hits.get(slot, 0)
             c = hits.get(w + slot, 0)
             d = hits.get(2 * w + slot, 0)
-            a = hits.get(3 * w + slot, 0)
-            saved = bs * (g * w0 + (c - g) * w1 + (d - c) * w2 + (a - d) * w3)
+            if s > g:  # a shared prefix this replica lacks (or holds in a tier): counted as on its device
+                saved = bs * (s * w0 + max(c - s, 0) * w1 + max(d - max(c, s), 0) * w2 + max(a - max(d, s), 0) * w3)
+            else:
+                saved = bs * (g * w0 + (c - g) * w1 + (d - c) * w2 + (a - d) * w3)
             cost = max(num_tokens - saved, 0.0) + load - affinity * saved
             if best_cost is None or cost < best_cost:
                 best_cost, best = cost, [(name, a, g)]
@@ -327,4 +356,4 @@ class Router:
             (name, a, g) = next(b for b in best if b[0] == pick)
             reason = f"least cost, tied by {len(best)}: prefix hash"
         return Decision(replica=name, policy="kv", reason=reason, hit_tokens=a * bs, device_hit_tokens=g * bs,
-                        cost=best_cost, skipped=tuple(skipped))
+                        cost=best_cost, skipped=tuple(skipped), cached_blocks=cached, shared_blocks=s)
