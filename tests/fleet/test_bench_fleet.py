@@ -23,7 +23,7 @@ def test_tiny_run():
     out = json.loads(proc.stdout)  # stdout is the JSON alone: logs go to stderr
     assert out["timing"].startswith("real:")
     assert out["command"] == "python tools/bench_fleet.py " + " ".join(ARGS)
-    assert out["configuration"]["name"].startswith("custom: fleet-goals-1 but ")
+    assert out["configuration"]["name"].startswith("custom: fleet-goals-2 but ")
     cal = out["calibration"]["closed_loop_round_robin"]
     assert cal["num_errors"] == 0 and cal["requests_per_replica"] == {"r0": 3, "r1": 3}
     # Every prompt of every run measured alone; at most one per request of the 8 runs (4 policies, 1 load).
