@@ -23,7 +23,8 @@ Per set and type:
                    ms per set, CUDA events, median of --reps after warm-up
 
   engine           (--engine) the real SmolLM2 GGUF end to end on the CPU, one
-                   engine per setting, in this process, one after another:
+                   engine per run, in this process, the settings in turn
+                   (--engine-repeats rounds; each figure the median of its runs):
                    dequantize/float32 (the baseline: every tensor dequantized at
                    load), packed/float32, packed/auto (the dtype measured at
                    load); per setting the resident weight bytes (as loaded, and
@@ -32,7 +33,7 @@ Per set and type:
                    request's first, over the time from the first first-token to
                    the last token), and the speedups over the baseline
 
-Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N] [--engine [--engine-only]]
+Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N] [--engine [--engine-only] [--engine-repeats N]]
 --quick runs one CPU thread unless --threads says otherwise: on a shared
 machine a two-thread parallel region waits whenever the other thread is
 descheduled, which swamps small matmuls (seen: 0.05 ms -> 10+ ms).
@@ -203,18 +204,30 @@ def bench_engine(args) -> dict:
     path = str(locate_smollm2(download=True))
     file_bytes = sum(src.nbytes for _, src in GGUFCheckpoint(path).tensor_sources())
     tokens = (24, 16) if args.quick else (64, 32)
+    repeats = args.engine_repeats if args.engine_repeats is not None else (1 if args.quick else 3)
     res: dict = {"model": path, "file_tensor_bytes": file_bytes, "tokens_single": tokens[0],
-                 "tokens_per_request_batch16": tokens[1], "settings": {}}
+                 "tokens_per_request_batch16": tokens[1], "repeats": repeats,
+                 "how": "each setting's decode runs alternate with the others' (settings in turn, "
+                        "repeats times); tok/s = the median of its runs", "settings": {}}
     for mode, dtype in ENGINE_SETTINGS:
         start = time.perf_counter()
         ckpt = load_checkpoint(path, dtype, "cpu", mode)
         load_s = time.perf_counter() - start
-        entry = {"dtype": ckpt.dtype, "weight_bytes": ckpt.weight_bytes,
-                 "weight_over_file": round(ckpt.weight_bytes / file_bytes, 3), "load_s": round(load_s, 2)}
+        res["settings"][f"{mode}/{dtype}"] = {
+            "dtype": ckpt.dtype, "weight_bytes": ckpt.weight_bytes,
+            "weight_over_file": round(ckpt.weight_bytes / file_bytes, 3), "load_s": round(load_s, 2),
+            "single_runs": [], "batch16_runs": []}
         del ckpt
-        entry["single_tok_s"] = round(asyncio.run(engine_decode(path, mode, dtype, args.threads, 1, tokens[0])), 2)
-        entry["batch16_tok_s"] = round(asyncio.run(engine_decode(path, mode, dtype, args.threads, 16, tokens[1])), 2)
-        res["settings"][f"{mode}/{dtype}"] = entry
+    for _ in range(repeats):  # in turn, so a burst of other load lands on every setting alike
+        for mode, dtype in ENGINE_SETTINGS:
+            entry = res["settings"][f"{mode}/{dtype}"]
+            entry["single_runs"].append(round(asyncio.run(
+                engine_decode(path, mode, dtype, args.threads, 1, tokens[0])), 2))
+            entry["batch16_runs"].append(round(asyncio.run(
+                engine_decode(path, mode, dtype, args.threads, 16, tokens[1])), 2))
+    for entry in res["settings"].values():
+        entry["single_tok_s"] = float(np.median(entry["single_runs"]))
+        entry["batch16_tok_s"] = float(np.median(entry["batch16_runs"]))
     base = res["settings"]["dequantize/float32"]
     for entry in res["settings"].values():
         entry["speedup_single"] = round(entry["single_tok_s"] / base["single_tok_s"], 2)
@@ -230,6 +243,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="runs per measurement (default 2 quick, 5)")
     parser.add_argument("--engine", action="store_true", help="also the SmolLM2 GGUF end to end (CPU)")
     parser.add_argument("--engine-only", action="store_true", help="only the end-to-end engine runs")
+    parser.add_argument("--engine-repeats", type=int, default=None,
+                        help="end-to-end runs per setting, taken in turn (default 3; 1 with --quick)")
     args = parser.parse_args()
     from kvstrata.logs import configure_logging
 

@@ -52,8 +52,16 @@ def paged_attention(
     *,
     impl: str = "auto",
     split_decode: bool = False,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens over their sequences' paged KV. Returns ``out`` ([T, Hq, D]).
+
+    ``plans``: a dict that lives as long as the step's ``block_tables``,
+    ``query_start_loc`` and ``seq_lens`` hold (one step's attention
+    metadata): the torch reference keeps there what it derives from them
+    (the host copies of the lengths, the decode chunks and their gather
+    indices and masks), so the model's other layers reuse it instead of
+    rebuilding it. Never pass one dict for two different steps.
 
     ``split_decode``: decode steps (one new token per sequence) on the Triton
     path split each sequence's KV range over several programs and combine
@@ -74,7 +82,8 @@ def paged_attention(
         )
     else:
         paged_attention_ref(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), sliding_window, out
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), sliding_window, out,
+            plans=plans,
         )
     return out
 
@@ -89,19 +98,26 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    *,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (no argument checks).
 
     Sequences with one new token (decode) run in length-sorted chunks (one
-    padded SDPA call per chunk, see ``_decode_batch``); longer ones
+    padded SDPA call per chunk, see ``_decode_plan``); longer ones
     (prefill/extend) run one SDPA call each over the blocks they can see.
-    No Python work per token.
+    No Python work per token. ``plans``: see :func:`paged_attention` (the
+    plan depends on the window and the cache's block shape, dtype and
+    device besides the step's tensors: each is a key of its own).
     """
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [b for b in range(len(lens)) if qsl[b + 1] - qsl[b] == 1]
-    if decode:
-        _decode_batch(query, key_cache, value_cache, block_tables, qsl, lens, decode, scale, sliding_window, out)
+    key = (sliding_window, tuple(key_cache.shape[1:]), key_cache.dtype, key_cache.device)
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        plan = _Plan(query.device, key_cache, block_tables, query_start_loc, seq_lens, sliding_window)
+        if plans is not None:
+            plans[key] = plan
+    qsl, lens = plan.qsl, plan.lens
+    _decode(plan, query, key_cache, value_cache, scale, out)
     for b in range(len(lens)):
         q_len = qsl[b + 1] - qsl[b]
         if q_len > 1:
@@ -162,79 +178,132 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor 
 _DECODE_CHUNK_BYTES = 1 << 20
 
 
-def _decode_batch(query, key_cache, value_cache, block_tables, qsl, lens, seqs, scale, window, out) -> None:
+class _Plan:
+    """What one step's metadata tells the torch reference, for every layer:
+    the host copies of ``query_start_loc`` / ``seq_lens`` and the decode
+    chunks (``_decode_plan``), with the gather buffer they share."""
+
+    __slots__ = ("qsl", "lens", "chunks", "buf")
+
+    def __init__(self, device, key_cache, block_tables, query_start_loc, seq_lens, window) -> None:
+        self.qsl = query_start_loc.tolist()
+        self.lens = lens = seq_lens.tolist()
+        decode = [b for b in range(len(lens)) if self.qsl[b + 1] - self.qsl[b] == 1]
+        self.chunks, rows = _decode_plan(device, key_cache, block_tables, self.qsl, lens, decode, window)
+        # One gather buffer for every chunk's K and V (and every layer's):
+        # index_select into warm, reused memory is much faster than into a
+        # fresh allocation per chunk. Reuse is safe: each chunk's SDPA
+        # consumes it before the next gather.
+        self.buf = key_cache.new_empty((2, rows, key_cache[0].numel())) if decode else None
+
+
+class _One:
+    """A decode chunk of one sequence: exactly its visible rows, no mask."""
+
+    __slots__ = ("blocks", "start", "n", "row")
+
+    def __init__(self, blocks, start, n, row) -> None:
+        self.blocks, self.start, self.n, self.row = blocks, start, n, row
+
+
+class _Chunk:
+    """Several decode sequences in one padded SDPA call: the gathered
+    blocks (``table``), the rows to zero and the mask (None when every
+    gathered row is visible), the query rows."""
+
+    __slots__ = ("table", "nseq", "num_blocks", "hidden", "mask", "rows")
+
+    def __init__(self, table, nseq, num_blocks, hidden, mask, rows) -> None:
+        self.table, self.nseq, self.num_blocks = table, nseq, num_blocks
+        self.hidden, self.mask, self.rows = hidden, mask, rows
+
+
+def _decode_plan(device, key_cache, block_tables, qsl, lens, seqs, window) -> tuple[list, int]:
     """Decode tokens in chunks of sequences of similar visible length (sorted,
     so padding stays small). Each sequence gathers only the blocks holding
-    positions it can see; a chunk of one needs no mask at all."""
+    positions it can see; a chunk of one needs no mask at all. Returns the
+    chunks and the most blocks one chunk gathers."""
+    if not seqs:
+        return [], 0
     block_size = key_cache.shape[1]
-    block_numel = key_cache[0].numel()  # not stride(0): blocks may be strided apart
-    block_bytes = block_numel * key_cache.element_size()
+    block_bytes = key_cache[0].numel() * key_cache.element_size()  # not stride(0): blocks may be strided apart
     spans = []  # (num_blocks, b, lo_block, start within the gathered rows, visible length)
     for b in seqs:
         first = _first_visible(lens[b] - 1, window)
         lo = first // block_size
         spans.append(((lens[b] + block_size - 1) // block_size - lo, b, lo, first - lo * block_size, lens[b] - first))
     spans.sort(reverse=True)
-    chunks, i = [], 0
+    groups, i = [], 0
     while i < len(spans):
-        chunks.append(spans[i : i + max(1, _DECODE_CHUNK_BYTES // (spans[i][0] * block_bytes))])
-        i += len(chunks[-1])
-    # One gather buffer for every chunk's K and V: index_select into warm,
-    # reused memory is much faster than into a fresh allocation per chunk.
-    # Reuse is safe: each chunk's SDPA consumes it before the next gather.
-    rows = max(len(c) * c[0][0] for c in chunks)
-    buf = key_cache.new_empty((2, rows, block_numel))
-    for chunk in chunks:
-        if len(chunk) == 1:
-            _decode_one(query, key_cache, value_cache, block_tables, qsl, chunk[0], scale, out, buf)
+        groups.append(spans[i : i + max(1, _DECODE_CHUNK_BYTES // (spans[i][0] * block_bytes))])
+        i += len(groups[-1])
+    chunks: list = []
+    for g in groups:
+        if len(g) == 1:
+            num_blocks, b, lo, start, n = g[0]
+            blocks = block_tables[b, lo : lo + num_blocks].to(device=key_cache.device, dtype=torch.int64)
+            chunks.append(_One(blocks, start, n, qsl[b]))
         else:
-            _decode_chunk(query, key_cache, value_cache, block_tables, qsl, chunk, scale, out, buf)
+            chunks.append(_chunk_plan(device, key_cache, block_tables, qsl, g))
+    return chunks, max(len(g) * g[0][0] for g in groups)
 
 
-def _decode_one(query, key_cache, value_cache, block_tables, qsl, span, scale, out, buf) -> None:
-    """One sequence: gather exactly its visible rows, so no mask and no row of
-    the null block or of the unwritten tail reaches SDPA."""
-    num_blocks, b, lo, start, n = span
-    blocks = block_tables[b, lo : lo + num_blocks].to(device=key_cache.device, dtype=torch.int64)
-    k = _gather_blocks(key_cache, blocks, buf[0, :num_blocks]).view(-1, *key_cache.shape[2:])[start : start + n]
-    v = _gather_blocks(value_cache, blocks, buf[1, :num_blocks]).view(-1, *value_cache.shape[2:])[start : start + n]
-    q = query[qsl[b]].float().unsqueeze(1).unsqueeze(0)  # [1, Hq, 1, D]
-    k = k.float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-    v = v.float().transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    out[qsl[b]] = o.view(out.shape[1:])
-
-
-def _decode_chunk(query, key_cache, value_cache, block_tables, qsl, chunk, scale, out, buf) -> None:
-    """Several sequences in one padded SDPA call. Rows outside each sequence's
-    visible span (padding, the null block, unwritten tails, slid-out
-    positions) are masked and their K/V zeroed, so garbage there cannot turn
-    masked terms into NaN (0 * NaN is NaN)."""
-    device, block_size = query.device, key_cache.shape[1]
+def _chunk_plan(device, key_cache, block_tables, qsl, chunk) -> _Chunk:
+    """Rows outside each sequence's visible span (padding, the null block,
+    unwritten tails, slid-out positions) are masked and, per layer, their
+    K/V zeroed, so garbage there cannot turn masked terms into NaN (0 * NaN
+    is NaN)."""
+    block_size = key_cache.shape[1]
     nseq, num_blocks = len(chunk), chunk[0][0]
     kv_len = num_blocks * block_size
     seq_idx = torch.tensor([c[1] for c in chunk], device=block_tables.device)
     cols = torch.tensor([c[2] for c in chunk], device=block_tables.device).unsqueeze(1)
     cols = (cols + torch.arange(num_blocks, device=block_tables.device)).clamp_(max=block_tables.shape[1] - 1)
     table = block_tables.index_select(0, seq_idx).gather(1, cols).to(device=device, dtype=torch.int64).view(-1)
-    k = _gather_blocks(key_cache, table, buf[0, : nseq * num_blocks]).view(nseq * kv_len, -1)
-    v = _gather_blocks(value_cache, table, buf[1, : nseq * num_blocks]).view(nseq * kv_len, -1)
-    attn_mask = None
+    hidden = mask = None
     if any(c[3] != 0 or c[4] != kv_len for c in chunk):  # else every gathered row is visible
         span = torch.tensor([[c[3], c[3] + c[4]] for c in chunk], device=device)
         k_pos = torch.arange(kv_len, device=device)
-        mask = (k_pos >= span[:, :1]) & (k_pos < span[:, 1:])  # [nseq, kv_len]
-        hidden = (~mask).view(-1).nonzero().squeeze(1)
-        k.index_fill_(0, hidden, 0.0)
-        v.index_fill_(0, hidden, 0.0)
-        attn_mask = mask[:, None, None, :]
+        visible = (k_pos >= span[:, :1]) & (k_pos < span[:, 1:])  # [nseq, kv_len]
+        hidden = (~visible).view(-1).nonzero().squeeze(1)
+        mask = visible[:, None, None, :]
+    rows = torch.tensor([qsl[c[1]] for c in chunk], device=device)
+    return _Chunk(table, nseq, num_blocks, hidden, mask, rows)
+
+
+def _decode(plan: _Plan, query, key_cache, value_cache, scale, out) -> None:
+    buf = plan.buf
+    for chunk in plan.chunks:
+        if type(chunk) is _One:
+            _decode_one(query, key_cache, value_cache, chunk, scale, out, buf)
+        else:
+            _decode_chunk(query, key_cache, value_cache, chunk, scale, out, buf)
+
+
+def _decode_one(query, key_cache, value_cache, one: _One, scale, out, buf) -> None:
+    num_blocks, start, n = one.blocks.shape[0], one.start, one.n
+    k = _gather_blocks(key_cache, one.blocks, buf[0, :num_blocks]).view(-1, *key_cache.shape[2:])[start : start + n]
+    v = _gather_blocks(value_cache, one.blocks, buf[1, :num_blocks]).view(-1, *value_cache.shape[2:])[start : start + n]
+    q = query[one.row].float().unsqueeze(1).unsqueeze(0)  # [1, Hq, 1, D]
+    k = k.float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+    v = v.float().transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    out[one.row] = o.view(out.shape[1:])
+
+
+def _decode_chunk(query, key_cache, value_cache, c: _Chunk, scale, out, buf) -> None:
+    nseq, kv_len = c.nseq, c.num_blocks * key_cache.shape[1]
+    k = _gather_blocks(key_cache, c.table, buf[0, : nseq * c.num_blocks]).view(nseq * kv_len, -1)
+    v = _gather_blocks(value_cache, c.table, buf[1, : nseq * c.num_blocks]).view(nseq * kv_len, -1)
+    if c.hidden is not None:
+        k.index_fill_(0, c.hidden, 0.0)
+        v.index_fill_(0, c.hidden, 0.0)
     shape = (nseq, kv_len, *key_cache.shape[2:])
     k = k.view(shape).float().transpose(1, 2)  # [nseq, Hkv, kv_len, D]
     v = v.view(shape).float().transpose(1, 2)
-    rows = torch.tensor([qsl[c[1]] for c in chunk], device=device)
-    q = query.index_select(0, rows).float().unsqueeze(2)  # [nseq, Hq, 1, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
-    out.index_copy_(0, rows, o.squeeze(2).to(out.dtype))
+    q = query.index_select(0, c.rows).float().unsqueeze(2)  # [nseq, Hq, 1, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scale, enable_gqa=True)
+    out.index_copy_(0, c.rows, o.squeeze(2).to(out.dtype))
 
 
 def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window, out) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,6 +65,30 @@ def test_paged_attention_decode_chunks_ignore_nan_null_block_and_tails(monkeypat
                           batch.query_start_loc, batch.seq_lens, scale=0.3, sliding_window=window, impl="torch")
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), dense_attention(batch, 0.3, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 4096, 1 << 20])
+def test_paged_attention_plans_are_reused_across_layers_and_kept_apart_by_window(monkeypatch, chunk_bytes):
+    # One step's metadata, several layers: the first layer's plan (host
+    # lengths, decode chunks, gather indices and masks, the gather buffer)
+    # serves the others with their own caches and queries, bit-equal to
+    # planning each layer afresh; another window gets its own plan.
+    monkeypatch.setattr(attention_module, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    seq_lens, q_lens = [3, 31, 9, 1, 17, 30, 12, 5], [1, 1, 4, 1, 1, 6, 1, 1]
+    first = make_paged_batch(seq_lens, q_lens, extra_table_cols=2, seed=11)
+    layers = [dataclasses.replace(first, query=first.query * -a, key_cache=first.key_cache * a,
+                                  value_cache=first.value_cache + a, keys=[k * a for k in first.keys],
+                                  values=[v + a for v in first.values]) for a in (1.0, 2.0, 0.5)]
+    tables = first.block_tables
+    plans: dict = {}
+    for window in (None, 5, None, 5):
+        for b in layers:
+            args = (b.query, b.key_cache, b.value_cache, tables, b.query_start_loc, b.seq_lens)
+            fresh = paged_attention(*args, scale=0.3, sliding_window=window, impl="torch")
+            reused = paged_attention(*args, scale=0.3, sliding_window=window, impl="torch", plans=plans)
+            assert torch.equal(fresh, reused)
+            torch.testing.assert_close(reused.double(), dense_attention(b, 0.3, window), atol=1e-5, rtol=1e-5)
+    assert len(plans) == 2  # one per window: both reused by every later layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

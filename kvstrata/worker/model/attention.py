@@ -10,7 +10,7 @@ are the same call; only the metadata differs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,13 +27,16 @@ class AttentionMetadata:
     ``slot_mapping`` int64 [T]: cache slot of each new token
     (block_id * block_size + offset). ``block_tables`` int32 [B, max_blocks]
     (0-padded), ``query_start_loc`` int32 [B + 1], ``seq_lens`` int32 [B]
-    (context length including the new tokens).
+    (context length including the new tokens). ``plans``: what the torch
+    reference attention derives from them, kept by the first layer for the
+    others (``paged_attention(plans=...)``): one step's, as these tensors are.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) [num_blocks, block_size, Hkv, D]
@@ -111,5 +114,6 @@ class LlamaAttention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             split_decode=self.split_decode,
+            plans=meta.plans,
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
