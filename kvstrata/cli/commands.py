@@ -124,7 +124,8 @@ async def open_fleet(args: argparse.Namespace, config: EngineConfig) -> EngineCl
         replicas += [Replica(f"engine-{i}", "local", local_connector(local, transport)) for i in range(args.engines)]
     for address in args.engine:
         replicas.append(Replica(address, "remote", remote_connector(address, credentials), address=address))
-    fleet_config = RouterConfig(policy=args.router_policy, affinity=args.router_affinity)
+    fleet_config = RouterConfig(policy=args.router_policy, affinity=args.router_affinity,
+                                shared_prefix_fanout=args.router_shared_fanout)
     if args.registry:
         from kvstrata.fleet.discovery import follow_registry
 

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--router-affinity", type=float, default=2.0, metavar="A",
                        help="kv policy: weigh each cached token A more against load (keeps conversations "
                             "where their prefix is; default %(default)s)")
+    fleet.add_argument("--router-shared-fanout", type=int, default=2, metavar="N",
+                       help="kv policy: a cached prefix that N different prompts have continued (a shared system "
+                            "prompt) counts as held by every engine, so new conversations go by load; 0: never "
+                            "(default %(default)s)")
     fleet.add_argument("--registry", default=None, metavar="URL",
                        help="find engines registered in Redis (redis://HOST:PORT or "
                             "redis-cluster://HOST:PORT,HOST:PORT,...; rediss:// and rediss-cluster://...?"

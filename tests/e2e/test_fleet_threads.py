@@ -36,7 +36,8 @@ def test_an_explicit_thread_count_one_engine_or_a_gpu_keep_the_config():
 
 async def test_serve_engines_2_starts_engines_with_their_share_of_the_cores():
     args = argparse.Namespace(engines=2, engine_address=None, engine=[], registry=None, credentials=None,
-                              transport="ipc", router_policy="kv", router_affinity=2)
+                              transport="ipc", router_policy="kv", router_affinity=2,
+                              router_shared_fanout=2)
     fleet = await open_fleet(args, _config())
     try:
         cores = len(os.sched_getaffinity(0))

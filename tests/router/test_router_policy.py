@@ -256,6 +256,7 @@ def test_cli_router_affinity_default_is_the_routers():
 
     args = build_parser().parse_args(["serve"])
     assert args.router_affinity == RouterConfig().affinity
+    assert args.router_shared_fanout == RouterConfig().shared_prefix_fanout
 
 
 @settings(max_examples=200, deadline=None)
