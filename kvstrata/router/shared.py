@@ -7,8 +7,9 @@ belongs where its history is; caching it twice wastes cache). For a prefix
 that every new conversation starts with it is not: the replica that cached
 it first wins every new conversation against any load a few running
 requests weigh (measured: a 208-token system prompt took all 36 requests
-of ``tools/bench_fleet.py`` to one of two engines), though caching it on
-the others costs one prefill each. So once ``min_fanout`` different
+of ``tools/bench_fleet.py --conversations 12`` to one of two engines),
+though caching it on the others costs one prefill each. So once
+``min_fanout`` different
 continuations of a cached prefix have been dispatched, the prefix is
 *shared*: placement treats it as held everywhere (the replicas that lack
 it prefill it once) and the rest of the prompt, and the load, decide.
