@@ -37,7 +37,7 @@ from kvstrata.kernels.fused import fused_add_rms_norm, rotary_and_cache, silu_an
 from kvstrata.kernels.layout import KV_LAYOUTS, KVCacheShape, allocate_kv_caches
 from kvstrata.kernels.quant import QUANT_TYPES, PackedWeight, QuantType, cat_rows, dequantize, pack_weight, quant_type
 from kvstrata.kernels.quant_cpu import CpuChoice, QuantScratch, choose_cpu_path, with_cpu_path
-from kvstrata.kernels.quant_linear import packed_embedding, quant_matmul, quant_matmul_ref
+from kvstrata.kernels.quant_linear import packed_embedding, quant_matmul, quant_matmul_ref, quant_matmul_unchecked
 from kvstrata.kernels.streams import KVStreams, KVTransfer
 from kvstrata.kernels.transfer import (
     gather_kv,
@@ -74,6 +74,7 @@ __all__ = [
     "paged_attention_ref",
     "quant_matmul",
     "quant_matmul_ref",
+    "quant_matmul_unchecked",
     "quant_type",
     "reshape_and_cache",
     "reshape_and_cache_ref",

@@ -78,6 +78,22 @@ def quant_matmul(
     return out
 
 
+def quant_matmul_unchecked(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor,
+                         scratch: QuantScratch | None) -> None:
+    """:func:`quant_matmul` into ``out`` for a caller that has already checked
+    the arguments (``PackedLinear``: its parts at construction, its input's
+    width): the same code runs, without the per-call argument checks (~8 us,
+    a few percent of a small model's decode step over ~120 such calls)."""
+    if x.shape[0] == 0:
+        return
+    if use_triton("auto", x.device):
+        _matmul_triton(x, packed, bias, out)
+    elif x.device.type == "cpu":
+        CPU_PATHS[packed.cpu_path].matmul(x, packed, bias, out, scratch)
+    else:
+        out.copy_(quant_matmul_ref(x, packed, bias))
+
+
 def quant_matmul_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: F.linear with the weight dequantized to x's dtype (no checks)."""
     return F.linear(x, dequantize(packed, x.dtype), bias)

@@ -10,7 +10,7 @@ writing its columns of the output: a ``PackedWeight`` (one per run of
 parts of one type, stacked with ``cat_rows``) or a dense tensor (a part of
 a type that does not pack, dequantized at load)::
 
-    out [T, q | k | v]  <-  quant_matmul(x, q+k: Q4_K, out=out[:, :q+k]);  F.linear(x, v: dense) -> out[:, q+k:]
+    out [T, q | k | v]  <-  quant_matmul_unchecked(x, q+k: Q4_K, out[:, :q+k]);  F.linear(x, v: dense) -> out[:, q+k:]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.kernels import PackedWeight, QuantScratch, packed_embedding, quant_matmul
+from kvstrata.kernels import PackedWeight, QuantScratch, packed_embedding, quant_matmul_unchecked
 
 Part = PackedWeight | torch.Tensor
 
@@ -59,18 +59,20 @@ class PackedLinear(nn.Module):
         return sum(part_bytes(p) for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The parts were checked against each other at construction, and x's width by the reshape;
+        # out and the bias are in x's dtype on its device: the matmuls skip the per-call checks.
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if len(self.parts) == 1 and isinstance(self.parts[0], PackedWeight):
-            out = quant_matmul(x2, self.parts[0], self.bias, scratch=self.scratch)
-            return out.view(*lead, self.out_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if len(self.parts) == 1 and isinstance(self.parts[0], PackedWeight):
+            quant_matmul_unchecked(x2, self.parts[0], self.bias, out, self.scratch)
+            return out.view(*lead, self.out_features)
         lo = 0
         for part in self.parts:
             hi = lo + self._rows(part)
             bias = None if self.bias is None else self.bias[lo:hi]
             if isinstance(part, PackedWeight):
-                quant_matmul(x2, part, bias, out=out[:, lo:hi], scratch=self.scratch)
+                quant_matmul_unchecked(x2, part, bias, out[:, lo:hi], self.scratch)
             else:
                 out[:, lo:hi] = F.linear(x2, part, bias)
             lo = hi
