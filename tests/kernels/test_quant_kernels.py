@@ -37,6 +37,7 @@ from kvstrata.kernels import (
     pack_weight,
     quant_matmul,
     quant_matmul_ref,
+    quant_matmul_unchecked,
     packed_embedding,
     quant_type,
     with_cpu_path,
@@ -264,6 +265,20 @@ def test_out_may_be_a_column_slice_of_a_wider_buffer(impl):
     quant_matmul(x, packed, bias, out=fused[:, 8:24], impl=impl)
     assert torch.equal(fused[:, :8], torch.full((2, 8), 7.0)) and torch.equal(fused[:, 24:], torch.full((2, 16), 7.0))
     assert_within(fused[:, 8:24], quant_matmul_ref(x, packed, bias), x, packed, bias)
+
+
+@pytest.mark.parametrize("path", ["dequant", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unchecked_matmul_is_the_checked_one_without_the_checks(path, dtype):
+    # PackedLinear's entry: the same code as quant_matmul into a column slice, bit for bit
+    x, packed, bias = _inputs("Q4_1", 3, dtype, seed=13, rows=32)
+    weight = with_cpu_path(packed, path)
+    want = torch.full((3, 48), 7.0, dtype=dtype)
+    got = want.clone()
+    quant_matmul(x, weight, bias, out=want[:, 8:40])
+    quant_matmul_unchecked(x, weight, bias, got[:, 8:40], QuantScratch())
+    assert torch.equal(got, want)
+    quant_matmul_unchecked(x[:0], weight, bias, got[:0, 8:40], None)  # no tokens: nothing to do
 
 
 def test_no_tokens_launch_nothing():
