@@ -9,7 +9,7 @@ torch threads, each with ``--blocks-per-replica`` KV blocks) behind a
 (``kvstrata.bench.workloads.multi_turn``: every turn re-sends the whole
 conversation, so a turn hits the prefix cache only where its conversation's
 previous turn ran; all of them start with one shared system prompt). The
-conversations' KV is about six times one replica's cache; the ones under
+conversations' KV is about five times one replica's cache; the ones under
 way at a time fit in one. The default run takes about ten minutes.
 
     round-robin   FleetClient, policy round-robin
