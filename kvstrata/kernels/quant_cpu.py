@@ -206,20 +206,15 @@ class Int4Path:
     def matmul(x, packed, bias, out, scratch) -> None:
         xb = x.to(torch.bfloat16).contiguous()
         mm, planes = torch.ops.aten._weight_int4pack_mm_for_cpu, packed.int4
-        if out.dtype == torch.float32:  # the planes' sums and the bias added in float32, in place in out
-            out.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
-            for w, sz in planes[1:]:
-                out.add_(mm(xb, w, 32, sz))
-            if bias is not None:
-                out.add_(bias)
-            return
-        y = None
-        for w, sz in planes:
-            part = mm(xb, w, 32, sz).float()
-            y = part if y is None else y.add_(part)
+        # the planes' sums and the bias in float32: in place in a float32 out, else rounded to out once
+        acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
+        for w, sz in planes[1:]:
+            acc.add_(mm(xb, w, 32, sz))
         if bias is not None:
-            y.add_(bias)
-        out.copy_(y)
+            acc.add_(bias)
+        if acc is not out:
+            out.copy_(acc)
 
 
 CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path}

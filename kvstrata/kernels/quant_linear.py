@@ -67,14 +67,7 @@ def quant_matmul(
     _check_matmul_args(x, packed, bias, out, scratch, need_blocks=triton or x.device.type != "cpu")
     if out is None:
         out = torch.empty((x.shape[0], packed.out_features), dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
-        return out
-    if triton:
-        _matmul_triton(x, packed, bias, out)
-    elif x.device.type == "cpu":
-        CPU_PATHS[packed.cpu_path].matmul(x, packed, bias, out, scratch)
-    else:
-        out.copy_(quant_matmul_ref(x, packed, bias))
+    _run(x, packed, bias, out, scratch, triton)
     return out
 
 
@@ -84,9 +77,14 @@ def quant_matmul_unchecked(x: torch.Tensor, packed: PackedWeight, bias: torch.Te
     the arguments (``PackedLinear``: its parts at construction, its input's
     width): the same code runs, without the per-call argument checks (~8 us,
     a few percent of a small model's decode step over ~120 such calls)."""
+    _run(x, packed, bias, out, scratch, use_triton("auto", x.device))
+
+
+def _run(x, packed, bias, out, scratch, triton: bool) -> None:
+    """The matmul into ``out`` on the code the arguments' device and ``triton`` pick."""
     if x.shape[0] == 0:
         return
-    if use_triton("auto", x.device):
+    if triton:
         _matmul_triton(x, packed, bias, out)
     elif x.device.type == "cpu":
         CPU_PATHS[packed.cpu_path].matmul(x, packed, bias, out, scratch)

@@ -338,10 +338,10 @@ class Router:
             g = hits.get(slot, 0)
             c = hits.get(w + slot, 0)
             d = hits.get(2 * w + slot, 0)
-            if s > g:  # a shared prefix this replica lacks (or holds in a tier): counted as on its device
-                saved = bs * (s * w0 + max(c - s, 0) * w1 + max(d - max(c, s), 0) * w2 + max(a - max(d, s), 0) * w3)
-            else:
-                saved = bs * (g * w0 + (c - g) * w1 + (d - c) * w2 + (a - d) * w3)
+            gs, cs, ds, as_ = g, c, d, a  # the lanes scored: a shared prefix counts as on the device
+            if s > g:
+                gs, cs, ds, as_ = s, max(c, s), max(d, s), max(a, s)
+            saved = bs * (gs * w0 + (cs - gs) * w1 + (ds - cs) * w2 + (as_ - ds) * w3)
             cost = max(num_tokens - saved, 0.0) + load - affinity * saved
             if best_cost is None or cost < best_cost:
                 best_cost, best = cost, [(name, a, g)]

@@ -9,10 +9,10 @@ it first wins every new conversation against any load a few running
 requests weigh (measured: a 208-token system prompt took all 36 requests
 of ``tools/bench_fleet.py --conversations 12`` to one of two engines),
 though caching it on the others costs one prefill each. So once
-``min_fanout`` different
-continuations of a cached prefix have been dispatched, the prefix is
-*shared*: placement treats it as held everywhere (the replicas that lack
-it prefill it once) and the rest of the prompt, and the load, decide.
+``min_fanout`` different continuations of a cached prefix have been
+dispatched, the prefix is *shared*: placement treats it as held everywhere
+(the replicas that lack it prefill it once) and the rest of the prompt,
+and the load, decide.
 
 How a branch is seen: a request whose chain continues past the longest
 prefix some replica holds (``Decision.cached_blocks``, device credits of
@@ -84,11 +84,6 @@ class SharedPrefixes:
             shared[h] = None
         _trim(shared, self.max_blocks)
         return True
-
-    def forget(self) -> None:
-        """Drop every count and every shared block (tests; a fleet reset)."""
-        self._fanout.clear()
-        self._shared.clear()
 
 
 def _trim(d: dict, limit: int) -> None:
