@@ -57,11 +57,7 @@ from array import array
 from kvstrata.kv.events import BlockRemoved, BlockStored, KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.router import CPU, DISK, GPU, MEDIA, REMOTE, Router, RouterConfig
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(int(q * len(s)), len(s) - 1)]
+from kvstrata.router.load import percentile
 
 
 def chunks(hashes: list[bytes], n: int) -> list[list[bytes]]:

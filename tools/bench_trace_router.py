@@ -111,7 +111,7 @@ from kvstrata.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCa
 from kvstrata.kv.events import BlockRemoved, BlockStored, KVEventBatch
 from kvstrata.kv.hashing import CacheIdentity
 from kvstrata.router import GPU, REMOTE, ReplicaLoad, Router, RouterConfig
-from kvstrata.router.load import routing_goals, wait_summary, worst_window_balance
+from kvstrata.router.load import percentile, routing_goals, wait_summary, worst_window_balance
 
 TRACE_BLOCK = 512  # tokens per trace hash id
 VOCAB = 32_000
@@ -120,13 +120,6 @@ DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
 POLICIES = ("round-robin", "least-loaded", "session", "kv")
 BIG = "single-big-cache"
 NAMED = "route-goals-1"  # the defaults: the configuration the issue 24 §1 goals are checked in
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(int(q * len(s)), len(s) - 1)]
 
 
 # -- workload ---------------------------------------------------------------------

@@ -34,6 +34,14 @@ def overloaded(costs: Sequence[float], factor: float, min_cost: float) -> list[b
 # -- measures of a placement (the benchmarks' and the fleet's) ------------------------
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q < 1) of ``xs``; NaN when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(int(q * len(s)), len(s) - 1)]
+
+
 def worst_window_balance(dispatches: Sequence[tuple[float, str, float]], replicas: Sequence[str],
                          window_s: float) -> dict:
     """Balance of the work dispatched to ``replicas``: over every window
@@ -89,14 +97,10 @@ def wait_summary(ttft: Sequence[float], own_prefill: Sequence[float]) -> dict:
         raise ValueError(f"{len(ttft)} TTFTs but {len(own_prefill)} own prefills")
     if any(o <= 0 for o in own_prefill):
         raise ValueError("own prefill times must be > 0")
-    wait = sorted(t - o for t, o in zip(ttft, own_prefill))
-    slow = sorted(t / o for t, o in zip(ttft, own_prefill))
-
-    def pct(s: list[float], q: float) -> float:
-        return s[min(int(q * len(s)), len(s) - 1)] if s else float("nan")
-
-    return {"wait_p50_s": round(pct(wait, 0.5), 4), "wait_p99_s": round(pct(wait, 0.99), 4),
-            "slowdown_p50": round(pct(slow, 0.5), 3), "slowdown_p99": round(pct(slow, 0.99), 3)}
+    wait = [t - o for t, o in zip(ttft, own_prefill)]
+    slow = [t / o for t, o in zip(ttft, own_prefill)]
+    return {"wait_p50_s": round(percentile(wait, 0.5), 4), "wait_p99_s": round(percentile(wait, 0.99), 4),
+            "slowdown_p50": round(percentile(slow, 0.5), 3), "slowdown_p99": round(percentile(slow, 0.99), 3)}
 
 
 def routing_goals(kv: dict, round_robin: dict, least_loaded: dict, big: dict) -> dict:
