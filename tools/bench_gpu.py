@@ -32,7 +32,8 @@ boundaries only; the model step is the engine's (AsyncEngine.generate).
                            prefix caching on vs off
     tiers                  tools/bench_tiers.py's workload (12 chats x 5 turns, 3k-token first
                            turns, concurrency 4, working set 3x the pool): later-turn TTFT p50,
-                           recompute vs device + CPU tier
+                           recompute vs device + CPU tier, the tier's layer transfers per chunk
+                           (the CUDA default) and batched per layer (batched_layer_transfers)
 
 graphs_off is ``model.cuda_graphs=False`` (the eager baseline), graphs_on
 ``True``, pipelined graphs on with async scheduling and
@@ -915,19 +916,25 @@ async def section_tiers(b: Bench) -> dict:
             *(x for k, v in t.items() for x in (f"--{k.replace('_', '-')}", str(v))),
             "--working-set-ratio", str(b.counts.tiers_working_set_ratio),
             "--cpu-mib", str(max(48, int(ws_bytes * 1.5) >> 20)), "--disk-mib", str(max(64, int(ws_bytes * 2) >> 20)),
-            "--max-batched-tokens", str(b.counts.max_batched_tokens), "--modes", "none,tiers"]
-    b.engines_started += 2
+            "--max-batched-tokens", str(b.counts.max_batched_tokens), "--modes", "none,tiers,tiers-batched"]
+    b.engines_started += 3
     rep = await load_tool("bench_tiers").main(argv)
     b.free()
-    none, tiers = rep["modes"]["none"], rep["modes"]["tiers"]
+    none, tiers, batched = (rep["modes"][m] for m in ("none", "tiers", "tiers-batched"))
     return {"workload": {**t, "working_set_over_pool": rep["working_set_over_pool"]},
             "ttft_p50_later_turns_s": {"recompute": none["ttft_p50_later_turns_s"],
-                                       "tiers": tiers["ttft_p50_later_turns_s"]},
+                                       "tiers": tiers["ttft_p50_later_turns_s"],
+                                       "tiers_batched": batched["ttft_p50_later_turns_s"]},
             "later_turns_recompute_over_tiers": _ratio(none["ttft_p50_later_turns_s"],
                                                        tiers["ttft_p50_later_turns_s"]),
+            "later_turns_recompute_over_tiers_batched": _ratio(none["ttft_p50_later_turns_s"],
+                                                               batched["ttft_p50_later_turns_s"]),
             "tier_hit_tokens": tiers["tier_hit_tokens"], "device_hit_tokens": tiers["device_hit_tokens"],
-            "preemptions": {"recompute": none["preemptions"], "tiers": tiers["preemptions"]},
-            "modes": "recompute: no prefix caching, no tiers; tiers: device cache + CPU (L1) + disk",
+            "tier_hit_tokens_batched": batched["tier_hit_tokens"],
+            "preemptions": {"recompute": none["preemptions"], "tiers": tiers["preemptions"],
+                            "tiers_batched": batched["preemptions"]},
+            "modes": "recompute: no prefix caching, no tiers; tiers: device cache + CPU (L1) + disk, the "
+                     "connector's default transfers (per chunk on CUDA); tiers_batched: batched_layer_transfers on",
             "bench_tiers_argv": argv, "bench_tiers": rep, "error": None}
 
 

@@ -16,6 +16,9 @@ sized from it. Three engines run in one invocation, on the same workload:
     none     no prefix caching: every turn recomputes its whole history
     device   device prefix caching only
     tiers    device + CPU (L1) + local disk tiers through the offload connector
+    tiers-batched, tiers-per-chunk   tiers with ``batched_layer_transfers``
+             on / off (one transfer call per layer, or per chunk and layer;
+             "tiers" takes the connector's default for the device)
 
 Reported per mode: TTFT p50/p90, output tokens/s, wall time, device and
 per-tier hit tokens, preemptions; and the ratios of TTFT p50 (none / tiers,
@@ -117,9 +120,10 @@ def engine_config(mode: str, args: argparse.Namespace, num_blocks: int, tmp: str
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
                         enable_prefix_caching=mode != "none")
     kv_transfer = None
-    if mode == "tiers":
+    if mode.startswith("tiers"):
+        batched = {"tiers": None, "tiers-batched": True, "tiers-per-chunk": False}[mode]
         kv_transfer = KVTransferConfig(connector="offload", options={
-            "chunk_size": args.chunk_size, "load_mode": args.load_mode,
+            "chunk_size": args.chunk_size, "load_mode": args.load_mode, "batched_layer_transfers": batched,
             "store": {"cpu": {"capacity_bytes": args.cpu_mib << 20}, "save_partial_chunks": True,
                       "tiers": [{"type": "disk", "write": "through",
                                  "options": {"path": f"{tmp}/disk", "capacity_bytes": args.disk_mib << 20}}]},
@@ -163,6 +167,9 @@ async def run_mode(mode: str, args: argparse.Namespace, convs, num_blocks: int) 
     }
 
 
+MODES = ("none", "device", "tiers", "tiers-batched", "tiers-per-chunk")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the seeded default model)")
@@ -183,7 +190,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-mib", type=int, default=1024)
     p.add_argument("--modes", default="none,device,tiers")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
+    return args
 
 
 async def main(argv: list[str] | None = None) -> dict:
@@ -209,12 +220,12 @@ async def main(argv: list[str] | None = None) -> dict:
     for mode in args.modes.split(","):
         report["modes"][mode] = await run_mode(mode, args, convs, num_blocks)
     m = report["modes"]
-    if "tiers" in m:
-        t = m["tiers"]
+    for tiers in (k for k in m if k.startswith("tiers")):
+        t = m[tiers]
         for base in ("none", "device"):
             if base in m:
-                report[f"ttft_p50_{base}_over_tiers"] = round(m[base]["ttft_p50_s"] / max(t["ttft_p50_s"], 1e-9), 2)
-                report[f"throughput_tiers_over_{base}"] = round(
+                report[f"ttft_p50_{base}_over_{tiers}"] = round(m[base]["ttft_p50_s"] / max(t["ttft_p50_s"], 1e-9), 2)
+                report[f"throughput_{tiers}_over_{base}"] = round(
                     t["output_tokens_per_s"] / max(m[base]["output_tokens_per_s"], 1e-9), 2)
     return report
 

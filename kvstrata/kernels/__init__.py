@@ -11,6 +11,8 @@ imports triton and never needs a GPU.
                     seq_lens, scale, sliding_window=None, out=None) -> Tensor
     gather_kv(kv_caches, slot_mapping, out=None) -> [L, 2, n, Hkv, D]
     scatter_kv(chunk, kv_caches, slot_mapping)
+    gather_kv_segments(kv_caches, slot_mapping, S, out=None) -> [S, L, 2, n, Hkv, D]   (S chunks, one launch)
+    scatter_kv_segments(chunk, kv_caches, slot_mapping)
     gather_kv_layer(key_cache, value_cache, slot_mapping, out=None) -> [2, n, Hkv, D]
     scatter_kv_layer(chunk, key_cache, value_cache, slot_mapping)
     allocate_kv_caches(KVCacheShape(...), "per_layer" | "cross_layer", dtype, device)
@@ -42,9 +44,11 @@ from kvstrata.kernels.streams import KVStreams, KVTransfer
 from kvstrata.kernels.transfer import (
     gather_kv,
     gather_kv_layer,
+    gather_kv_segments,
     gather_kv_layer_ref,
     scatter_kv,
     scatter_kv_layer,
+    scatter_kv_segments,
     scatter_kv_layer_ref,
 )
 
@@ -66,6 +70,7 @@ __all__ = [
     "fused_add_rms_norm",
     "gather_kv",
     "gather_kv_layer",
+    "gather_kv_segments",
     "gather_kv_layer_ref",
     "interpret_requested",
     "pack_weight",
@@ -81,6 +86,7 @@ __all__ = [
     "rotary_and_cache",
     "scatter_kv",
     "scatter_kv_layer",
+    "scatter_kv_segments",
     "scatter_kv_layer_ref",
     "silu_and_mul",
     "use_triton",

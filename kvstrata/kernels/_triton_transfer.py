@@ -8,7 +8,10 @@ One kernel does both directions. The work is a flat list of tiles,
 each tile BLOCK_T token rows x COLS columns of one layer's K or V (the tiling
 of ``copy_tile``: 4 KiB, 32 KiB in a bounded grid, 16-byte vectors, no column
 mask for rows of 2^k elements). The chunk [L, 2, n, row] is contiguous in exactly that order, so
-consecutive programs stream through it. Layers are addressed as element
+consecutive programs stream through it. Several chunks at once (segments,
+``transfer.gather_kv_segments``): [S, L, 2, n, row], token t of the slot
+mapping in segment t // n; a segment's rows sit ``seg_stride`` elements
+after the previous one's. Layers are addressed as element
 offsets from layer 0's key cache: when every layer sits at a uniform distance
 (both layouts of ``layout.py`` do) all layers go in one launch; otherwise one
 launch per layer.
@@ -35,6 +38,8 @@ def _transfer_kernel(
     slot_ptr,
     num_tokens,
     num_slots,
+    seg_tokens,
+    seg_stride,
     layer_stride,
     kv_stride,
     block_stride,
@@ -63,7 +68,9 @@ def _transfer_kernel(
         # rows trivially so; ALIGN divides ROW and both layer offsets.
         lkv64 = lkv.to(tl.int64)
         cache_row = tl.multiple_of((slot // BLOCK_SIZE) * block_stride + (slot % BLOCK_SIZE) * ROW, ALIGN)
-        chunk_row = tl.multiple_of((lkv64 * num_tokens + tok) * ROW, ALIGN)
+        seg = tok // seg_tokens
+        pos = (tok - seg * seg_tokens).to(tl.int64)
+        chunk_row = tl.multiple_of(seg.to(tl.int64) * seg_stride + (lkv64 * seg_tokens + pos) * ROW, ALIGN)
         cache_base = cache_ptr + tl.multiple_of((lkv64 // 2) * layer_stride + (lkv64 % 2) * kv_stride, ALIGN)
         cache_ptrs = cache_base + cache_row[:, None] + col[None, :]
         chunk_ptrs = chunk_ptr + chunk_row[:, None] + col[None, :]
@@ -84,7 +91,7 @@ def _transfer_kernel(
         tile += tl.num_programs(0)
 
 
-transfer_kernel = LazyKernel(_transfer_kernel, do_not_specialize=("num_tokens",))
+transfer_kernel = LazyKernel(_transfer_kernel, do_not_specialize=("num_tokens", "seg_tokens", "seg_stride"))
 
 
 def transfer_triton(
@@ -96,9 +103,9 @@ def transfer_triton(
     max_programs: int | None = None,
     tile_bytes: int | None = None,
 ) -> None:
-    """Copy between ``chunk`` [L, 2, n, Hkv, D] (contiguous) and the caches' slots,
-    with at most ``max_programs`` programs when given (None: one per tile).
-    ``tile_bytes`` overrides the tile size (:func:`copy_tile`)."""
+    """Copy between ``chunk`` [S, L, 2, n, Hkv, D] (contiguous; S * n slots)
+    and the caches' slots, with at most ``max_programs`` programs when given
+    (None: one per tile). ``tile_bytes`` overrides the tile size (:func:`copy_tile`)."""
     key0 = kv_caches[0][0]
     elem = key0.element_size()
     base = key0.data_ptr()
@@ -108,16 +115,19 @@ def transfer_triton(
     layer_stride = offsets[1][0] if len(offsets) > 1 else 0
     kv_stride = offsets[0][1]
     uniform = all(k_off == i * layer_stride and v_off - k_off == kv_stride for i, (k_off, v_off) in enumerate(offsets))
+    seg_tokens = chunk.shape[3]
+    seg_stride = chunk.stride(0)  # elements: a whole [L, 2, n, row] segment
     launch = dict(to_cache=to_cache, max_programs=max_programs, tile_bytes=tile_bytes)
     if uniform:
-        _launch(key0, chunk, slot_mapping, len(kv_caches), layer_stride, kv_stride, **launch)
+        _launch(key0, chunk, slot_mapping, len(kv_caches), layer_stride, kv_stride, seg_tokens, seg_stride, **launch)
     else:
         for layer, (k, v) in enumerate(kv_caches):
-            _launch(k, chunk[layer], slot_mapping, 1, 0, (v.data_ptr() - k.data_ptr()) // elem, **launch)
+            _launch(k, chunk[:, layer], slot_mapping, 1, 0, (v.data_ptr() - k.data_ptr()) // elem, seg_tokens,
+                    seg_stride, **launch)
 
 
-def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, *, to_cache, max_programs,
-            tile_bytes) -> None:
+def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, seg_tokens, seg_stride, *, to_cache,
+            max_programs, tile_bytes) -> None:
     num_blocks, block_size, heads, head_dim = cache.shape
     num_tokens = slot_mapping.shape[0]
     row = heads * head_dim
@@ -132,6 +142,8 @@ def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, *, 
         slot_mapping,
         num_tokens,
         num_blocks * block_size,
+        max(1, seg_tokens),
+        seg_stride,
         layer_stride,
         kv_stride,
         cache.stride(0),
@@ -141,7 +153,7 @@ def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, *, 
         BLOCK_T=tile.block_t,
         EVEN=tile.even,
         NUM_LKV=2 * num_layers,
-        ALIGN=pow2_alignment(row, layer_stride, kv_stride),
+        ALIGN=pow2_alignment(row, layer_stride, kv_stride, seg_stride),
         TO_CACHE=to_cache,
         num_warps=tile.num_warps,
         num_stages=1,

@@ -51,6 +51,8 @@ whenever the forward is host-bound.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 import torch
 
@@ -58,11 +60,19 @@ from kvstrata.kernels._checks import (
     INDEX_DTYPES,
     KV_DTYPES,
     KernelArgumentError,
+    check_cache_pair,
     check_kv_caches,
     check_shape,
     check_tensor,
 )
-from kvstrata.kernels.transfer import gather_kv, gather_kv_layer, scatter_kv, scatter_kv_layer
+from kvstrata.kernels.transfer import (
+    gather_kv,
+    gather_kv_layer,
+    gather_kv_segments,
+    scatter_kv,
+    scatter_kv_layer,
+    scatter_kv_segments,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -207,6 +217,38 @@ class KVStreams:
         self._loaded = [event] * self.num_layers
         return self._track(KVTransfer(event, (host_chunk, dev_chunk, dev_slots), None))
 
+    def load_layer_segments(
+        self,
+        layer: int,
+        host_chunks: Sequence[torch.Tensor],
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> KVTransfer:
+        """:meth:`load_layer` for S chunks at once: ``host_chunks`` S tensors
+        [2, n, Hkv, D] (one n), ``slot_mapping`` their S * n slots in order.
+        On CUDA: one non-blocking copy per chunk into a device staging buffer
+        [S, 1, 2, n, Hkv, D] and one scatter launch (not S launches), on the
+        load stream. On CPU: the chunks joined and scattered in one call."""
+        self._check_layer(layer)
+        check_cache_pair(key_cache, value_cache)
+        n = self._check_segments(host_chunks, (2,), key_cache, slot_mapping)
+        if self._load is None:
+            chunk = host_chunks[0] if len(host_chunks) == 1 else torch.cat(list(host_chunks), dim=1)
+            scatter_kv_layer(chunk, key_cache, value_cache, slot_mapping)
+            return KVTransfer(None, (), None)
+        self._load.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._load):
+            staging = torch.empty((len(host_chunks), 1, 2, n, *key_cache.shape[2:]), dtype=key_cache.dtype,
+                                  device=self.device)
+            torch._foreach_copy_(list(staging[:, 0].unbind(0)), list(host_chunks), non_blocking=True)
+            dev_slots = self._on_side_stream(slot_mapping, self._load)
+            scatter_kv_segments(staging, [(key_cache, value_cache)], dev_slots)
+            event = torch.cuda.Event()
+            event.record(self._load)
+        self._loaded[layer] = event
+        return self._track(KVTransfer(event, (*host_chunks, staging, dev_slots), None))
+
     def wait_layer_loaded(self, layer: int) -> None:
         """Make the compute stream wait for the pending load of ``layer`` (no-op if none).
 
@@ -251,6 +293,43 @@ class KVStreams:
             event.record(self._store)
         return self._track(KVTransfer(event, (host_out, staging, dev_slots), host_out))
 
+    def store_layer_segments(
+        self,
+        layer: int,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        host_outs: Sequence[torch.Tensor],
+    ) -> KVTransfer:
+        """:meth:`store_layer` for S chunks at once: the S * n slots of
+        ``slot_mapping`` into ``host_outs`` (S contiguous tensors [2, n, Hkv, D],
+        segment s from slots [s * n, (s + 1) * n)). On CUDA: one gather launch
+        into a device staging buffer and one non-blocking copy per chunk, on
+        the store stream, after the layer's writes. Read the buffers only
+        once the transfer is done."""
+        self._check_layer(layer)
+        check_cache_pair(key_cache, value_cache)
+        n = self._check_segments(host_outs, (2,), key_cache, slot_mapping)
+        if self._store is None:
+            if len(host_outs) == 1:
+                gather_kv_layer(key_cache, value_cache, slot_mapping, out=host_outs[0])
+            else:
+                gathered = gather_kv_layer(key_cache, value_cache, slot_mapping)
+                for i, out in enumerate(host_outs):
+                    out.copy_(gathered[:, i * n:(i + 1) * n])
+            return KVTransfer(None, (), None)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store):
+            dev_slots = self._on_side_stream(slot_mapping, self._store)
+            self._store.wait_event(written)
+            staging = gather_kv_segments([(key_cache, value_cache)], dev_slots, len(host_outs),
+                                         max_programs=self.store_programs)
+            torch._foreach_copy_(list(host_outs), list(staging[:, 0].unbind(0)), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._store)
+        return self._track(KVTransfer(event, (*host_outs, staging, dev_slots), None))
+
     def store_all(self, kv_caches, slot_mapping: torch.Tensor, host_out: torch.Tensor | None = None) -> KVTransfer:
         """Like :meth:`store_layer` for every layer at once: host chunk [L, 2, n, Hkv, D]."""
         if len(kv_caches) != self.num_layers:
@@ -293,18 +372,37 @@ class KVStreams:
             self._inflight = [t for t in self._inflight if not t.done()]
         return transfer
 
-    def _host_buffer(self, host_out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _host_buffer(self, host_out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                     name: str = "host_out") -> torch.Tensor:
         if host_out is None:
             return self.alloc_host(shape, dtype)
-        check_tensor("host_out", host_out, len(shape), (dtype,))
-        check_shape("host_out", host_out, shape)
+        check_tensor(name, host_out, len(shape), (dtype,))
+        check_shape(name, host_out, shape)
         if not host_out.is_contiguous():
-            raise KernelArgumentError(f"host_out must be contiguous, got strides {tuple(host_out.stride())}")
+            raise KernelArgumentError(f"{name} must be contiguous, got strides {tuple(host_out.stride())}")
         if self.is_cuda and not self._host_checked:
             self._host_checked = True  # once: the connector's buffers all come from one pool
             if not host_out.is_pinned():  # still correct, but each copy then blocks this thread
                 log.warning("kv_store_host_buffer_not_pinned", shape=list(shape))
         return host_out
+
+    def _check_segments(self, chunks: Sequence[torch.Tensor], lead: tuple[int, ...], cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> int:
+        """The tokens per chunk of S host chunks [*lead, n, Hkv, D] of the
+        cache's dtype over S * n slots; host buffers are checked like ``host_out``."""
+        check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+        if not chunks:
+            raise KernelArgumentError("host chunks: need at least one")
+        first = chunks[0]
+        check_tensor("host chunk", first, len(lead) + 3, KV_DTYPES)
+        n = first.shape[len(lead)]
+        shape = (*lead, n, *cache.shape[2:])
+        for c in chunks:
+            self._host_buffer(c, shape, cache.dtype, "host chunk")
+        if slot_mapping.shape[0] != len(chunks) * n:
+            raise KernelArgumentError(f"slot_mapping has {slot_mapping.shape[0]} slots, {len(chunks)} chunks of {n} "
+                                      f"tokens need {len(chunks) * n}")
+        return n
 
     def _on_side_stream(self, t: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
         """``t`` on the device, safe to read on ``stream``: a host tensor is copied

@@ -6,6 +6,9 @@ buffer, and scatter such a buffer back into given slots.
 
     all layers:  chunk [num_layers, 2, n, Hkv, D]   (index 0 = K, 1 = V)
     one layer:   chunk [2, n, Hkv, D]
+    segments:    S chunks in one call, [S, num_layers, 2, n, Hkv, D], over
+                 S * n slots (segment s: slots [s * n, (s + 1) * n)): one
+                 kernel launch for a step's chunks instead of one per chunk
 
 ``kv_caches`` is the per-layer list of (key_cache, value_cache) pairs, each
 [num_blocks, block_size, Hkv, D]; per-layer tensors and cross-layer views
@@ -50,39 +53,71 @@ def gather_kv(
     max_programs: int | None = None,
 ) -> torch.Tensor:
     """All layers' K/V at ``slot_mapping`` as one contiguous chunk [L, 2, n, Hkv, D]."""
+    if out is not None:
+        _, _, h, d = check_kv_caches(kv_caches)
+        _check_chunk(out, (len(kv_caches), 2, _num_slots(slot_mapping), h, d), kv_caches[0][0], name="out")
+        out = out.unsqueeze(0)
+    return gather_kv_segments(kv_caches, slot_mapping, 1, out, impl=impl, max_programs=max_programs)[0]
+
+
+def scatter_kv(chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, *, impl: str = "auto") -> None:
+    """Inverse of :func:`gather_kv`: write ``chunk`` [L, 2, n, Hkv, D] to the slots (in place)."""
+    _, _, h, d = check_kv_caches(kv_caches)
+    _check_chunk(chunk, (len(kv_caches), 2, _num_slots(slot_mapping), h, d), kv_caches[0][0])
+    scatter_kv_segments(chunk.unsqueeze(0), kv_caches, slot_mapping, impl=impl)
+
+
+def gather_kv_segments(
+    kv_caches: KVCaches,
+    slot_mapping: torch.Tensor,
+    num_segments: int,
+    out: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+    max_programs: int | None = None,
+) -> torch.Tensor:
+    """``num_segments`` chunks of all layers' K/V in one call: [S, L, 2, n, Hkv, D]
+    with segment s the :func:`gather_kv` chunk of slots [s * n, (s + 1) * n)."""
     nb, bs, h, d = check_kv_caches(kv_caches)
     key0 = kv_caches[0][0]
-    n = _check_slots(slot_mapping, key0, nb * bs)
+    total = _check_slots(slot_mapping, key0, nb * bs)
+    n = _segment_tokens(total, num_segments)
     _check_max_programs(max_programs)
-    shape = (len(kv_caches), 2, n, h, d)
-    out = _chunk_out(out, shape, key0)
-    if n == 0:
+    out = _chunk_out(out, (num_segments, len(kv_caches), 2, n, h, d), key0)
+    if total == 0:
         return out
     if use_triton(impl, key0.device):
         from kvstrata.kernels._triton_transfer import transfer_triton
 
         transfer_triton(list(kv_caches), out, slot_mapping, to_cache=False, max_programs=max_programs)
     else:
-        for layer, (k, v) in enumerate(kv_caches):
-            gather_kv_layer_ref(k, v, slot_mapping, out[layer])
+        for s in range(num_segments):
+            for layer, (k, v) in enumerate(kv_caches):
+                gather_kv_layer_ref(k, v, slot_mapping[s * n:(s + 1) * n], out[s, layer])
     return out
 
 
-def scatter_kv(chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, *, impl: str = "auto") -> None:
-    """Inverse of :func:`gather_kv`: write ``chunk`` [L, 2, n, Hkv, D] to the slots (in place)."""
+def scatter_kv_segments(chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, *,
+                        impl: str = "auto") -> None:
+    """Inverse of :func:`gather_kv_segments`: write ``chunk`` [S, L, 2, n, Hkv, D]
+    to the S * n slots (in place)."""
     nb, bs, h, d = check_kv_caches(kv_caches)
     key0 = kv_caches[0][0]
-    n = _check_slots(slot_mapping, key0, nb * bs)
-    _check_chunk(chunk, (len(kv_caches), 2, n, h, d), key0)
-    if n == 0:
+    total = _check_slots(slot_mapping, key0, nb * bs)
+    check_tensor("chunk", chunk, 6, KV_DTYPES)
+    num_segments = chunk.shape[0]
+    n = _segment_tokens(total, num_segments)
+    _check_chunk(chunk, (num_segments, len(kv_caches), 2, n, h, d), key0)
+    if total == 0:
         return
     if use_triton(impl, key0.device):
         from kvstrata.kernels._triton_transfer import transfer_triton
 
         transfer_triton(list(kv_caches), chunk, slot_mapping, to_cache=True)
     else:
-        for layer, (k, v) in enumerate(kv_caches):
-            scatter_kv_layer_ref(chunk[layer], k, v, slot_mapping)
+        for s in range(num_segments):
+            for layer, (k, v) in enumerate(kv_caches):
+                scatter_kv_layer_ref(chunk[s, layer], k, v, slot_mapping[s * n:(s + 1) * n])
 
 
 def gather_kv_layer(
@@ -104,7 +139,7 @@ def gather_kv_layer(
     if use_triton(impl, key_cache.device):
         from kvstrata.kernels._triton_transfer import transfer_triton
 
-        transfer_triton([(key_cache, value_cache)], out.unsqueeze(0), slot_mapping, to_cache=False,
+        transfer_triton([(key_cache, value_cache)], out[None, None], slot_mapping, to_cache=False,
                         max_programs=max_programs)
     else:
         gather_kv_layer_ref(key_cache, value_cache, slot_mapping, out)
@@ -128,7 +163,7 @@ def scatter_kv_layer(
     if use_triton(impl, key_cache.device):
         from kvstrata.kernels._triton_transfer import transfer_triton
 
-        transfer_triton([(key_cache, value_cache)], chunk.unsqueeze(0), slot_mapping, to_cache=True)
+        transfer_triton([(key_cache, value_cache)], chunk[None, None], slot_mapping, to_cache=True)
     else:
         scatter_kv_layer_ref(chunk, key_cache, value_cache, slot_mapping)
 
@@ -172,6 +207,19 @@ def _check_slots(slot_mapping: object, cache: torch.Tensor, num_slots: int) -> i
     if slot_mapping.device.type == "cpu":
         check_slots_in_range(slot_mapping, num_slots)
     return slot_mapping.shape[0]
+
+
+def _num_slots(slot_mapping: object) -> int:
+    check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+    return slot_mapping.shape[0]
+
+
+def _segment_tokens(total: int, num_segments: object) -> int:
+    if isinstance(num_segments, bool) or not isinstance(num_segments, int) or num_segments < 1:
+        raise KernelArgumentError(f"num_segments must be an integer >= 1, got {num_segments!r}")
+    if total % num_segments:
+        raise KernelArgumentError(f"slot_mapping has {total} slots: not {num_segments} segments of equal length")
+    return total // num_segments
 
 
 def _check_max_programs(max_programs: object) -> None:

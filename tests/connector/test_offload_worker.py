@@ -21,12 +21,12 @@ def spec() -> ConnectorSpec:
                          max_model_len=64)
 
 
-def make(layout: str):
+def make(layout: str, batched: bool | None = None, seed: int = 0):
     backing, caches = allocate_kv_caches(KVCacheShape(num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H,
                                                       head_size=D), layout, torch.float32, "cpu")
-    backing.copy_(torch.randn_like(backing))
+    backing.copy_(torch.randn(backing.shape, generator=torch.Generator().manual_seed(seed)))
     buffers: dict[int, torch.Tensor] = {}
-    worker = OffloadWorker(spec(), buffers)
+    worker = OffloadWorker(spec(), buffers, batched_layer_transfers=batched)
     worker.register_kv_caches(caches, "cpu")
     return backing, caches, buffers, worker
 
@@ -111,6 +111,48 @@ def test_a_failed_load_reports_its_blocks_and_a_failed_save_is_dropped():
     (sending, recving), invalid, report = run_step(worker, meta)
     assert recving == {"a"} and invalid == {1, 2, 10, 11}
     assert report.failed == [1, 2] and report.saved == [] and report.loaded == []
+
+
+def _mixed_step(buffers) -> OffloadMetadata:
+    """Layer loads of three chunks (two of 8 tokens, one of 4: a request's
+    short last chunk), and layer saves of two chunks, in one step."""
+    g = torch.Generator().manual_seed(3)
+    for h, n in ((1, 8), (2, 8), (3, 4)):
+        buffers[h] = torch.randn((L, 2, n, H, D), generator=g)
+    for h, n in ((4, 8), (5, 4)):
+        buffers[h] = torch.zeros((L, 2, n, H, D))
+    return OffloadMetadata(
+        step=1,
+        layer_loads=[RequestTransfer("a", [ChunkTransfer(1, [0, 1], 0, 8), ChunkTransfer(3, [4], 0, 3)]),
+                     RequestTransfer("b", [ChunkTransfer(2, [2, 3], 2, 8)])],
+        layer_saves=[RequestTransfer("c", [ChunkTransfer(4, [6, 7], 0, 8), ChunkTransfer(5, [8], 1, 4)])])
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer"])
+def test_batched_layer_transfers_equal_the_per_chunk_ones(layout):
+    """One call per layer and chunk length moves exactly what one call per
+    chunk and layer moves, for loads and saves, partial chunks included."""
+    results = []
+    for batched in (False, True):
+        backing, _, buffers, worker = make(layout, batched)
+        assert worker.batched is batched
+        _, invalid, report = run_step(worker, _mixed_step(buffers))
+        assert invalid == set() and report.failed == []
+        assert sorted(report.loaded) == [1, 2, 3] and sorted(report.saved) == [4, 5]
+        results.append((backing, buffers[4], buffers[5]))
+    for per_chunk, batched in zip(*results, strict=True):
+        assert torch.equal(per_chunk, batched)
+    assert make("per_layer")[3].batched  # None: on for a CPU cache
+
+
+def test_a_failed_batch_fails_every_chunk_in_it():
+    _, _, buffers, worker = make("per_layer", batched=True)
+    meta = _mixed_step(buffers)
+    buffers[2] = torch.zeros(L, 2, 8, H, 2 * D)  # wrong head size: its batch (the 8-token loads) raises
+    _, invalid, report = run_step(worker, meta)
+    assert sorted(report.failed) == [1, 2]
+    assert sorted(report.loaded) == [3] and sorted(report.saved) == [4, 5]
+    assert invalid == {0, 1, 2, 3}
 
 
 def test_no_metadata_no_work():

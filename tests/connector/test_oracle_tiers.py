@@ -55,10 +55,13 @@ def store_of(engine):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine, stepping):
+@pytest.mark.parametrize("batched", [False, True])
+async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine, stepping, batched):
     """The CUDA path: layer i+1's load on the load stream overlaps layer i,
-    saves on the store stream, a preempted request's blocks read first."""
-    engine = await make_engine(offload_config(), device="cuda", num_blocks=33, **stepping)
+    saves on the store stream, a preempted request's blocks read first;
+    layer transfers one call per chunk, or batched (one per layer)."""
+    engine = await make_engine(offload_config(batched_layer_transfers=batched), device="cuda", num_blocks=33,
+                               **stepping)
     prompts = [prompt(2, 50), prompt(9, 24), prompt(19, 24)]
     assert [await gen(engine, p) for p in prompts[:1]] == [oracle.greedy(prompts[0], N)]
     await engine.flush_kv()

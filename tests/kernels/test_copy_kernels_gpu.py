@@ -17,6 +17,7 @@ from kvstrata.kernels import (
     gather_kv_layer,
     reshape_and_cache,
     scatter_kv,
+    scatter_kv_layer_ref,
 )
 
 pytestmark = [
@@ -205,3 +206,39 @@ def test_store_layer_bounded_gather_with_host_slots_on_busy_stream(store_program
     streams.synchronize()
     assert streams.num_inflight() == 0
     del busy, backing
+
+
+@pytest.mark.parametrize("device_slots", [False, True])
+def test_layer_segments_store_then_load_on_busy_streams(device_slots):
+    """S chunks per layer in one launch each way, racing a busy compute
+    stream: every chunk's host buffer holds exactly its slots' K/V, and the
+    loads land where the per-chunk loads would."""
+    backing, caches = _caches("per_layer", num_blocks=300)
+    streams = KVStreams("cuda", num_layers=L)
+    s, n = 5, 256
+    key, value = _qkv_views(s * n, H, D, torch.bfloat16)
+    slots = _slots(s * n, 300, seed=5)
+    given = slots if device_slots else slots.cpu()
+    outs = [streams.alloc_host((2, n, H, D), torch.bfloat16) for _ in range(s)]
+    busy = torch.randn((4096, 4096), device="cuda")
+    for _ in range(4):
+        busy = busy @ busy / 64
+    reshape_and_cache(key, value, *caches[3], slots)
+    streams.store_layer_segments(3, *caches[3], given, outs)
+    streams.synchronize()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, gather_kv_layer(*caches[3], slots[i * n:(i + 1) * n], impl="torch").cpu())
+    target = _slots(s * n, 300, seed=6)
+    expected = backing.clone()
+    ref = _views(expected, "per_layer")
+    for i, out in enumerate(outs):
+        scatter_kv_layer_ref(out.cuda(), *ref[7], target[i * n:(i + 1) * n])
+    for _ in range(4):
+        busy = busy @ busy / 64
+    streams.load_layer_segments(7, outs, *caches[7], target if device_slots else target.cpu())
+    streams.wait_layer_loaded(7)
+    torch.cuda.synchronize()
+    assert torch.equal(backing, expected)
+    streams.synchronize()
+    assert streams.num_inflight() == 0
+    del busy

@@ -21,8 +21,10 @@ from kvstrata.kernels import (
     allocate_kv_caches,
     gather_kv,
     gather_kv_layer,
+    gather_kv_segments,
     reshape_and_cache,
     scatter_kv,
+    scatter_kv_segments,
 )
 from kvstrata.kernels._triton_cache_write import copy_tile, reshape_and_cache_triton
 from kvstrata.kernels._triton_transfer import transfer_triton
@@ -136,12 +138,66 @@ def test_rows_split_into_column_chunks(heads, even):
     assert torch.equal(backing, expected)
 
     chunk = torch.full((2, 2, 6, heads, head_dim), float("nan"))
-    transfer_triton(caches, chunk, slots, to_cache=False, max_programs=5, tile_bytes=32)
+    transfer_triton(caches, chunk[None], slots, to_cache=False, max_programs=5, tile_bytes=32)
     assert torch.equal(chunk, gather_kv(caches, slots, impl="torch"))
     expected = backing.clone()
     scatter_kv(chunk + 1, _views(expected, "cross_layer"), slots, impl="torch")
-    transfer_triton(caches, chunk + 1, slots, to_cache=True, tile_bytes=32)
+    transfer_triton(caches, (chunk + 1)[None], slots, to_cache=True, tile_bytes=32)
     assert torch.equal(backing, expected)
+
+
+def _scattered_caches(num_layers: int, heads: int, head_dim: int, num_blocks: int, seed: int):
+    """Layers allocated one by one: no uniform distance, so one launch per layer."""
+    g = torch.Generator().manual_seed(seed)
+    caches = []
+    for _ in range(num_layers):
+        torch.empty(int(torch.randint(1, 97, (1,), generator=g)))  # some unrelated allocation between layers
+        caches.append(tuple(torch.randn((num_blocks, 16, heads, head_dim), generator=g) for _ in range(2)))
+    return caches
+
+
+@pytest.mark.parametrize("num_segments", [1, 3, 4])
+@pytest.mark.parametrize("layout", [*KV_LAYOUTS, "scattered"])
+def test_segments_are_chunks_in_one_launch(layout, num_segments):
+    """Segment s of one call is the chunk of its own slots, in both directions,
+    for uniform layer layouts (one launch) and scattered layers (one per layer)."""
+    if layout == "scattered":
+        caches = _scattered_caches(3, 2, 8, 40, seed=8)
+        fresh = _scattered_caches(3, 2, 8, 40, seed=9)
+        ref = [tuple(t.clone() for t in pair) for pair in fresh]
+        starts = [k.data_ptr() for k, _ in caches]
+        assert len({b - a for a, b in zip(starts, starts[1:])}) > 1 or caches[0][1].data_ptr() - starts[0] != (
+            caches[1][1].data_ptr() - starts[1])  # really not uniform
+    else:
+        _, caches = _caches(layout, heads=2, head_dim=8, num_blocks=40, num_layers=3)
+        fresh_backing, fresh = _caches(layout, heads=2, head_dim=8, num_blocks=40, num_layers=3, seed=9)
+        ref = _views(fresh_backing.clone(), layout)
+    slots = _padded_slots(12 * num_segments, 40 * 16, seed=10)
+    chunk = gather_kv_segments(caches, slots, num_segments)
+    assert chunk.shape == (num_segments, 3, 2, 12, 2, 8)
+    for s in range(num_segments):
+        assert torch.equal(chunk[s], gather_kv(caches, slots[12 * s:12 * (s + 1)], impl="torch"))
+    assert torch.equal(chunk, gather_kv_segments(caches, slots, num_segments, impl="torch"))
+    scatter_kv_segments(chunk * 2, fresh, slots)
+    scatter_kv_segments(chunk * 2, ref, slots, impl="torch")
+    for (k, v), (rk, rv) in zip(fresh, ref, strict=True):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+    one = gather_kv_segments(caches[1:2], slots, num_segments)  # one layer: [S, 1, 2, n, H, D]
+    assert torch.equal(one[:, 0], chunk[:, 1])
+
+
+def test_segment_arguments_are_checked():
+    _, caches = _caches("per_layer", heads=2, head_dim=8, num_blocks=2)
+    slots = torch.arange(6)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(KernelArgumentError, match="num_segments"):
+            gather_kv_segments(caches, slots, bad)
+    with pytest.raises(KernelArgumentError, match="not 4 segments"):
+        gather_kv_segments(caches, slots, 4)
+    with pytest.raises(KernelArgumentError, match="chunk must have"):
+        scatter_kv_segments(torch.zeros(3, 2, 2, 3, 2, 8), caches, slots)
+    with pytest.raises(KernelArgumentError, match="chunk"):
+        scatter_kv_segments(torch.zeros(2, 2, 3, 2, 8), caches, slots)
 
 
 def test_bounded_grid_arguments_are_checked():

@@ -60,6 +60,44 @@ def test_store_all_then_load_all_roundtrip(layout):
     assert streams.num_inflight() == 0
 
 
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_layer_segments_are_the_per_chunk_calls(num_chunks):
+    """S chunks in one call each way equal S calls of store_layer / load_layer."""
+    backing, caches = _caches("per_layer")
+    streams = KVStreams("cpu", num_layers=2)
+    slots = torch.tensor([7, 2, -1, 9, 0, 1, 17, 18, 19][:3 * num_chunks])
+    outs = [streams.alloc_host((2, 3, 2, 8), torch.float32) for _ in range(num_chunks)]
+    t = streams.store_layer_segments(1, *caches[1], slots, outs)
+    assert t.done()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, streams.store_layer(1, *caches[1], slots[3 * i:3 * i + 3]).result)
+    expected = backing.clone()
+    ref = [(expected[i, 0], expected[i, 1]) for i in range(2)]
+    target = torch.tensor([19, 4, 5, -1, 12, 13, 10, 11, 3][:3 * num_chunks])
+    for i, out in enumerate(outs):
+        streams.load_layer(0, out + 1, *ref[0], target[3 * i:3 * i + 3])
+    load = streams.load_layer_segments(0, [out + 1 for out in outs], *caches[0], target)
+    streams.wait_layer_loaded(0)
+    assert load.done()
+    assert torch.equal(backing, expected)
+
+
+def test_layer_segment_arguments_raise():
+    _, caches = _caches()
+    streams = KVStreams("cpu", num_layers=2)
+    two = [torch.empty((2, 2, 2, 8)), torch.empty((2, 2, 2, 8))]
+    with pytest.raises(ValueError, match="slot_mapping has 3 slots, 2 chunks of 2 tokens need 4"):
+        streams.store_layer_segments(0, *caches[0], torch.tensor([0, 1, 2]), two)
+    with pytest.raises(ValueError, match="at least one"):
+        streams.load_layer_segments(0, [], *caches[0], torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match="host chunk must have shape"):
+        streams.load_layer_segments(0, [two[0], torch.empty((2, 3, 2, 8))], *caches[0], torch.arange(4))
+    with pytest.raises(ValueError, match="host chunk dtype"):
+        streams.store_layer_segments(0, *caches[0], torch.arange(2), [torch.empty((2, 2, 2, 8), dtype=torch.half)])
+    with pytest.raises(ValueError, match="layer must be"):
+        streams.load_layer_segments(2, two, *caches[0], torch.arange(4))
+
+
 def test_bad_layer_and_arguments_raise():
     _, caches = _caches()
     streams = KVStreams("cpu", num_layers=2)

@@ -89,7 +89,7 @@ class OffloadConnector:
         if self.worker is not None:
             raise RuntimeError("the offload connector's worker side was already built")
         self._check(spec)
-        self.worker = OffloadWorker(spec, self.lender.buffers)
+        self.worker = OffloadWorker(spec, self.lender.buffers, batched_layer_transfers=self.opts.batched_layer_transfers)
         return self.worker
 
     def _check(self, spec: ConnectorSpec) -> None:

@@ -34,6 +34,12 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     latency), "load" loads it all, "compute" recomputes it all.
     ``load_split_fraction`` forces the share of the hit's chunks computed
     first (tests, benchmarks).
+
+    ``batched_layer_transfers``: a step's layer-by-layer loads and saves of
+    several chunks go as one ``KVStreams`` call per layer (one kernel launch;
+    on CUDA one non-blocking host copy per chunk into a device staging
+    buffer) instead of one call per chunk and layer. None: on for a CPU
+    cache; on CUDA off until a GPU run verifies it (``tools/gpu_check.sh``).
     """
 
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
@@ -53,6 +59,7 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     admission_sample_factor: int = 10
     load_split: Literal["cost", "load", "compute"] = "cost"
     load_split_fraction: float | None = None
+    batched_layer_transfers: bool | None = None
 
     def validate(self, prefix: str = "kv_transfer.options") -> None:
         self.store.validate()

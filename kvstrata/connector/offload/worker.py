@@ -15,6 +15,11 @@ on CUDA, inline on CPU)::
               save_kv_layer(i)         gather layer i of the chunks that filled up
     wait_for_save      every transfer of the step is complete
 
+Layer loads and saves go one ``KVStreams`` call per chunk and layer, or,
+with ``batched_layer_transfers`` (default on for a CPU cache), one call per
+layer for all of a step's chunks of one length (``_Batch``: their slots
+joined, copied to the device once per step).
+
 A transfer that raises is reported failed: a failed load's blocks go to
 ``get_block_ids_with_load_errors`` (the scheduler recomputes them), a failed
 save is dropped. Never touches the store or any loop-owned state.
@@ -42,12 +47,25 @@ class _Xfer:
         self.handle, self.buf, self.slots, self.req_id, self.block_ids = handle, buf, slots, req_id, block_ids
 
 
+class _Batch:
+    """A step's layer transfers of one chunk length, moved together: one
+    ``KVStreams`` call per layer. ``slots``: theirs in order, on the device."""
+
+    __slots__ = ("xfers", "slots", "alive")
+
+    def __init__(self, xfers: list[_Xfer], slots: torch.Tensor) -> None:
+        self.xfers, self.slots, self.alive = xfers, slots, True
+
+
 class OffloadWorker:
     """Owns: the KV streams, the bound metadata and this step's transfers and
     results. Reads the lent buffers; the step thread only."""
 
-    def __init__(self, spec: ConnectorSpec, buffers: dict[int, torch.Tensor]) -> None:
+    def __init__(self, spec: ConnectorSpec, buffers: dict[int, torch.Tensor], *,
+                 batched_layer_transfers: bool | None = None) -> None:
         self.spec = spec
+        self._batched_option = batched_layer_transfers
+        self.batched = False  # set by register_kv_caches: the option, or on for a CPU cache
         self.block_size = spec.block_size
         self.buffers = buffers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -59,9 +77,9 @@ class OffloadWorker:
     def _reset(self, meta: OffloadMetadata | None) -> None:
         self.meta = meta
         self._layer_loads: list[_Xfer] = []
-        self._batched_slots: torch.Tensor | None = None  # CPU: every layer load's slots, concatenated
+        self._load_batches: list[_Batch] | None = None  # batched: the layer loads by chunk length
         self._layer_saves: list[_Xfer] = []
-        self._batched_save_slots: torch.Tensor | None = None  # CPU: every layer save's slots, concatenated
+        self._save_batches: list[_Batch] | None = None
         self._saved: list[int] = []
         self._loaded: list[int] = []
         self._failed: set[int] = set()
@@ -78,6 +96,8 @@ class OffloadWorker:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the connector spec {self.spec.num_layers}")
         self.kv_caches = list(kv_caches)
         self.streams = KVStreams(torch.device(device), len(kv_caches))
+        opt = self._batched_option
+        self.batched = (not self.streams.is_cuda) if opt is None else bool(opt)
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata | None) -> None:
         self._reset(metadata if isinstance(metadata, OffloadMetadata) else None)
@@ -109,14 +129,11 @@ class OffloadWorker:
             self._invalid.update(rt.failed_block_ids)
             self._layer_loads.extend(self._xfer(ch, rt.req_id) for ch in rt.chunks)
         self._layer_saves = [self._xfer(ch, rt.req_id) for rt in meta.layer_saves for ch in rt.chunks]
-        if not self.streams.is_cuda and len(self._layer_saves) > 1:
-            # CPU: one gather per layer for all chunks, then a plain copy into each buffer
-            self._batched_save_slots = torch.cat([x.slots for x in self._layer_saves])
-        if self._layer_loads:
-            if self.streams.is_cuda:
-                self._issue_layer(0)
-            elif len(self._layer_loads) > 1:
-                self._batched_slots = torch.cat([x.slots for x in self._layer_loads])
+        if self.batched:
+            self._save_batches = self._batches(self._layer_saves)
+            self._load_batches = self._batches(self._layer_loads)
+        if self._layer_loads and self.streams.is_cuda:
+            self._issue_layer(0)
         self._t_forward = time.perf_counter()
 
     def _xfer(self, ch: ChunkTransfer, req_id: str) -> _Xfer:
@@ -126,6 +143,21 @@ class OffloadWorker:
         slots = np.full(n, -1, dtype=np.int64)
         slots[ch.skip:ch.limit] = flat[ch.skip:ch.limit]
         return _Xfer(ch.handle, buf, torch.from_numpy(slots), req_id, list(ch.block_ids))
+
+    def _batches(self, xfers: list[_Xfer]) -> list[_Batch]:
+        """``xfers`` by chunk length (chunks of one store have one length but
+        a request's last, shorter one), each with its slots copied to the
+        device once for the step's layers."""
+        by_len: dict[int, list[_Xfer]] = {}
+        for x in xfers:
+            by_len.setdefault(x.buf.shape[2], []).append(x)
+        batches = []
+        for group in by_len.values():
+            slots = group[0].slots if len(group) == 1 else torch.cat([x.slots for x in group])
+            if self.streams.is_cuda:
+                slots = slots.pin_memory().to(self.streams.device, non_blocking=True)
+            batches.append(_Batch(group, slots))
+        return batches
 
     def _block_slots(self, block_ids: list[int]) -> np.ndarray:
         """The cache slots of ``block_ids``, in order."""
@@ -211,18 +243,18 @@ class OffloadWorker:
 
     def _issue_layer(self, layer: int) -> None:
         key_cache, value_cache = self.kv_caches[layer]
-        if self._batched_slots is not None:
-            # CPU: one scatter per layer for all chunks (a copy is cheaper than
-            # a checked kernel call per chunk).
-            loads = self._layer_loads
-            try:
-                chunk = torch.cat([x.buf[layer] for x in loads], dim=1)
-                self.streams.load_layer(layer, chunk, key_cache, value_cache, self._batched_slots)
-            except Exception:
-                log.exception("kv_load_failed", layer=layer, chunks=len(loads))
-                for x in loads:
-                    self._load_failed(x)
-                self._batched_slots = None
+        if self._load_batches is not None:
+            for b in self._load_batches:  # one call per layer for every chunk of a length
+                if not b.alive:
+                    continue
+                try:
+                    self.streams.load_layer_segments(layer, [x.buf[layer] for x in b.xfers], key_cache, value_cache,
+                                                     b.slots)
+                except Exception:
+                    log.exception("kv_load_failed", layer=layer, chunks=len(b.xfers))
+                    b.alive = False
+                    for x in b.xfers:
+                        self._load_failed(x)
             return
         for x in self._layer_loads:
             if x.handle in self._failed:
@@ -238,8 +270,17 @@ class OffloadWorker:
             return
         t0 = time.perf_counter()
         key_cache, value_cache = self.kv_caches[layer]
-        if self._batched_save_slots is not None:
-            self._save_layer_batched(layer, key_cache, value_cache)
+        if self._save_batches is not None:
+            for b in self._save_batches:  # one call per layer for every chunk of a length
+                if not b.alive:
+                    continue
+                try:
+                    self.streams.store_layer_segments(layer, key_cache, value_cache, b.slots,
+                                                      [x.buf[layer] for x in b.xfers])
+                except Exception:
+                    log.exception("kv_save_failed", layer=layer, chunks=len(b.xfers))
+                    b.alive = False
+                    self._failed.update(x.handle for x in b.xfers)
         else:
             for x in self._layer_saves:
                 if x.handle in self._failed:
@@ -252,23 +293,6 @@ class OffloadWorker:
         dt = time.perf_counter() - t0
         self._hook_s += dt
         self._save_s += dt
-
-    def _save_layer_batched(self, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        """CPU: one gather of the layer for every chunk saved this step, then
-        each chunk's slice copied into its buffer (per-chunk kernel calls
-        cost more than the bytes on a CPU)."""
-        saves = self._layer_saves
-        try:
-            gathered = self.streams.store_layer(layer, key_cache, value_cache, self._batched_save_slots).result
-            off = 0
-            for x in saves:
-                n = x.buf.shape[2]
-                x.buf[layer].copy_(gathered[:, off:off + n])
-                off += n
-        except Exception:
-            log.exception("kv_save_failed", layer=layer, chunks=len(saves))
-            self._failed.update(x.handle for x in saves)
-            self._batched_save_slots = None
 
     # -- after the forward ---------------------------------------------------------
     def wait_for_save(self) -> None:
