@@ -19,6 +19,13 @@ D=64, block size 16, bf16), everything measured in the same run:
   decode_attention    paged decode attention against SDPA on dense K/V
   summary             the goals at a glance
 
+Both (CPU: 4 layers, small chunks; GPU: TinyLlama-like):
+  layer_transfers     one step's layer-by-layer loads and saves of S chunks
+                      (the offload connector's CPU-tier hits and filled
+                      chunks): one KVStreams call per chunk and layer
+                      against one per layer (``*_layer_segments``); host ms
+                      to issue them and wall ms until done
+
 Usage: python tools/bench_kernels.py [--quick] [--threads N]
 Never asserts timings.
 """
@@ -150,6 +157,72 @@ def cpu_section(quick: bool) -> dict:
         t_d = cpu_time(dense_sdpa(s, 0.125), rep)
         res[f"attention_{name}"] = {"seq_lens": lens[:2] + (["..."] if len(lens) > 2 else []), "q_lens": qls[:2],
                                     "ms": t_p * 1e3, "dense_sdpa_ms": t_d * 1e3, "ratio": t_p / t_d}
+    return res
+
+
+def layer_transfers(quick: bool, device: str) -> dict:
+    """Host ms to issue, and wall ms to finish, one step's layer transfers of
+    ``chunks`` chunks per layer: per chunk (``load_layer`` / ``store_layer``
+    each) vs batched (``load_layer_segments`` / ``store_layer_segments``)."""
+    cuda = device == "cuda"
+    layers, heads, dim, tokens, chunks = (TINY["layers"], TINY["kv_heads"], TINY["head_dim"], 256, 12) if cuda \
+        else (4, 4, 64, 64, 8)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    num_blocks = chunks * tokens // 16 * 2 + 1
+    shape = KVCacheShape(num_layers=layers, num_blocks=num_blocks, block_size=16, num_kv_heads=heads, head_size=dim)
+    backing, caches = allocate_kv_caches(shape, "per_layer", dtype, device)
+    backing.normal_()
+    streams = KVStreams(device, layers)
+    gen = torch.Generator().manual_seed(0)
+    slots = block_slots(chunks * tokens, num_blocks, 16, gen)
+    per_chunk_slots = list(slots.split(tokens))  # host tensors, as the worker hands them over
+    dev_slots = slots.to(device)  # the batched path's: copied once per step
+    bufs = [streams.alloc_host((layers, 2, tokens, heads, dim), dtype) for _ in range(chunks)]
+
+    def finish() -> None:
+        for layer in range(layers):
+            streams.wait_layer_loaded(layer)
+        streams.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def load_per_chunk() -> None:
+        for layer, (k, v) in enumerate(caches):
+            for b, sl in zip(bufs, per_chunk_slots, strict=True):
+                streams.load_layer(layer, b[layer], k, v, sl)
+
+    def load_batched() -> None:
+        for layer, (k, v) in enumerate(caches):
+            streams.load_layer_segments(layer, [b[layer] for b in bufs], k, v, dev_slots)
+
+    def store_per_chunk() -> None:
+        for layer, (k, v) in enumerate(caches):
+            for b, sl in zip(bufs, per_chunk_slots, strict=True):
+                streams.store_layer(layer, k, v, sl, host_out=b[layer])
+
+    def store_batched() -> None:
+        for layer, (k, v) in enumerate(caches):
+            streams.store_layer_segments(layer, k, v, dev_slots, [b[layer] for b in bufs])
+
+    reps = 3 if quick else 10
+    res: dict = {"device": device, "layers": layers, "chunks": chunks, "chunk_tokens": tokens,
+                 "bytes_per_step": chunks * tokens * layers * 2 * heads * dim * backing.element_size()}
+    for name, fn in (("load_per_chunk", load_per_chunk), ("load_batched", load_batched),
+                     ("store_per_chunk", store_per_chunk), ("store_batched", store_batched)):
+        fn()
+        finish()
+        host, wall = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            finish()
+            host.append(t1 - t0)
+            wall.append(time.perf_counter() - t0)
+        res[name] = {"host_ms": round(statistics.median(host) * 1e3, 3), "wall_ms": round(statistics.median(wall) * 1e3, 3)}
+    for kind in ("load", "store"):
+        a, b = res[f"{kind}_per_chunk"], res[f"{kind}_batched"]
+        res[f"{kind}_per_chunk_over_batched"] = {k: round(a[k] / max(b[k], 1e-9), 2) for k in ("host_ms", "wall_ms")}
     return res
 
 
@@ -391,11 +464,16 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     report: dict = {"torch": torch.__version__, "machine": platform.machine(), "cpu": cpu_section(args.quick)}
+    report["cpu"]["layer_transfers"] = layer_transfers(args.quick, "cpu")
     if torch.cuda.is_available():
         t0 = time.perf_counter()
         report["gpu"] = {"device": torch.cuda.get_device_name(),
                          "copy_vs_d2d": gpu_copy_fractions(args.quick),
                          "store_interference": gpu_store_interference(args.quick)}
+        try:
+            report["gpu"]["layer_transfers"] = layer_transfers(args.quick, "cuda")
+        except Exception as e:  # a path no GPU run has verified yet: report, don't lose the rest
+            report["gpu"]["layer_transfers"] = {"error": repr(e)}
         try:
             report["gpu"]["decode_attention"] = gpu_decode(args.quick)
         except Exception as e:  # another team's kernel: report, don't lose the numbers above

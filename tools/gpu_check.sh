@@ -40,7 +40,7 @@ if has tests; then
   stage gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio -m gpu tests/kernels
   KVSTRATA_TEST_DEVICE=cuda stage pipelined_steps 90 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio \
     tests/enginecore/test_pipelined_steps.py
-  stage cuda_tier_oracle 60 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio tests/connector/test_oracle_tiers.py -k cuda
+  stage cuda_tier_oracle 90 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio tests/connector/test_oracle_tiers.py -k cuda
 fi
 ORACLE="tests/enginecore/test_oracle.py"
 if has oracle || has oracle_graphs; then
