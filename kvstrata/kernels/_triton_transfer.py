@@ -51,6 +51,7 @@ def _transfer_kernel(
     NUM_LKV: tl.constexpr,
     ALIGN: tl.constexpr,
     TO_CACHE: tl.constexpr,
+    SEGMENTED: tl.constexpr,
 ):
     NCOL: tl.constexpr = (ROW + COLS - 1) // COLS
     per_lkv = (num_tokens + BLOCK_T - 1) // BLOCK_T * NCOL  # tiles of one layer's K (or V)
@@ -68,9 +69,12 @@ def _transfer_kernel(
         # rows trivially so; ALIGN divides ROW and both layer offsets.
         lkv64 = lkv.to(tl.int64)
         cache_row = tl.multiple_of((slot // BLOCK_SIZE) * block_stride + (slot % BLOCK_SIZE) * ROW, ALIGN)
-        seg = tok // seg_tokens
-        pos = (tok - seg * seg_tokens).to(tl.int64)
-        chunk_row = tl.multiple_of(seg.to(tl.int64) * seg_stride + (lkv64 * seg_tokens + pos) * ROW, ALIGN)
+        if SEGMENTED:
+            seg = tok // seg_tokens
+            pos = (tok - seg * seg_tokens).to(tl.int64)
+            chunk_row = tl.multiple_of(seg.to(tl.int64) * seg_stride + (lkv64 * seg_tokens + pos) * ROW, ALIGN)
+        else:  # one chunk (seg_tokens == num_tokens): no division
+            chunk_row = tl.multiple_of((lkv64 * num_tokens + tok) * ROW, ALIGN)
         cache_base = cache_ptr + tl.multiple_of((lkv64 // 2) * layer_stride + (lkv64 % 2) * kv_stride, ALIGN)
         cache_ptrs = cache_base + cache_row[:, None] + col[None, :]
         chunk_ptrs = chunk_ptr + chunk_row[:, None] + col[None, :]
@@ -155,6 +159,7 @@ def _launch(cache, chunk, slot_mapping, num_layers, layer_stride, kv_stride, seg
         NUM_LKV=2 * num_layers,
         ALIGN=pow2_alignment(row, layer_stride, kv_stride, seg_stride),
         TO_CACHE=to_cache,
+        SEGMENTED=chunk.shape[0] > 1,
         num_warps=tile.num_warps,
         num_stages=1,
     )

@@ -77,16 +77,19 @@ def _memory_ops(ptx: str, op: str) -> set[str]:
 
 
 _TRANSFER_TYPES = dict(cache_ptr="*bf16", chunk_ptr="*bf16", slot_ptr="*i64", num_tokens="i32", num_slots="i32",
+                       seg_tokens="i32", seg_stride="i64",
                        layer_stride="i64", kv_stride="i32", block_stride="i32")
 
 
+@pytest.mark.parametrize("segmented", [False, True])
 @pytest.mark.parametrize("to_cache", [False, True])
 @pytest.mark.parametrize(("row", "cols", "even"), [(256, 256, True), (640, 1024, False), (4096, 2048, True)])
-def test_transfer_kernel_compiles_to_16_byte_accesses(to_cache, row, cols, even):
+def test_transfer_kernel_compiles_to_16_byte_accesses(to_cache, row, cols, even, segmented):
     """Strides carry no divisibility here (as when they are not multiples of 16):
-    the kernel's own multiple_of hints must still give 16-byte vectors."""
+    the kernel's own multiple_of hints must still give 16-byte vectors, for
+    one chunk and for several (segments)."""
     consts = dict(BLOCK_SIZE=16, ROW=row, COLS=cols, BLOCK_T=max(1, 4096 // cols), EVEN=even, NUM_LKV=44,
-                  ALIGN=16, TO_CACHE=to_cache)
+                  ALIGN=16, TO_CACHE=to_cache, SEGMENTED=segmented)
     ptx = _compile_copy(_transfer_kernel, _TRANSFER_TYPES, consts).asm["ptx"]
     assert _memory_ops(ptx, "st") == {"st.global.v4.b32"}
     assert _memory_ops(ptx, "ld") == {"ld.global.v4.b32", "ld.global.b64"}  # data rows, int64 slots
