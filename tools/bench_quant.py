@@ -33,7 +33,20 @@ Per set and type:
                    request's first, over the time from the first first-token to
                    the last token), and the speedups over the baseline
 
+  engine_gpu       (--engine-gpu) decode of a Q4 model on the GPU (issue 26's GPU goal:
+                   packed >= 1.5x its bf16-dequantized run at batch 1): a random
+                   Llama GGUF of --gpu-shape (8b default: 16 GB of bf16 weights,
+                   decode bound by reading them) in --gpu-qtype blocks, written
+                   here; one engine per mode (dequantize: bf16 weights; packed:
+                   the Triton kernel on the blocks), CUDA graphs on (the
+                   default), modes in turn --engine-repeats times; greedy decode
+                   tok/s single-stream and at batch 16 (as "engine"), resident
+                   weight bytes, and packed over dequantize. On a CPU it runs a
+                   tiny shape with float32 activations and says so (a dry run of
+                   the code, not a GPU figure).
+
 Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N] [--engine [--engine-only] [--engine-repeats N]]
+       python tools/bench_quant.py --engine-gpu [--gpu-shape 8b|3b|tinyllama] [--gpu-qtype Q4_0] [--engine-repeats N]
 --quick runs one CPU thread unless --threads says otherwise: on a shared
 machine a two-thread parallel region waits whenever the other thread is
 descheduled, which swamps small matmuls (seen: 0.05 ms -> 10+ ms).
@@ -165,23 +178,33 @@ def bench_set(set_name: str, qtype: str, args) -> dict:
 ENGINE_SETTINGS = (("dequantize", "float32"), ("packed", "float32"), ("packed", "auto"))
 
 
-async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: int, tokens: int) -> float:
-    """Greedy decode tok/s of ``batch`` concurrent chats on one engine."""
+async def start_engine(path: str, mode: str, dtype: str, threads: int | None, max_batch: int, *,
+                       device: str = "cpu", tokenizer: str | None = None):
     from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
     from kvstrata.enginecore import AsyncEngine
-    from kvstrata.types import SamplingParams
 
     cfg = EngineConfig(model=ModelConfig(model=path, max_model_len=512, quantized_weights=mode, dtype=dtype,
-                                         num_threads=threads),
-                       device="cpu", cache=CacheConfig(num_blocks=64 + 8 * batch), log_level="WARNING")
-    engine = await AsyncEngine.start(cfg)
+                                         num_threads=threads, tokenizer=tokenizer),
+                       device=device, cache=CacheConfig(num_blocks=64 + 8 * max_batch), log_level="WARNING")
+    return await AsyncEngine.start(cfg)
+
+
+async def decode_tok_s(engine, batch: int, tokens: int, token_prompts: bool = False) -> float:
+    """Greedy decode tok/s of ``batch`` concurrent requests: chats with the
+    model's template, or token-id prompts (a model without a tokenizer)."""
+    from kvstrata.types import SamplingParams
+
     firsts: list[float] = []
     lasts: list[float] = []
 
+    def stream(i: int, params):
+        if token_prompts:
+            return engine.generate([1] + [(37 * i + 11 * j) % 250 + 3 for j in range(31)], params)
+        return engine.chat([{"role": "user", "content": f"Tell me a story about the number {i}."}], params)
+
     async def one(i: int) -> int:
         n, first = 0, None
-        async for o in engine.chat([{"role": "user", "content": f"Tell me a story about the number {i}."}],
-                                   SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)):
+        async for o in stream(i, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)):
             n += len(o.new_token_ids)
             if first is None:
                 first = time.perf_counter()
@@ -189,11 +212,17 @@ async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: i
         lasts.append(time.perf_counter())
         return n - 1
 
+    decoded = sum(await asyncio.gather(*(one(i) for i in range(batch))))
+    return decoded / (max(lasts) - min(firsts))
+
+
+async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: int, tokens: int) -> float:
+    """Greedy decode tok/s of ``batch`` concurrent chats on a fresh engine."""
+    engine = await start_engine(path, mode, dtype, threads, batch)
     try:
-        decoded = sum(await asyncio.gather(*(one(i) for i in range(batch))))
+        return await decode_tok_s(engine, batch, tokens)
     finally:
         await engine.aclose()
-    return decoded / (max(lasts) - min(firsts))
 
 
 def bench_engine(args) -> dict:
@@ -235,6 +264,72 @@ def bench_engine(args) -> dict:
     return res
 
 
+# Llama shapes for --engine-gpu: hidden, intermediate, layers, heads, kv heads, vocab
+GPU_SHAPES = {
+    "8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
+    "3b": dict(hidden=3072, inter=8192, layers=28, heads=24, kv_heads=8, vocab=128256),
+    "tinyllama": dict(hidden=2048, inter=5632, layers=22, heads=32, kv_heads=4, vocab=32000),
+}
+CPU_DRY_SHAPE = dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=512)
+
+
+def bench_engine_gpu(args) -> dict:
+    """Packed vs dequantized decode of a random Q4 GGUF on the GPU (a tiny
+    dry run on a CPU)."""
+    import tempfile
+
+    from gguf import GGMLQuantizationType
+
+    from kvstrata.worker.model.gguf_random import write_random_gguf
+
+    cuda = torch.cuda.is_available()
+    shape = GPU_SHAPES[args.gpu_shape] if cuda else CPU_DRY_SHAPE
+    dtype = "bfloat16" if cuda else "float32"
+    device = "cuda" if cuda else "cpu"
+    tokens = (128, 64) if cuda else (16, 8)
+    repeats = args.engine_repeats or 2
+    res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (dry run: tiny shape, not a GPU figure)",
+                 "shape": args.gpu_shape if cuda else "cpu-dry", **shape, "qtype": args.gpu_qtype, "dtype": dtype,
+                 "tokens_single": tokens[0], "tokens_per_request_batch16": tokens[1], "repeats": repeats,
+                 "how": "modes in turn, one engine each per round (single-stream, then batch 16); tok/s = the "
+                        "median of its runs; CUDA graphs: the engine's default"}
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-quant-") as tmp:
+        path = f"{tmp}/random-{args.gpu_shape}-{args.gpu_qtype}.gguf"
+        t0 = time.perf_counter()
+        res["file_tensor_bytes"] = write_random_gguf(path, GGMLQuantizationType[args.gpu_qtype], **shape,
+                                                     tied=False, context_length=4096)
+        res["write_s"] = round(time.perf_counter() - t0, 1)
+        tokenizer = f"{tmp}/bytes"  # the random model has no tokenizer: byte-level, token-id prompts
+        os.mkdir(tokenizer)
+        res["modes"] = {mode: {"single_runs": [], "batch16_runs": [], "start_s": []} for mode in ("dequantize", "packed")}
+
+        async def one_engine(mode: str, entry: dict) -> None:
+            t0 = time.perf_counter()
+            engine = await start_engine(path, mode, dtype, args.threads, 16, device=device, tokenizer=tokenizer)
+            entry["start_s"].append(round(time.perf_counter() - t0, 1))
+            try:
+                entry["weight_bytes"] = engine.core.runner.weight_bytes
+                entry["single_runs"].append(round(await decode_tok_s(engine, 1, tokens[0], True), 2))
+                entry["batch16_runs"].append(round(await decode_tok_s(engine, 16, tokens[1], True), 2))
+            finally:
+                await engine.aclose()
+
+        for _ in range(repeats):  # modes in turn: a burst of other load lands on both
+            for mode, entry in res["modes"].items():
+                asyncio.run(one_engine(mode, entry))
+                if cuda:
+                    torch.cuda.empty_cache()
+    for entry in res["modes"].values():
+        entry["single_tok_s"] = float(np.median(entry["single_runs"]))
+        entry["batch16_tok_s"] = float(np.median(entry["batch16_runs"]))
+    base, packed = res["modes"]["dequantize"], res["modes"]["packed"]
+    res["packed_over_dequantize"] = {
+        "single": round(packed["single_tok_s"] / base["single_tok_s"], 2),
+        "batch16": round(packed["batch16_tok_s"] / base["batch16_tok_s"], 2),
+        "weight_bytes": round(packed["weight_bytes"] / base["weight_bytes"], 3)}
+    return res
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs; 8b: one layer, two types")
@@ -244,7 +339,12 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="also the SmolLM2 GGUF end to end (CPU)")
     parser.add_argument("--engine-only", action="store_true", help="only the end-to-end engine runs")
     parser.add_argument("--engine-repeats", type=int, default=None,
-                        help="end-to-end runs per setting, taken in turn (default 3; 1 with --quick)")
+                        help="end-to-end runs per setting, taken in turn (default 3; 1 with --quick; "
+                             "2 with --engine-gpu)")
+    parser.add_argument("--engine-gpu", action="store_true",
+                        help="only the GPU decode goal: a random Q4 GGUF, packed vs dequantized (CPU: a tiny dry run)")
+    parser.add_argument("--gpu-shape", default="8b", choices=sorted(GPU_SHAPES), help="--engine-gpu's Llama shape")
+    parser.add_argument("--gpu-qtype", default="Q4_0", choices=sorted(QUANT_TYPES), help="--engine-gpu's blocks")
     args = parser.parse_args()
     from kvstrata.logs import configure_logging
 
@@ -261,7 +361,9 @@ def main() -> None:
         "sets": {},
     }
     result["load"] = os.getloadavg()  # other work on the host, at the start
-    for set_name in () if args.engine_only else SETS:
+    if args.engine_gpu:
+        result["engine_gpu"] = bench_engine_gpu(args)
+    for set_name in () if args.engine_only or args.engine_gpu else SETS:
         types = QUICK_8B["types"] if set_name == "8b" and args.quick else tuple(QUANT_TYPES)
         result["sets"][set_name] = {qtype: bench_set(set_name, qtype, args) for qtype in types}
     if args.engine or args.engine_only:

@@ -3,18 +3,23 @@
 #   1. the compiled-kernel and CUDA tests (pytest -m gpu, and the CUDA-stream tier oracle)
 #   2. the HF oracle with the engine on CUDA: CUDA graphs on, graphs off, fused kernels on,
 #      split-K decode attention on; each also with pipelined steps (mode "pipelined")
-#   3. tools/bench_gpu.py (end to end) and the kernel benchmarks
+#   3. quantized weights on CUDA (issue 26): packed GGUF engines against dequantized ones
+#      (tests/model_gguf/test_gguf_packed_gpu.py), and the decode goal on a random 8B-shape
+#      Q4_0 GGUF (tools/bench_quant.py --engine-gpu: packed vs bf16-dequantized, batch 1 and 16)
+#   4. tools/bench_gpu.py (end to end) and the kernel benchmarks
 # Each stage has its own time limit and writes its log (and JSON) under $OUT
 # (default ./gpu_out), so a stage that fails or runs long does not hide the
 # others. Missing Python packages can be put in .whl/ as wheels (see
 # docs/ARCHITECTURE.md, "Running on a GPU").
 #
-#   bash tools/gpu_check.sh [stages]    stages: tests,oracle,bench,kernels (default all);
+#   bash tools/gpu_check.sh [stages]    stages: tests,quant,oracle,bench,kernels (default all);
 #                                       oracle_graphs, oracle_eager, oracle_fused, oracle_split: one oracle run
+# The limits add up to more than one 10-minute device call: run it in two, e.g.
+# "tests,quant,oracle_graphs" then "oracle_split,bench,kernels".
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
-STAGES="${1:-tests,oracle,bench,kernels}"
+STAGES="${1:-tests,quant,oracle,bench,kernels}"
 PY="${PYTHON:-python3}"
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -41,6 +46,12 @@ if has tests; then
   KVSTRATA_TEST_DEVICE=cuda stage pipelined_steps 90 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio \
     tests/enginecore/test_pipelined_steps.py
   stage cuda_tier_oracle 90 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio tests/connector/test_oracle_tiers.py -k cuda
+fi
+if has quant; then
+  stage quant_engine 150 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio tests/model_gguf/test_gguf_packed_gpu.py
+  TAIL=3 stage bench_quant_gpu "${QUANT_S:-300}" sh -c \
+    "$PY tools/bench_quant.py --engine-gpu --engine-repeats 1 > '$OUT/bench_quant_gpu.json'"
+  cat "$OUT/bench_quant_gpu.json"
 fi
 ORACLE="tests/enginecore/test_oracle.py"
 if has oracle || has oracle_graphs; then
