@@ -249,6 +249,32 @@ class KVStreams:
         self._loaded[layer] = event
         return self._track(KVTransfer(event, (*host_chunks, staging, dev_slots), None))
 
+    def load_all_segments(self, host_chunks: Sequence[torch.Tensor], kv_caches,
+                          slot_mapping: torch.Tensor) -> KVTransfer:
+        """:meth:`load_all` for S chunks at once: ``host_chunks`` S tensors
+        [L, 2, n, Hkv, D] (one n) into the S * n slots of ``slot_mapping``.
+        On CUDA: one non-blocking copy per chunk into a device staging buffer
+        and one scatter launch, on the load stream."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
+        check_kv_caches(kv_caches)
+        key0 = kv_caches[0][0]
+        n = self._check_segments(host_chunks, (self.num_layers, 2), key0, slot_mapping)
+        if self._load is None:
+            for i, chunk in enumerate(host_chunks):
+                scatter_kv(chunk, kv_caches, slot_mapping[i * n:(i + 1) * n])
+            return KVTransfer(None, (), None)
+        self._load.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._load):
+            staging = torch.empty((len(host_chunks), *host_chunks[0].shape), dtype=key0.dtype, device=self.device)
+            torch._foreach_copy_(list(staging.unbind(0)), list(host_chunks), non_blocking=True)
+            dev_slots = self._on_side_stream(slot_mapping, self._load)
+            scatter_kv_segments(staging, kv_caches, dev_slots)
+            event = torch.cuda.Event()
+            event.record(self._load)
+        self._loaded = [event] * self.num_layers
+        return self._track(KVTransfer(event, (*host_chunks, staging, dev_slots), None))
+
     def wait_layer_loaded(self, layer: int) -> None:
         """Make the compute stream wait for the pending load of ``layer`` (no-op if none).
 
@@ -352,6 +378,31 @@ class KVStreams:
             event = torch.cuda.Event()
             event.record(self._store)
         return self._track(KVTransfer(event, (host_out, staging, dev_slots), host_out))
+
+    def store_all_segments(self, kv_caches, slot_mapping: torch.Tensor,
+                           host_outs: Sequence[torch.Tensor]) -> KVTransfer:
+        """:meth:`store_all` for S chunks at once: the S * n slots into
+        ``host_outs`` (S contiguous tensors [L, 2, n, Hkv, D]). On CUDA: one
+        gather launch into a device staging buffer and one non-blocking copy
+        per chunk, on the store stream. Read the buffers once it is done."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
+        check_kv_caches(kv_caches)
+        n = self._check_segments(host_outs, (self.num_layers, 2), kv_caches[0][0], slot_mapping)
+        if self._store is None:
+            for i, out in enumerate(host_outs):
+                gather_kv(kv_caches, slot_mapping[i * n:(i + 1) * n], out=out)
+            return KVTransfer(None, (), None)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store):
+            dev_slots = self._on_side_stream(slot_mapping, self._store)
+            self._store.wait_event(written)
+            staging = gather_kv_segments(kv_caches, dev_slots, len(host_outs), max_programs=self.store_programs)
+            torch._foreach_copy_(list(host_outs), list(staging.unbind(0)), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._store)
+        return self._track(KVTransfer(event, (*host_outs, staging, dev_slots), None))
 
     # ---- bookkeeping -----------------------------------------------------------
 

@@ -145,6 +145,36 @@ def test_batched_layer_transfers_equal_the_per_chunk_ones(layout):
     assert make("per_layer")[3].batched  # None: on for a CPU cache
 
 
+def _bulk_step(buffers) -> OffloadMetadata:
+    """Bulk loads of two requests (one with a short last chunk) and bulk
+    saves of three chunks of two requests, in one step."""
+    g = torch.Generator().manual_seed(4)
+    for h, n in ((1, 8), (2, 8), (3, 4)):
+        buffers[h] = torch.randn((L, 2, n, H, D), generator=g)
+    for h, n in ((4, 8), (5, 4), (6, 8)):
+        buffers[h] = torch.zeros((L, 2, n, H, D))
+    return OffloadMetadata(
+        step=1,
+        bulk_loads=[RequestTransfer("a", [ChunkTransfer(1, [0, 1], 0, 8), ChunkTransfer(3, [4], 0, 3)]),
+                    RequestTransfer("b", [ChunkTransfer(2, [2, 3], 1, 8)])],
+        bulk_saves=[RequestTransfer("c", [ChunkTransfer(4, [6, 7], 0, 8), ChunkTransfer(5, [8], 0, 4)]),
+                    RequestTransfer("d", [ChunkTransfer(6, [9, 10], 2, 8)])],
+        finishing=["c", "d"])
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer"])
+def test_batched_bulk_transfers_equal_the_per_chunk_ones(layout):
+    results = []
+    for batched in (False, True):
+        backing, _, buffers, worker = make(layout, batched)
+        (sending, recving), invalid, report = run_step(worker, _bulk_step(buffers))
+        assert (sending, recving, invalid) == ({"c", "d"}, {"a", "b"}, set()) and report.failed == []
+        assert sorted(report.loaded) == [1, 2, 3] and sorted(report.saved) == [4, 5, 6]
+        results.append((backing, buffers[4], buffers[5], buffers[6]))
+    for per_chunk, batched in zip(*results, strict=True):
+        assert torch.equal(per_chunk, batched)
+
+
 def test_a_failed_batch_fails_every_chunk_in_it():
     _, _, buffers, worker = make("per_layer", batched=True)
     meta = _mixed_step(buffers)

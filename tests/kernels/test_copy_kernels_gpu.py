@@ -242,3 +242,30 @@ def test_layer_segments_store_then_load_on_busy_streams(device_slots):
     streams.synchronize()
     assert streams.num_inflight() == 0
     del busy
+
+
+def test_all_layer_segments_store_then_load():
+    """Bulk transfers of S chunks in one launch each way: every chunk holds
+    its slots' K/V of all layers, and loading them back elsewhere writes
+    what the per-chunk loads write."""
+    backing, caches = _caches("cross_layer", num_blocks=300)
+    streams = KVStreams("cuda", num_layers=L)
+    s, n = 3, 200
+    slots = _slots(s * n, 300, seed=7)
+    outs = [streams.alloc_host((L, 2, n, H, D), torch.bfloat16) for _ in range(s)]
+    streams.store_all_segments(caches, slots.cpu(), outs)
+    streams.synchronize()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, gather_kv(caches, slots[i * n:(i + 1) * n], impl="torch").cpu())
+    target = _slots(s * n, 300, seed=8)
+    expected = backing.clone()
+    ref = _views(expected, "cross_layer")
+    for i, out in enumerate(outs):
+        scatter_kv(out.cuda(), ref, target[i * n:(i + 1) * n], impl="torch")
+    streams.load_all_segments(outs, caches, target)
+    for layer in range(L):
+        streams.wait_layer_loaded(layer)
+    torch.cuda.synchronize()
+    assert torch.equal(backing, expected)
+    streams.synchronize()
+    assert streams.num_inflight() == 0

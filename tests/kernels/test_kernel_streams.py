@@ -82,6 +82,27 @@ def test_layer_segments_are_the_per_chunk_calls(num_chunks):
     assert torch.equal(backing, expected)
 
 
+@pytest.mark.parametrize("layout", ["per_layer", "cross_layer"])
+def test_all_layer_segments_are_the_per_chunk_calls(layout):
+    backing, caches = _caches(layout)
+    streams = KVStreams("cpu", num_layers=2)
+    slots = torch.tensor([7, 2, -1, 9, 0, 1])
+    outs = [streams.alloc_host((2, 2, 3, 2, 8), torch.float32) for _ in range(2)]
+    assert streams.store_all_segments(caches, slots, outs).done()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, gather_kv(caches, slots[3 * i:3 * i + 3], impl="torch"))
+    expected = backing.clone()
+    target = torch.tensor([19, 4, 5, -1, 12, 13])
+    views = ([(expected[i, 0], expected[i, 1]) for i in range(2)] if layout == "per_layer"
+             else [(expected[:, i, 0], expected[:, i, 1]) for i in range(2)])
+    for i, out in enumerate(outs):
+        streams.load_all(out + 1, views, target[3 * i:3 * i + 3])
+    streams.load_all_segments([out + 1 for out in outs], caches, target)
+    assert torch.equal(backing, expected)
+    with pytest.raises(ValueError, match="host chunk must have shape"):
+        streams.store_all_segments(caches, slots, [outs[0], torch.empty((2, 2, 2, 2, 8))])
+
+
 def test_layer_segment_arguments_raise():
     _, caches = _caches()
     streams = KVStreams("cpu", num_layers=2)

@@ -18,7 +18,9 @@ on CUDA, inline on CPU)::
 Layer loads and saves go one ``KVStreams`` call per chunk and layer, or,
 with ``batched_layer_transfers`` (default on for a CPU cache), one call per
 layer for all of a step's chunks of one length (``_Batch``: their slots
-joined, copied to the device once per step).
+joined, copied to the device once per step); bulk saves likewise one call
+for the step's chunks of a length, bulk loads one per request and length. A
+batch that raises fails every chunk in it.
 
 A transfer that raises is reported failed: a failed load's blocks go to
 ``get_block_ids_with_load_errors`` (the scheduler recomputes them), a failed
@@ -113,9 +115,13 @@ class OffloadWorker:
         if self.kv_caches is None or self.streams is None:
             raise RuntimeError("register_kv_caches() must be called before the first step")
         t0 = time.perf_counter()
-        for rt in meta.bulk_saves:
-            for ch in rt.chunks:
-                self._bulk_save(self._xfer(ch, rt.req_id))
+        saves = [self._xfer(ch, rt.req_id) for rt in meta.bulk_saves for ch in rt.chunks]
+        if self.batched:
+            for b in self._batches(saves):
+                self._bulk_save_batch(b)
+        else:
+            for x in saves:
+                self._bulk_save(x)
         if meta.bulk_saves and self.streams.is_cuda:
             # Blocks just read may be reloaded or rewritten by this step.
             torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.store_stream)
@@ -172,11 +178,29 @@ class OffloadWorker:
             log.exception("kv_save_failed", request_id=x.req_id)
             self._failed.add(x.handle)
 
+    def _bulk_save_batch(self, b: _Batch) -> None:
+        try:
+            self.streams.store_all_segments(self.kv_caches, b.slots, [x.buf for x in b.xfers])
+            self._saved.extend(x.handle for x in b.xfers)
+        except Exception:
+            log.exception("kv_save_failed", chunks=len(b.xfers))
+            self._failed.update(x.handle for x in b.xfers)
+
     def _bulk_load(self, rt: RequestTransfer) -> None:
         t0 = time.perf_counter()
         self._invalid.update(rt.failed_block_ids)
-        for ch in rt.chunks:
-            x = self._xfer(ch, rt.req_id)
+        xfers = [self._xfer(ch, rt.req_id) for ch in rt.chunks]
+        if self.batched:  # the request's chunks of one length in one call
+            for b in self._batches(xfers):
+                try:
+                    self.streams.load_all_segments([x.buf for x in b.xfers], self.kv_caches, b.slots)
+                    self._loaded.extend(x.handle for x in b.xfers)
+                except Exception:
+                    log.exception("kv_load_failed", request_id=rt.req_id, chunks=len(b.xfers))
+                    for x in b.xfers:
+                        self._load_failed(x)
+            xfers = []
+        for x in xfers:
             try:
                 self.streams.load_all(x.buf, self.kv_caches, x.slots)
                 self._loaded.append(x.handle)
