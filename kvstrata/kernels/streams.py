@@ -51,7 +51,7 @@ whenever the forward is host-bound.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 import torch
@@ -189,33 +189,8 @@ class KVStreams:
         if self._load is None:
             scatter_kv_layer(host_chunk, key_cache, value_cache, slot_mapping)
             return KVTransfer(None, (), None)
-        self._load.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._load):
-            dev_chunk = self._on_side_stream(host_chunk, self._load)
-            dev_slots = self._on_side_stream(slot_mapping, self._load)
-            scatter_kv_layer(dev_chunk, key_cache, value_cache, dev_slots)
-            event = torch.cuda.Event()
-            event.record(self._load)
-        self._loaded[layer] = event
-        return self._track(KVTransfer(event, (host_chunk, dev_chunk, dev_slots), None))
-
-    def load_all(self, host_chunk: torch.Tensor, kv_caches, slot_mapping: torch.Tensor) -> KVTransfer:
-        """Copy ``host_chunk`` [L, 2, n, Hkv, D] into every layer's slots on the
-        load stream; every layer's :meth:`wait_layer_loaded` orders after it."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
-        if self._load is None:
-            scatter_kv(host_chunk, kv_caches, slot_mapping)
-            return KVTransfer(None, (), None)
-        self._load.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._load):
-            dev_chunk = self._on_side_stream(host_chunk, self._load)
-            dev_slots = self._on_side_stream(slot_mapping, self._load)
-            scatter_kv(dev_chunk, kv_caches, dev_slots)
-            event = torch.cuda.Event()
-            event.record(self._load)
-        self._loaded = [event] * self.num_layers
-        return self._track(KVTransfer(event, (host_chunk, dev_chunk, dev_slots), None))
+        return self._load_on_side([host_chunk], slot_mapping, layer, lambda dev, slots: scatter_kv_layer(
+            dev[0], key_cache, value_cache, slots))
 
     def load_layer_segments(
         self,
@@ -228,26 +203,27 @@ class KVStreams:
         """:meth:`load_layer` for S chunks at once: ``host_chunks`` S tensors
         [2, n, Hkv, D] (one n), ``slot_mapping`` their S * n slots in order.
         On CUDA: one non-blocking copy per chunk into a device staging buffer
-        [S, 1, 2, n, Hkv, D] and one scatter launch (not S launches), on the
+        [S, 2, n, Hkv, D] and one scatter launch (not S launches), on the
         load stream. On CPU: the chunks joined and scattered in one call."""
         self._check_layer(layer)
         check_cache_pair(key_cache, value_cache)
-        n = self._check_segments(host_chunks, (2,), key_cache, slot_mapping)
+        self._check_segments(host_chunks, (2,), key_cache, slot_mapping)
         if self._load is None:
             chunk = host_chunks[0] if len(host_chunks) == 1 else torch.cat(list(host_chunks), dim=1)
             scatter_kv_layer(chunk, key_cache, value_cache, slot_mapping)
             return KVTransfer(None, (), None)
-        self._load.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._load):
-            staging = torch.empty((len(host_chunks), 1, 2, n, *key_cache.shape[2:]), dtype=key_cache.dtype,
-                                  device=self.device)
-            torch._foreach_copy_(list(staging[:, 0].unbind(0)), list(host_chunks), non_blocking=True)
-            dev_slots = self._on_side_stream(slot_mapping, self._load)
-            scatter_kv_segments(staging, [(key_cache, value_cache)], dev_slots)
-            event = torch.cuda.Event()
-            event.record(self._load)
-        self._loaded[layer] = event
-        return self._track(KVTransfer(event, (*host_chunks, staging, dev_slots), None))
+        return self._load_on_side(host_chunks, slot_mapping, layer, lambda dev, slots: scatter_kv_segments(
+            dev.unsqueeze(1), [(key_cache, value_cache)], slots))
+
+    def load_all(self, host_chunk: torch.Tensor, kv_caches, slot_mapping: torch.Tensor) -> KVTransfer:
+        """Copy ``host_chunk`` [L, 2, n, Hkv, D] into every layer's slots on the
+        load stream; every layer's :meth:`wait_layer_loaded` orders after it."""
+        self._check_all(kv_caches)
+        if self._load is None:
+            scatter_kv(host_chunk, kv_caches, slot_mapping)
+            return KVTransfer(None, (), None)
+        return self._load_on_side([host_chunk], slot_mapping, None,
+                                  lambda dev, slots: scatter_kv(dev[0], kv_caches, slots))
 
     def load_all_segments(self, host_chunks: Sequence[torch.Tensor], kv_caches,
                           slot_mapping: torch.Tensor) -> KVTransfer:
@@ -255,25 +231,14 @@ class KVStreams:
         [L, 2, n, Hkv, D] (one n) into the S * n slots of ``slot_mapping``.
         On CUDA: one non-blocking copy per chunk into a device staging buffer
         and one scatter launch, on the load stream."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
-        check_kv_caches(kv_caches)
-        key0 = kv_caches[0][0]
-        n = self._check_segments(host_chunks, (self.num_layers, 2), key0, slot_mapping)
+        self._check_all(kv_caches)
+        n = self._check_segments(host_chunks, (self.num_layers, 2), kv_caches[0][0], slot_mapping)
         if self._load is None:
             for i, chunk in enumerate(host_chunks):
                 scatter_kv(chunk, kv_caches, slot_mapping[i * n:(i + 1) * n])
             return KVTransfer(None, (), None)
-        self._load.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._load):
-            staging = torch.empty((len(host_chunks), *host_chunks[0].shape), dtype=key0.dtype, device=self.device)
-            torch._foreach_copy_(list(staging.unbind(0)), list(host_chunks), non_blocking=True)
-            dev_slots = self._on_side_stream(slot_mapping, self._load)
-            scatter_kv_segments(staging, kv_caches, dev_slots)
-            event = torch.cuda.Event()
-            event.record(self._load)
-        self._loaded = [event] * self.num_layers
-        return self._track(KVTransfer(event, (*host_chunks, staging, dev_slots), None))
+        return self._load_on_side(host_chunks, slot_mapping, None,
+                                  lambda dev, slots: scatter_kv_segments(dev, kv_caches, slots))
 
     def wait_layer_loaded(self, layer: int) -> None:
         """Make the compute stream wait for the pending load of ``layer`` (no-op if none).
@@ -308,16 +273,8 @@ class KVStreams:
         if self._store is None:
             gather_kv_layer(key_cache, value_cache, slot_mapping, out=host_out)
             return KVTransfer(None, (), host_out)
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._store):
-            dev_slots = self._on_side_stream(slot_mapping, self._store)
-            self._store.wait_event(written)
-            staging = gather_kv_layer(key_cache, value_cache, dev_slots, max_programs=self.store_programs)
-            host_out.copy_(staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._store)
-        return self._track(KVTransfer(event, (host_out, staging, dev_slots), host_out))
+        return self._store_on_side(slot_mapping, [host_out], lambda slots: gather_kv_layer(
+            key_cache, value_cache, slots, max_programs=self.store_programs).unsqueeze(0))
 
     def store_layer_segments(
         self,
@@ -344,23 +301,12 @@ class KVStreams:
                 for i, out in enumerate(host_outs):
                     out.copy_(gathered[:, i * n:(i + 1) * n])
             return KVTransfer(None, (), None)
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._store):
-            dev_slots = self._on_side_stream(slot_mapping, self._store)
-            self._store.wait_event(written)
-            staging = gather_kv_segments([(key_cache, value_cache)], dev_slots, len(host_outs),
-                                         max_programs=self.store_programs)
-            torch._foreach_copy_(list(host_outs), list(staging[:, 0].unbind(0)), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._store)
-        return self._track(KVTransfer(event, (*host_outs, staging, dev_slots), None))
+        return self._store_on_side(slot_mapping, host_outs, lambda slots: gather_kv_segments(
+            [(key_cache, value_cache)], slots, len(host_outs), max_programs=self.store_programs)[:, 0])
 
     def store_all(self, kv_caches, slot_mapping: torch.Tensor, host_out: torch.Tensor | None = None) -> KVTransfer:
         """Like :meth:`store_layer` for every layer at once: host chunk [L, 2, n, Hkv, D]."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
-        check_kv_caches(kv_caches)
+        self._check_all(kv_caches)
         check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
         key0 = kv_caches[0][0]
         shape = (self.num_layers, 2, slot_mapping.shape[0], key0.shape[2], key0.shape[3])
@@ -368,16 +314,8 @@ class KVStreams:
         if self._store is None:
             gather_kv(kv_caches, slot_mapping, out=host_out)
             return KVTransfer(None, (), host_out)
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._store):
-            dev_slots = self._on_side_stream(slot_mapping, self._store)
-            self._store.wait_event(written)
-            staging = gather_kv(kv_caches, dev_slots, max_programs=self.store_programs)
-            host_out.copy_(staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._store)
-        return self._track(KVTransfer(event, (host_out, staging, dev_slots), host_out))
+        return self._store_on_side(slot_mapping, [host_out], lambda slots: gather_kv(
+            kv_caches, slots, max_programs=self.store_programs).unsqueeze(0))
 
     def store_all_segments(self, kv_caches, slot_mapping: torch.Tensor,
                            host_outs: Sequence[torch.Tensor]) -> KVTransfer:
@@ -385,24 +323,61 @@ class KVStreams:
         ``host_outs`` (S contiguous tensors [L, 2, n, Hkv, D]). On CUDA: one
         gather launch into a device staging buffer and one non-blocking copy
         per chunk, on the store stream. Read the buffers once it is done."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
-        check_kv_caches(kv_caches)
+        self._check_all(kv_caches)
         n = self._check_segments(host_outs, (self.num_layers, 2), kv_caches[0][0], slot_mapping)
         if self._store is None:
             for i, out in enumerate(host_outs):
                 gather_kv(kv_caches, slot_mapping[i * n:(i + 1) * n], out=out)
             return KVTransfer(None, (), None)
+        return self._store_on_side(slot_mapping, host_outs, lambda slots: gather_kv_segments(
+            kv_caches, slots, len(host_outs), max_programs=self.store_programs))
+
+    # ---- the side streams' part (CUDA) ------------------------------------------
+
+    def _load_on_side(self, host_chunks: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layer: int | None,
+                      scatter: Callable[[torch.Tensor, torch.Tensor], None]) -> KVTransfer:
+        """On the load stream, after the compute stream's work so far: the
+        chunks to the device as [S, ...] (one non-blocking copy each) and
+        ``scatter(staging, device slots)``; ``layer``'s wait (None: every
+        layer's) orders after it."""
+        self._load.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._load):
+            if len(host_chunks) == 1:
+                staging = self._on_side_stream(host_chunks[0], self._load).unsqueeze(0)
+            else:
+                first = host_chunks[0]
+                staging = torch.empty((len(host_chunks), *first.shape), dtype=first.dtype, device=self.device)
+                torch._foreach_copy_(list(staging.unbind(0)), list(host_chunks), non_blocking=True)
+            dev_slots = self._on_side_stream(slot_mapping, self._load)
+            scatter(staging, dev_slots)
+            event = torch.cuda.Event()
+            event.record(self._load)
+        if layer is None:
+            self._loaded = [event] * self.num_layers
+        else:
+            self._loaded[layer] = event
+        return self._track(KVTransfer(event, (*host_chunks, staging, dev_slots), None))
+
+    def _store_on_side(self, slot_mapping: torch.Tensor, host_outs: Sequence[torch.Tensor],
+                       gather: Callable[[torch.Tensor], torch.Tensor]) -> KVTransfer:
+        """On the store stream, after the compute stream's work so far (the
+        writes of what is stored): ``gather(device slots)`` -> [S, ...] on the
+        device, row s copied into ``host_outs[s]`` non-blocking. ``result``:
+        the one host buffer of a single-chunk store."""
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._store):
             dev_slots = self._on_side_stream(slot_mapping, self._store)
             self._store.wait_event(written)
-            staging = gather_kv_segments(kv_caches, dev_slots, len(host_outs), max_programs=self.store_programs)
-            torch._foreach_copy_(list(host_outs), list(staging.unbind(0)), non_blocking=True)
+            staging = gather(dev_slots)
+            if len(host_outs) == 1:
+                host_outs[0].copy_(staging[0], non_blocking=True)
+            else:
+                torch._foreach_copy_(list(host_outs), list(staging.unbind(0)), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._store)
-        return self._track(KVTransfer(event, (*host_outs, staging, dev_slots), None))
+        return self._track(KVTransfer(event, (*host_outs, staging, dev_slots),
+                                      host_outs[0] if len(host_outs) == 1 else None))
 
     # ---- bookkeeping -----------------------------------------------------------
 
@@ -436,6 +411,11 @@ class KVStreams:
             if not host_out.is_pinned():  # still correct, but each copy then blocks this thread
                 log.warning("kv_store_host_buffer_not_pinned", shape=list(shape))
         return host_out
+
+    def _check_all(self, kv_caches) -> None:
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
+        check_kv_caches(kv_caches)
 
     def _check_segments(self, chunks: Sequence[torch.Tensor], lead: tuple[int, ...], cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> int:
