@@ -33,7 +33,8 @@ boundaries only; the model step is the engine's (AsyncEngine.generate).
     tiers                  tools/bench_tiers.py's workload (12 chats x 5 turns, 3k-token first
                            turns, concurrency 4, working set 3x the pool): later-turn TTFT p50,
                            recompute vs device + CPU tier, the tier's layer transfers per chunk
-                           (the CUDA default) and batched per layer (batched_layer_transfers)
+                           (the CUDA default) and batched per layer (batched_layer_transfers); the
+                           connector's default 256-token chunks on CUDA
 
 graphs_off is ``model.cuda_graphs=False`` (the eager baseline), graphs_on
 ``True``, pipelined graphs on with async scheduling and
@@ -76,6 +77,7 @@ from typing import Any
 import torch
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstrata.connector.offload.options import OffloadOptions
 from kvstrata.enginecore.async_engine import AsyncEngine, run
 from kvstrata.logs import configure_logging
 from kvstrata.types import SamplingParams
@@ -915,6 +917,9 @@ async def section_tiers(b: Bench) -> dict:
     argv = ["--model", str(b.model_dir), "--dtype", b.dtype, "--device", b.device,
             *(x for k, v in t.items() for x in (f"--{k.replace('_', '-')}", str(v))),
             "--working-set-ratio", str(b.counts.tiers_working_set_ratio),
+            # the connector's default chunk (bench_tiers' own 64 keeps CPU runs small): a 3k-token
+            # history is 12 chunks, not 48, each a host copy per layer on the CUDA load path
+            "--chunk-size", str(OffloadOptions().chunk_size if b.cuda else 64),
             "--cpu-mib", str(max(48, int(ws_bytes * 1.5) >> 20)), "--disk-mib", str(max(64, int(ws_bytes * 2) >> 20)),
             "--max-batched-tokens", str(b.counts.max_batched_tokens), "--modes", "none,tiers,tiers-batched"]
     b.engines_started += 3
