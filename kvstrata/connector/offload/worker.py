@@ -50,8 +50,9 @@ class _Xfer:
 
 
 class _Batch:
-    """A step's layer transfers of one chunk length, moved together: one
-    ``KVStreams`` call per layer. ``slots``: theirs in order, on the device."""
+    """A step's transfers of one chunk length, moved together: one
+    ``KVStreams`` call (per layer, for layer transfers). ``slots``: theirs
+    in order, on the device."""
 
     __slots__ = ("xfers", "slots", "alive")
 
