@@ -180,12 +180,16 @@ ENGINE_SETTINGS = (("dequantize", "float32"), ("packed", "float32"), ("packed", 
 
 async def start_engine(path: str, mode: str, dtype: str, threads: int | None, max_batch: int, *,
                        device: str = "cpu", tokenizer: str | None = None):
-    from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+    from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from kvstrata.enginecore import AsyncEngine
 
+    # graphs only for the batch sizes measured (fewer captures and kernel compiles at start)
+    sizes = [s for s in (1, 2, 4, 8, 16, 32) if s <= max_batch] if device == "cuda" else None
     cfg = EngineConfig(model=ModelConfig(model=path, max_model_len=512, quantized_weights=mode, dtype=dtype,
-                                         num_threads=threads, tokenizer=tokenizer),
-                       device=device, cache=CacheConfig(num_blocks=64 + 8 * max_batch), log_level="WARNING")
+                                         num_threads=threads, tokenizer=tokenizer, cuda_graph_sizes=sizes),
+                       scheduler=SchedulerConfig(max_num_seqs=16) if device == "cuda" else SchedulerConfig(),
+                       device=device,
+                       cache=CacheConfig(num_blocks=64 + 8 * max_batch), log_level="WARNING")
     return await AsyncEngine.start(cfg)
 
 
