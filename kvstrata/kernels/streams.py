@@ -231,7 +231,7 @@ class KVStreams:
         [L, 2, n, Hkv, D] (one n) into the S * n slots of ``slot_mapping``.
         On CUDA: one non-blocking copy per chunk into a device staging buffer
         and one scatter launch, on the load stream."""
-        self._check_all(kv_caches)
+        self._check_all(kv_caches, pairs=True)
         n = self._check_segments(host_chunks, (self.num_layers, 2), kv_caches[0][0], slot_mapping)
         if self._load is None:
             for i, chunk in enumerate(host_chunks):
@@ -306,7 +306,7 @@ class KVStreams:
 
     def store_all(self, kv_caches, slot_mapping: torch.Tensor, host_out: torch.Tensor | None = None) -> KVTransfer:
         """Like :meth:`store_layer` for every layer at once: host chunk [L, 2, n, Hkv, D]."""
-        self._check_all(kv_caches)
+        self._check_all(kv_caches, pairs=True)
         check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
         key0 = kv_caches[0][0]
         shape = (self.num_layers, 2, slot_mapping.shape[0], key0.shape[2], key0.shape[3])
@@ -323,7 +323,7 @@ class KVStreams:
         ``host_outs`` (S contiguous tensors [L, 2, n, Hkv, D]). On CUDA: one
         gather launch into a device staging buffer and one non-blocking copy
         per chunk, on the store stream. Read the buffers once it is done."""
-        self._check_all(kv_caches)
+        self._check_all(kv_caches, pairs=True)
         n = self._check_segments(host_outs, (self.num_layers, 2), kv_caches[0][0], slot_mapping)
         if self._store is None:
             for i, out in enumerate(host_outs):
@@ -412,10 +412,13 @@ class KVStreams:
                 log.warning("kv_store_host_buffer_not_pinned", shape=list(shape))
         return host_out
 
-    def _check_all(self, kv_caches) -> None:
+    def _check_all(self, kv_caches, *, pairs: bool = False) -> None:
+        """Every layer given; ``pairs``: also check the caches here (the
+        kernel checks them again; the segment calls read their shape first)."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches must have {self.num_layers} layers, got {len(kv_caches)}")
-        check_kv_caches(kv_caches)
+        if pairs:
+            check_kv_caches(kv_caches)
 
     def _check_segments(self, chunks: Sequence[torch.Tensor], lead: tuple[int, ...], cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> int:

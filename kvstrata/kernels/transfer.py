@@ -53,18 +53,18 @@ def gather_kv(
     max_programs: int | None = None,
 ) -> torch.Tensor:
     """All layers' K/V at ``slot_mapping`` as one contiguous chunk [L, 2, n, Hkv, D]."""
+    dims = check_kv_caches(kv_caches)
     if out is not None:
-        _, _, h, d = check_kv_caches(kv_caches)
-        _check_chunk(out, (len(kv_caches), 2, _num_slots(slot_mapping), h, d), kv_caches[0][0], name="out")
+        _check_chunk(out, (len(kv_caches), 2, _num_slots(slot_mapping), *dims[2:]), kv_caches[0][0], name="out")
         out = out.unsqueeze(0)
-    return gather_kv_segments(kv_caches, slot_mapping, 1, out, impl=impl, max_programs=max_programs)[0]
+    return _gather(kv_caches, dims, slot_mapping, 1, out, impl, max_programs)[0]
 
 
 def scatter_kv(chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, *, impl: str = "auto") -> None:
     """Inverse of :func:`gather_kv`: write ``chunk`` [L, 2, n, Hkv, D] to the slots (in place)."""
-    _, _, h, d = check_kv_caches(kv_caches)
-    _check_chunk(chunk, (len(kv_caches), 2, _num_slots(slot_mapping), h, d), kv_caches[0][0])
-    scatter_kv_segments(chunk.unsqueeze(0), kv_caches, slot_mapping, impl=impl)
+    dims = check_kv_caches(kv_caches)
+    _check_chunk(chunk, (len(kv_caches), 2, _num_slots(slot_mapping), *dims[2:]), kv_caches[0][0])
+    _scatter(chunk.unsqueeze(0), kv_caches, dims, slot_mapping, impl)
 
 
 def gather_kv_segments(
@@ -78,7 +78,21 @@ def gather_kv_segments(
 ) -> torch.Tensor:
     """``num_segments`` chunks of all layers' K/V in one call: [S, L, 2, n, Hkv, D]
     with segment s the :func:`gather_kv` chunk of slots [s * n, (s + 1) * n)."""
-    nb, bs, h, d = check_kv_caches(kv_caches)
+    return _gather(kv_caches, check_kv_caches(kv_caches), slot_mapping, num_segments, out, impl, max_programs)
+
+
+def scatter_kv_segments(chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, *,
+                        impl: str = "auto") -> None:
+    """Inverse of :func:`gather_kv_segments`: write ``chunk`` [S, L, 2, n, Hkv, D]
+    to the S * n slots (in place)."""
+    dims = check_kv_caches(kv_caches)
+    check_tensor("chunk", chunk, 6, KV_DTYPES)
+    _scatter(chunk, kv_caches, dims, slot_mapping, impl)
+
+
+def _gather(kv_caches: KVCaches, dims: tuple[int, int, int, int], slot_mapping: torch.Tensor, num_segments: int,
+            out: torch.Tensor | None, impl: str, max_programs: int | None) -> torch.Tensor:
+    nb, bs, h, d = dims
     key0 = kv_caches[0][0]
     total = _check_slots(slot_mapping, key0, nb * bs)
     n = _segment_tokens(total, num_segments)
@@ -97,14 +111,11 @@ def gather_kv_segments(
     return out
 
 
-def scatter_kv_segments(chunk: torch.Tensor, kv_caches: KVCaches, slot_mapping: torch.Tensor, *,
-                        impl: str = "auto") -> None:
-    """Inverse of :func:`gather_kv_segments`: write ``chunk`` [S, L, 2, n, Hkv, D]
-    to the S * n slots (in place)."""
-    nb, bs, h, d = check_kv_caches(kv_caches)
+def _scatter(chunk: torch.Tensor, kv_caches: KVCaches, dims: tuple[int, int, int, int], slot_mapping: torch.Tensor,
+             impl: str) -> None:
+    nb, bs, h, d = dims
     key0 = kv_caches[0][0]
     total = _check_slots(slot_mapping, key0, nb * bs)
-    check_tensor("chunk", chunk, 6, KV_DTYPES)
     num_segments = chunk.shape[0]
     n = _segment_tokens(total, num_segments)
     _check_chunk(chunk, (num_segments, len(kv_caches), 2, n, h, d), key0)
