@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sm90 import compile_sm90  # noqa: E402
 
 from kvstrata.kernels._triton_attention import (  # noqa: E402
     MAX_SPLITS,
@@ -21,25 +20,7 @@ from kvstrata.kernels._triton_attention import (  # noqa: E402
     decode_plan,
 )
 
-TARGET = GPUTarget("cuda", 90, 32)
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-
-
-def _compile(raw, types: dict[str, str], consts: dict[str, object], div16: tuple[str, ...], **options):
-    fn = triton.jit(raw)
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
-    try:
-        source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    except TypeError:  # pragma: no cover - triton < 3.3 spells this API differently
-        pytest.skip("this triton's ASTSource takes no constexprs")
-    try:
-        return triton.compile(source, target=TARGET, options=options)
-    except RuntimeError as e:  # pragma: no cover - only without the bundled ptxas
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
 
 
 _DECODE_DIV16 = ("part_ptr", "lse_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr", "q_stride_t", "q_stride_h",
@@ -62,7 +43,7 @@ def test_decode_kernel_compiles_pipelined(dtype, q_heads, kv_heads, head_dim, wi
     consts = dict(NUM_KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim,
                   HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=16, BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, HAS_WINDOW=window, INTERPRETED=False)
-    kernel = _compile(_paged_decode_kernel, types, consts, _DECODE_DIV16, num_warps=plan.num_warps,
+    kernel = compile_sm90(_paged_decode_kernel, types, consts, div16=_DECODE_DIV16, num_warps=plan.num_warps,
                       num_stages=plan.num_stages)
     ptx = kernel.asm["ptx"]
     assert "cp.async" in ptx, "the KV loop must be software-pipelined (an scf.for, not a while)"
@@ -72,6 +53,6 @@ def test_combine_kernel_compiles():
     types = dict(out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32", num_splits="i32", o_stride_t="i32",
                  o_stride_h="i32")
     consts = dict(NUM_Q_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=MAX_SPLITS)
-    kernel = _compile(_combine_splits_kernel, types, consts, ("out_ptr", "part_ptr", "lse_ptr", "o_stride_t",
+    kernel = compile_sm90(_combine_splits_kernel, types, consts, div16=("out_ptr", "part_ptr", "lse_ptr", "o_stride_t",
                                                               "o_stride_h"), num_warps=4)
     assert "ld.global.v4.b32" in kernel.asm["ptx"]  # 16-byte reads of the fp32 partials

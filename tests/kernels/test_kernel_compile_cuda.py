@@ -15,27 +15,13 @@ import re
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sm90 import compile_sm90  # noqa: E402
 
 from kvstrata.kernels._triton_attention import _paged_attention_kernel  # noqa: E402
 from kvstrata.kernels._triton_cache_write import _reshape_and_cache_kernel  # noqa: E402
 from kvstrata.kernels._triton_transfer import _transfer_kernel  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-
-
-def _compile(raw, types: dict[str, str], consts: dict[str, object]):
-    fn = triton.jit(raw)
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    try:
-        return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=TARGET)
-    except RuntimeError as e:  # pragma: no cover - only without the bundled ptxas
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -49,7 +35,7 @@ def test_attention_kernel_compiles(dtype):
     if dtype == "bf16":  # one sequence, window 1: both specialised to constants by the launcher
         del types["num_seqs"], types["window"]
         consts.update(num_seqs=1, window=1)
-    kernel = _compile(_paged_attention_kernel, types, consts)
+    kernel = compile_sm90(_paged_attention_kernel, types, consts)
     assert "cubin" in kernel.asm
 
 
@@ -58,18 +44,8 @@ def test_attention_kernel_compiles(dtype):
 _COPY_DIV16 = ("cache_ptr", "chunk_ptr", "slot_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")
 
 
-def _compile_copy(raw, types, consts, div16=_COPY_DIV16):
-    fn = triton.jit(raw)
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16 if name in fn.arg_names}
-    try:
-        return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
-                              options=dict(num_warps=4, num_stages=1))
-    except RuntimeError as e:  # pragma: no cover - only without the bundled ptxas
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
+def _compile_copy(raw, types, consts):
+    return compile_sm90(raw, types, consts, div16=_COPY_DIV16, num_warps=4, num_stages=1)
 
 
 def _memory_ops(ptx: str, op: str) -> set[str]:

@@ -11,8 +11,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sm90 import compile_sm90  # noqa: E402
 
 from kvstrata.kernels._triton_quant import (  # noqa: E402
     QT_CODES,
@@ -24,7 +23,6 @@ from kvstrata.kernels._triton_quant import (  # noqa: E402
 )
 from kvstrata.kernels.quant import quant_type  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 
 _DT = {"bf16": tl.bfloat16, "fp32": tl.float32}
@@ -33,21 +31,12 @@ _DT = {"bf16": tl.bfloat16, "fp32": tl.float32}
 def _compile(qtype: str, tokens: int, n: int, k: int, dtype: str):
     t = tiles(tokens, n, k, interpreted=False)
     launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
-    fn = triton.jit(_quant_matmul_kernel)
     qt = quant_type(qtype)
     types = dict(x_ptr=f"*{dtype}", w_ptr="*u8", bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}", num_tokens="i32",
                  x_stride="i32", out_stride="i32")
     consts = dict(N=n, K=k, QT=QT_CODES[qtype], QK=qt.block, TS=qt.type_size, DOT_DT=_DT[dtype], HAS_BIAS=False,
                   F16=triton.jit(_f16), DEQUANT=triton.jit(_dequant_tile), **t)
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    try:
-        return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=TARGET,
-                              options=dict(**launch, **_LAUNCH_OPTIONS)), t
-    except RuntimeError as e:  # pragma: no cover - only without the bundled ptxas
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    return compile_sm90(_quant_matmul_kernel, types, consts, **launch, **_LAUNCH_OPTIONS), t
 
 
 @pytest.mark.parametrize("qtype", sorted(QT_CODES))
