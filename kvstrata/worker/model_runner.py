@@ -103,6 +103,18 @@ def check_max_model_len(requested: int | None, max_positions: int) -> int:
     return requested
 
 
+def warm_up_shapes(max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[list[int]]:
+    """The steps ``ModelRunner.warm_up`` runs, as query lengths per sequence:
+    a long prefill, an odd-length one, a mixed batch, and decode batches of
+    1, 2, 3, 8, 16 and up to 64 sequences (every token tile of the packed
+    GGUF matmul, ``kernels/_triton_quant.tiles``: 1, 2, 4, 8, 32, 64 rows);
+    those the limits allow."""
+    longest = min(max_num_tokens, max_model_len)
+    decode = (1, 2, 3, 8, 16, min(max_num_seqs, 64))
+    shapes = [[longest], [max(1, longest // 2) + 1], [17, 1, 33], *([1] * n for n in decode)]
+    return [q for q in shapes if sum(q) <= max_num_tokens and len(q) <= max_num_seqs]
+
+
 class ModelRunner:
     """Owns: the model weights, the paged KV cache tensors, the persistent
     batch (per-request tokens and block tables) and the sampler's generator."""
@@ -189,15 +201,12 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run the forward once on each kind of step shape with no real request
         (nothing written to the cache), so every Triton specialization is
-        compiled at start and no request pays a compile: a long prefill, a
-        mixed batch, and decode batches of one and many sequences."""
+        compiled at start and no request pays a compile (``warm_up_shapes``)."""
         t0 = time.perf_counter()
         b = self.batch
-        longest = min(b.max_num_tokens, self.max_model_len)
-        shapes = [[longest], [max(1, longest // 2) + 1], [17, 1, 33], [1], [1] * min(b.max_num_seqs, 64), [1] * 3]
+        shapes = warm_up_shapes(b.max_num_tokens, b.max_num_seqs, self.max_model_len)
         for q_lens in shapes:
-            if sum(q_lens) <= b.max_num_tokens and len(q_lens) <= b.max_num_seqs:
-                self._run_forward(b.dummy_inputs(q_lens))
+            self._run_forward(b.dummy_inputs(q_lens))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info("model_warmed_up", seconds=round(time.perf_counter() - t0, 2), shapes=len(shapes))

@@ -1,0 +1,32 @@
+"""``ModelRunner.warm_up`` (run at start on CUDA) covers every token tile of
+the packed GGUF matmul, so a decode batch of any size compiles nothing on the
+request path, with CUDA graphs off too (on, their captures cover the sizes)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from kvstrata.kernels._triton_quant import tiles  # noqa: E402
+from kvstrata.worker.model_runner import warm_up_shapes  # noqa: E402
+
+
+def _key(tokens: int, n: int, k: int) -> tuple:
+    return tuple(sorted(tiles(tokens, n, k, interpreted=False).items()))
+
+
+@pytest.mark.parametrize(("max_tokens", "max_seqs"), [(8192, 256), (2048, 64), (512, 16), (64, 8)])
+@pytest.mark.parametrize(("n", "k"), [(2560, 2048), (32000, 2048), (14336, 4096)])
+def test_every_decode_batch_size_has_its_quant_tiles_warmed(max_tokens, max_seqs, n, k):
+    shapes = warm_up_shapes(max_tokens, max_seqs, 4096)
+    assert all(sum(q) <= max_tokens and len(q) <= max_seqs for q in shapes)
+    warmed = {_key(sum(q), n, k) for q in shapes}
+    missing = [t for t in range(1, max_seqs + 1) if _key(t, n, k) not in warmed]
+    assert not missing, missing
+
+
+def test_prefill_shapes_come_first_and_fit_the_model():
+    shapes = warm_up_shapes(8192, 256, 2048)
+    assert shapes[0] == [2048] and shapes[1] == [1025] and [17, 1, 33] in shapes
+    assert [1] * 64 in shapes and [1] * 2 in shapes
