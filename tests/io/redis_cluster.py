@@ -130,6 +130,9 @@ class RedisClusterProcs:
 
     def kill(self, port: int) -> None:
         """SIGKILL one master (its slots become unreachable)."""
+        if port not in self.procs:  # seen once as a bare KeyError: name what was asked and what runs
+            raise RuntimeError(f"no running master on port {port}: running {sorted(self.procs)}, "
+                               f"cluster ports {self.ports}")
         proc = self.procs.pop(port)
         proc.kill()
         proc.wait()
@@ -161,7 +164,7 @@ class RedisClusterProcs:
                 lo, _, hi = rng.partition("-")
                 if int(lo) <= slot <= int(hi or lo):
                     return port
-        raise RuntimeError(f"no master owns slot {slot}")
+        raise RuntimeError(f"no master owns slot {slot} (cluster ports {self.ports})")
 
 
 def require_cluster_binaries() -> None:

@@ -124,15 +124,18 @@ async def test_a_killed_master_costs_only_its_keys_then_recovers(make_store, clu
     await put_all(store, ids)
     evict_l1(store, ids)
     owners = by_master(cluster, list(range(40)))
-    dead = cluster.master_of(rkey(0, "m").encode())
+    dead = next(port for port, owned in owners.items() if 0 in owned)  # one reading of the slot map
     lost = [i for i in ids if i in owners[dead]]
     kept = [i for i in ids if i not in owners[dead]]
     assert lost and kept
     cluster.kill(dead)
     with structlog.testing.capture_logs() as logs:
-        for _ in range(2):  # the first attempt finds the fault, the second skips the master
+        for attempt in range(2):  # the first attempt finds the fault, the second skips the master
             assert await get_ids(store, lost) == []
-            assert await get_ids(store, kept) == kept
+            got = await get_ids(store, kept)
+            # a rare flake read a live master's keys back empty here: say what the tier saw
+            assert got == kept, (attempt, got, dead, store.stats().tier(T), [
+                {k: e.get(k) for k in ("event", "tier", "error", "exc_info") if k in e} for e in logs])
     assert [e["tier"] for e in logs if e["event"] == "tier_unavailable"] == [f"{T}@127.0.0.1:{dead}"]
     new_dead = [i for i in owners[dead] if i >= 12][:2]
     new_live = [i for i in range(12, 40) if i not in owners[dead]][:2]
