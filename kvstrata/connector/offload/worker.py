@@ -15,12 +15,12 @@ on CUDA, inline on CPU)::
               save_kv_layer(i)         gather layer i of the chunks that filled up
     wait_for_save      every transfer of the step is complete
 
-Layer loads and saves go one ``KVStreams`` call per chunk and layer, or,
-with ``batched_layer_transfers`` (default on for a CPU cache), one call per
-layer for all of a step's chunks of one length (``_Batch``: their slots
-joined, copied to the device once per step); bulk saves likewise one call
-for the step's chunks of a length, bulk loads one per request and length. A
-batch that raises fails every chunk in it.
+Every transfer goes by ``_Batch``: with ``batched_layer_transfers`` (default
+on for a CPU cache) a batch is all of a step's chunks of one length (bulk
+loads: of one request), their slots joined and copied to the device once
+per step, moved by one ``KVStreams`` segment call (per layer, for layer
+transfers); without it, a batch is one chunk and its slots stay on the host
+(the copy rides with each call). A batch that raises fails every chunk in it.
 
 A transfer that raises is reported failed: a failed load's blocks go to
 ``get_block_ids_with_load_errors`` (the scheduler recomputes them), a failed
@@ -50,9 +50,8 @@ class _Xfer:
 
 
 class _Batch:
-    """A step's transfers of one chunk length, moved together: one
-    ``KVStreams`` call (per layer, for layer transfers). ``slots``: theirs
-    in order, on the device."""
+    """Chunks of one length moved together: one ``KVStreams`` call (per
+    layer, for layer transfers). ``slots``: theirs in order."""
 
     __slots__ = ("xfers", "slots", "alive")
 
@@ -80,9 +79,9 @@ class OffloadWorker:
     def _reset(self, meta: OffloadMetadata | None) -> None:
         self.meta = meta
         self._layer_loads: list[_Xfer] = []
-        self._load_batches: list[_Batch] | None = None  # batched: the layer loads by chunk length
+        self._load_batches: list[_Batch] = []
         self._layer_saves: list[_Xfer] = []
-        self._save_batches: list[_Batch] | None = None
+        self._save_batches: list[_Batch] = []
         self._saved: list[int] = []
         self._loaded: list[int] = []
         self._failed: set[int] = set()
@@ -116,13 +115,8 @@ class OffloadWorker:
         if self.kv_caches is None or self.streams is None:
             raise RuntimeError("register_kv_caches() must be called before the first step")
         t0 = time.perf_counter()
-        saves = [self._xfer(ch, rt.req_id) for rt in meta.bulk_saves for ch in rt.chunks]
-        if self.batched:
-            for b in self._batches(saves):
-                self._bulk_save_batch(b)
-        else:
-            for x in saves:
-                self._bulk_save(x)
+        for b in self._batches([self._xfer(ch, rt.req_id) for rt in meta.bulk_saves for ch in rt.chunks]):
+            self._bulk_save(b)
         if meta.bulk_saves and self.streams.is_cuda:
             # Blocks just read may be reloaded or rewritten by this step.
             torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.store_stream)
@@ -136,9 +130,8 @@ class OffloadWorker:
             self._invalid.update(rt.failed_block_ids)
             self._layer_loads.extend(self._xfer(ch, rt.req_id) for ch in rt.chunks)
         self._layer_saves = [self._xfer(ch, rt.req_id) for rt in meta.layer_saves for ch in rt.chunks]
-        if self.batched:
-            self._save_batches = self._batches(self._layer_saves)
-            self._load_batches = self._batches(self._layer_loads)
+        self._save_batches = self._batches(self._layer_saves)
+        self._load_batches = self._batches(self._layer_loads)
         if self._layer_loads and self.streams.is_cuda:
             self._issue_layer(0)
         self._t_forward = time.perf_counter()
@@ -152,9 +145,11 @@ class OffloadWorker:
         return _Xfer(ch.handle, buf, torch.from_numpy(slots), req_id, list(ch.block_ids))
 
     def _batches(self, xfers: list[_Xfer]) -> list[_Batch]:
-        """``xfers`` by chunk length (chunks of one store have one length but
-        a request's last, shorter one), each with its slots copied to the
-        device once for the step's layers."""
+        """Batched: ``xfers`` by chunk length (chunks of one store have one
+        length but a request's last, shorter one), each batch's slots copied
+        to the device once for the step's layers. Else one batch a chunk."""
+        if not self.batched:
+            return [_Batch([x], x.slots) for x in xfers]
         by_len: dict[int, list[_Xfer]] = {}
         for x in xfers:
             by_len.setdefault(x.buf.shape[2], []).append(x)
@@ -171,43 +166,25 @@ class OffloadWorker:
         blocks = np.asarray(block_ids, dtype=np.int64)
         return (blocks[:, None] * self.block_size + self._arange).reshape(-1)
 
-    def _bulk_save(self, x: _Xfer) -> None:
-        try:
-            self.streams.store_all(self.kv_caches, x.slots, host_out=x.buf)
-            self._saved.append(x.handle)
-        except Exception:
-            log.exception("kv_save_failed", request_id=x.req_id)
-            self._failed.add(x.handle)
-
-    def _bulk_save_batch(self, b: _Batch) -> None:
+    def _bulk_save(self, b: _Batch) -> None:
         try:
             self.streams.store_all_segments(self.kv_caches, b.slots, [x.buf for x in b.xfers])
             self._saved.extend(x.handle for x in b.xfers)
         except Exception:
-            log.exception("kv_save_failed", chunks=len(b.xfers))
+            log.exception("kv_save_failed", request_ids=sorted({x.req_id for x in b.xfers}), chunks=len(b.xfers))
             self._failed.update(x.handle for x in b.xfers)
 
     def _bulk_load(self, rt: RequestTransfer) -> None:
         t0 = time.perf_counter()
         self._invalid.update(rt.failed_block_ids)
-        xfers = [self._xfer(ch, rt.req_id) for ch in rt.chunks]
-        if self.batched:  # the request's chunks of one length in one call
-            for b in self._batches(xfers):
-                try:
-                    self.streams.load_all_segments([x.buf for x in b.xfers], self.kv_caches, b.slots)
-                    self._loaded.extend(x.handle for x in b.xfers)
-                except Exception:
-                    log.exception("kv_load_failed", request_id=rt.req_id, chunks=len(b.xfers))
-                    for x in b.xfers:
-                        self._load_failed(x)
-            xfers = []
-        for x in xfers:
+        for b in self._batches([self._xfer(ch, rt.req_id) for ch in rt.chunks]):
             try:
-                self.streams.load_all(x.buf, self.kv_caches, x.slots)
-                self._loaded.append(x.handle)
+                self.streams.load_all_segments([x.buf for x in b.xfers], self.kv_caches, b.slots)
+                self._loaded.extend(x.handle for x in b.xfers)
             except Exception:
-                log.exception("kv_load_failed", request_id=rt.req_id)
-                self._load_failed(x)
+                log.exception("kv_load_failed", request_id=rt.req_id, chunks=len(b.xfers))
+                for x in b.xfers:
+                    self._load_failed(x)
         self._recving.add(rt.req_id)
         self._load_s[rt.req_id] = self._load_s.get(rt.req_id, 0.0) + time.perf_counter() - t0
 
@@ -268,53 +245,35 @@ class OffloadWorker:
 
     def _issue_layer(self, layer: int) -> None:
         key_cache, value_cache = self.kv_caches[layer]
-        if self._load_batches is not None:
-            for b in self._load_batches:  # one call per layer for every chunk of a length
-                if not b.alive:
-                    continue
-                try:
-                    self.streams.load_layer_segments(layer, [x.buf[layer] for x in b.xfers], key_cache, value_cache,
-                                                     b.slots)
-                except Exception:
-                    log.exception("kv_load_failed", layer=layer, chunks=len(b.xfers))
-                    b.alive = False
-                    for x in b.xfers:
-                        self._load_failed(x)
-            return
-        for x in self._layer_loads:
-            if x.handle in self._failed:
+        for b in self._load_batches:
+            if not b.alive:
                 continue
             try:
-                self.streams.load_layer(layer, x.buf[layer], key_cache, value_cache, x.slots)
+                self.streams.load_layer_segments(layer, [x.buf[layer] for x in b.xfers], key_cache, value_cache,
+                                                 b.slots)
             except Exception:
-                log.exception("kv_load_failed", request_id=x.req_id, layer=layer)
-                self._load_failed(x)
+                log.exception("kv_load_failed", layer=layer, request_ids=sorted({x.req_id for x in b.xfers}),
+                              chunks=len(b.xfers))
+                b.alive = False
+                for x in b.xfers:
+                    self._load_failed(x)
 
     def save_kv_layer(self, layer: int) -> None:
         if not self._layer_saves:
             return
         t0 = time.perf_counter()
         key_cache, value_cache = self.kv_caches[layer]
-        if self._save_batches is not None:
-            for b in self._save_batches:  # one call per layer for every chunk of a length
-                if not b.alive:
-                    continue
-                try:
-                    self.streams.store_layer_segments(layer, key_cache, value_cache, b.slots,
-                                                      [x.buf[layer] for x in b.xfers])
-                except Exception:
-                    log.exception("kv_save_failed", layer=layer, chunks=len(b.xfers))
-                    b.alive = False
-                    self._failed.update(x.handle for x in b.xfers)
-        else:
-            for x in self._layer_saves:
-                if x.handle in self._failed:
-                    continue
-                try:
-                    self.streams.store_layer(layer, key_cache, value_cache, x.slots, host_out=x.buf[layer])
-                except Exception:
-                    log.exception("kv_save_failed", request_id=x.req_id, layer=layer)
-                    self._failed.add(x.handle)
+        for b in self._save_batches:
+            if not b.alive:
+                continue
+            try:
+                self.streams.store_layer_segments(layer, key_cache, value_cache, b.slots,
+                                                  [x.buf[layer] for x in b.xfers])
+            except Exception:
+                log.exception("kv_save_failed", layer=layer, request_ids=sorted({x.req_id for x in b.xfers}),
+                              chunks=len(b.xfers))
+                b.alive = False
+                self._failed.update(x.handle for x in b.xfers)
         dt = time.perf_counter() - t0
         self._hook_s += dt
         self._save_s += dt
