@@ -229,6 +229,13 @@ async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: i
         await engine.aclose()
 
 
+def _medians(entries) -> None:
+    """Each entry's tok/s: the median of its single-stream and batch-16 runs."""
+    for entry in entries:
+        entry["single_tok_s"] = float(np.median(entry["single_runs"]))
+        entry["batch16_tok_s"] = float(np.median(entry["batch16_runs"]))
+
+
 def bench_engine(args) -> dict:
     from kvstrata.worker.model import load_checkpoint
     from kvstrata.worker.model.gguf_file import GGUFCheckpoint
@@ -258,9 +265,7 @@ def bench_engine(args) -> dict:
                 engine_decode(path, mode, dtype, args.threads, 1, tokens[0])), 2))
             entry["batch16_runs"].append(round(asyncio.run(
                 engine_decode(path, mode, dtype, args.threads, 16, tokens[1])), 2))
-    for entry in res["settings"].values():
-        entry["single_tok_s"] = float(np.median(entry["single_runs"]))
-        entry["batch16_tok_s"] = float(np.median(entry["batch16_runs"]))
+    _medians(res["settings"].values())
     base = res["settings"]["dequantize/float32"]
     for entry in res["settings"].values():
         entry["speedup_single"] = round(entry["single_tok_s"] / base["single_tok_s"], 2)
@@ -323,9 +328,7 @@ def bench_engine_gpu(args) -> dict:
                 asyncio.run(one_engine(mode, entry))
                 if cuda:
                     torch.cuda.empty_cache()
-    for entry in res["modes"].values():
-        entry["single_tok_s"] = float(np.median(entry["single_runs"]))
-        entry["batch16_tok_s"] = float(np.median(entry["batch16_runs"]))
+    _medians(res["modes"].values())
     base, packed = res["modes"]["dequantize"], res["modes"]["packed"]
     res["packed_over_dequantize"] = {
         "single": round(packed["single_tok_s"] / base["single_tok_s"], 2),
