@@ -162,8 +162,9 @@ def cpu_section(quick: bool) -> dict:
 
 def layer_transfers(quick: bool, device: str) -> dict:
     """Host ms to issue, and wall ms to finish, one step's layer transfers of
-    ``chunks`` chunks per layer: per chunk (``load_layer`` / ``store_layer``
-    each) vs batched (``load_layer_segments`` / ``store_layer_segments``)."""
+    ``chunks`` chunks per layer, as the offload worker issues them: per chunk
+    (one ``load_layer_segments`` / ``store_layer_segments`` call per chunk,
+    its slots on the host) vs batched (one call per layer, slots on the device)."""
     cuda = device == "cuda"
     layers, heads, dim, tokens, chunks = (TINY["layers"], TINY["kv_heads"], TINY["head_dim"], 256, 12) if cuda \
         else (4, 4, 64, 64, 8)
@@ -189,7 +190,7 @@ def layer_transfers(quick: bool, device: str) -> dict:
     def load_per_chunk() -> None:
         for layer, (k, v) in enumerate(caches):
             for b, sl in zip(bufs, per_chunk_slots, strict=True):
-                streams.load_layer(layer, b[layer], k, v, sl)
+                streams.load_layer_segments(layer, [b[layer]], k, v, sl)
 
     def load_batched() -> None:
         for layer, (k, v) in enumerate(caches):
@@ -198,7 +199,7 @@ def layer_transfers(quick: bool, device: str) -> dict:
     def store_per_chunk() -> None:
         for layer, (k, v) in enumerate(caches):
             for b, sl in zip(bufs, per_chunk_slots, strict=True):
-                streams.store_layer(layer, k, v, sl, host_out=b[layer])
+                streams.store_layer_segments(layer, k, v, sl, [b[layer]])
 
     def store_batched() -> None:
         for layer, (k, v) in enumerate(caches):
