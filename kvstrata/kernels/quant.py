@@ -104,6 +104,9 @@ class PackedWeight:
     ``quant_matmul`` takes ("dequant" or "int4"), set by
     ``quant_cpu.with_cpu_path`` (or ``choose_cpu_path``).
     ``int4``: the planes the "int4" path reads, else None.
+    ``int4_native_from``: on the "int4" path, the token count from which
+    the native kernel (``quant_native``) runs instead of torch's; None:
+    torch's always. Set by ``with_cpu_path`` from ``choose_cpu_path``.
     """
 
     qtype: QuantType
@@ -111,6 +114,7 @@ class PackedWeight:
     data: torch.Tensor | None
     cpu_path: str = "dequant"
     int4: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None  # (nibbles, scales_and_zeros) per plane
+    int4_native_from: int | None = None
 
     @property
     def out_features(self) -> int:
@@ -202,6 +206,8 @@ def check_packed(packed: object, name: str = "packed", *, need_blocks: bool = Tr
     if packed.cpu_path not in CPU_PATH_NAMES or (packed.int4 is not None) != (packed.cpu_path == "int4"):
         raise KernelArgumentError(f"{name}.cpu_path {packed.cpu_path!r} does not match its int4 planes "
                                   f"(set it with with_cpu_path)")
+    if packed.int4_native_from is not None and packed.int4 is None:
+        raise KernelArgumentError(f"{name}.int4_native_from needs the int4 path (set it with with_cpu_path)")
     if packed.data is None and not need_blocks:
         return packed
     check_tensor(f"{name}.data", _blocks(packed, name), 2, (torch.uint8,))

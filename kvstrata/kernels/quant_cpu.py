@@ -1,7 +1,7 @@
 """The CPU paths of ``quant_linear.quant_matmul`` over packed GGUF weights,
 and the one-time micro-benchmark that picks one per layer at load.
 
-    with_cpu_path(packed, path, *, keep_blocks=True) -> PackedWeight   (repacked for ``path``)
+    with_cpu_path(packed, path, *, keep_blocks=True, native_from=None) -> PackedWeight   (repacked for ``path``)
     choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None) -> CpuChoice
     int4_rows(packed, ids, dtype) -> [T, in]      rows rebuilt from the int4 planes
 
@@ -20,6 +20,12 @@ Paths (``quant_matmul`` with impl "auto"/"torch" on CPU runs ``packed.cpu_path``
                Its fp32 variant is the op's slow reference (~10x dense): unused.
                ``with_cpu_path(w, "int4", keep_blocks=False)`` drops the blocks:
                resident = planes only (Q4_*: 1.0-1.1x the file's bytes).
+               Two kernels read the same planes: torch's, and from
+               ``int4_native_from`` tokens on our native one
+               (``quant_native``: bf16 dot products, the unpack paid once
+               per weight, not per 4 rows; ~1.7x torch's at 16 tokens, 2x
+               at 64+, ~15 % slower at 1; float32 out, exact but for x's
+               bf16 rounding).
 
 Not candidates: ``_weight_int8pack_mm`` (one scale per output row: Q8_0's
 per-32 scales would have to be requantized, off by up to half a step of the
@@ -58,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import time
 
 import torch
@@ -77,6 +84,7 @@ from kvstrata.kernels.quant import (
     dequantize,
     dequantize_rows_into,
 )
+from kvstrata.kernels.quant_native import native_int4, native_int4_status
 
 # weights dequantized per chunk of the "dequant" path: 4 MB of float32, still
 # in the last-level cache when F.linear reads it, and few enough chunks that
@@ -121,7 +129,7 @@ class DequantPath:
 
     @staticmethod
     def prepare(packed: PackedWeight) -> PackedWeight:
-        return dataclasses.replace(packed, cpu_path="dequant", int4=None)
+        return dataclasses.replace(packed, cpu_path="dequant", int4=None, int4_native_from=None)
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
@@ -205,12 +213,17 @@ class Int4Path:
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
         xb = x.to(torch.bfloat16).contiguous()
-        mm, planes = torch.ops.aten._weight_int4pack_mm_for_cpu, packed.int4
+        planes = packed.int4
         # the planes' sums and the bias in float32: in place in a float32 out, else rounded to out once
         acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
-        for w, sz in planes[1:]:
-            acc.add_(mm(xb, w, 32, sz))
+        native_from = packed.int4_native_from
+        if native_from is not None and x.shape[0] >= native_from:
+            native_int4().matmul(xb, planes, acc)  # with_cpu_path made sure it loaded
+        else:
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
+            for w, sz in planes[1:]:
+                acc.add_(mm(xb, w, 32, sz))
         if bias is not None:
             acc.add_(bias)
         if acc is not out:
@@ -221,23 +234,63 @@ CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path}
 assert tuple(CPU_PATHS) == CPU_PATH_NAMES
 
 
-def with_cpu_path(packed: PackedWeight, path: str, *, keep_blocks: bool = True) -> PackedWeight:
+def with_cpu_path(packed: PackedWeight, path: str, *, keep_blocks: bool = True,
+                  native_from: int | None = None) -> PackedWeight:
     """``packed`` with ``path`` ("dequant" or "int4") as its CPU path,
     repacked for it (KernelArgumentError if the path cannot take it).
     ``keep_blocks=False`` (int4 only) drops the GGUF blocks: resident
     memory is then the planes alone, but ``dequantize``, the Triton
     kernel and ``rows`` / ``to`` / the other path no longer work (rows are
-    read back with ``int4_rows``)."""
+    read back with ``int4_rows``). ``native_from`` (int4 only): from this
+    many tokens on, the native kernel runs instead of torch's (it must
+    load here, and out_features % 64 == 0); None: torch's always."""
     if path not in CPU_PATHS:
         raise KernelArgumentError(f"path must be one of {', '.join(CPU_PATHS)}, got {path!r}")
     if not keep_blocks and path != "int4":
         raise KernelArgumentError(f"keep_blocks=False needs path 'int4' (the {path!r} path reads the blocks)")
+    if native_from is not None:
+        _check_native_from(packed, path, native_from)
     if packed.data is None:
         if path == "int4" and not keep_blocks:
-            return packed
+            return dataclasses.replace(packed, int4_native_from=native_from)
         raise KernelArgumentError("packed has no GGUF blocks left (dropped for the int4 path)")
     weight = packed if path == packed.cpu_path == "int4" else CPU_PATHS[path].prepare(packed)
+    if path == "int4":
+        weight = dataclasses.replace(weight, int4_native_from=native_from)
     return weight if keep_blocks else dataclasses.replace(weight, data=None)
+
+
+def native_available(packed: PackedWeight) -> bool:
+    """Whether the native int4 kernel can run ``packed`` (loads it: call at load)."""
+    return Int4Path.available(packed) and packed.out_features % 64 == 0 and native_int4() is not None
+
+
+def _check_native_from(packed: PackedWeight, path: str, native_from: object) -> None:
+    if path != "int4":
+        raise KernelArgumentError(f"native_from needs path 'int4', got {path!r}")
+    if isinstance(native_from, bool) or not isinstance(native_from, int) or native_from < 1:
+        raise KernelArgumentError(f"native_from must be a token count >= 1 or None, got {native_from!r}")
+    if not native_available(packed):
+        raise KernelArgumentError(
+            f"native_from: the native int4 kernel cannot run {packed.qtype.name} {packed.shape} here "
+            f"(needs out_features % 64 == 0; kernel: {native_int4_status()})")
+
+
+def native_threshold(sample_tokens, torch_ms: dict[int, float], native_ms: dict[int, float]) -> int | None:
+    """The token count from which the native kernel runs: the smallest
+    sampled count from which it is faster at every larger sample; between
+    that count and the next smaller sample (where it was slower) the
+    crossover is taken at their geometric mean. None: slower at the
+    largest sample."""
+    counts = sorted(sample_tokens)
+    first = len(counts)
+    while first > 0 and native_ms[counts[first - 1]] < torch_ms[counts[first - 1]]:
+        first -= 1
+    if first == len(counts):
+        return None
+    if first == 0:
+        return counts[0]
+    return math.ceil(math.sqrt(counts[first - 1] * counts[first]))
 
 
 # ---- choosing a CPU path at load ----------------------------------------------------------
@@ -248,13 +301,18 @@ class CpuChoice:
     """What ``choose_cpu_path`` measured. ``times_ms[path][tokens]``: the best
     of its runs, for every candidate and for "dense" (F.linear on the weight
     dequantized to ``dtype``: what dequantize-at-load would cost, for the
-    loader to weigh against memory). ``weight``: the packed weight prepared
-    for ``path`` (repacked when "int4")."""
+    loader to weigh against memory). Where the native int4 kernel can run,
+    "int4/torch" and "int4/native" are its two kernels' times and "int4"
+    the one ``native_from`` picks at each count. ``weight``: the packed
+    weight prepared for ``path`` (repacked when "int4", with
+    ``native_from``: the token count from which the native kernel runs, or
+    None)."""
 
     path: str
     dtype: torch.dtype
     times_ms: dict[str, dict[int, float]]
     weight: PackedWeight
+    native_from: int | None = None
 
 
 def choose_cpu_path(
@@ -282,6 +340,12 @@ def choose_cpu_path(
     behind the leader after two runs gets no more). The result
     depends only on (qtype, shape, dtype): a loader measures each distinct
     one once and reuses the answer for the other layers.
+
+    Where the native int4 kernel runs (``native_available``), the int4
+    path's two kernels are timed apart ("int4/torch", "int4/native") and
+    ``native_threshold`` sets the token count from which the native one
+    runs (``CpuChoice.native_from``); "int4" is then the time of the kernel
+    that count picks. Loads the native kernel (building it the first time).
     """
     check_packed(packed)
     if packed.device.type != "cpu":
@@ -294,6 +358,9 @@ def choose_cpu_path(
     weights = {name: path.prepare(packed) for name, path in CPU_PATHS.items()
                if path.available(packed) and (path.exact or inexact)}
     runners = {name: _ring_runner(w, ring_bytes) for name, w in weights.items()}
+    native = "int4" in weights and native_available(packed)
+    if native:  # the int4 path's two kernels on the same planes
+        runners["int4/native"] = _ring_runner(dataclasses.replace(weights["int4"], int4_native_from=1), ring_bytes)
     runners["dense"] = _dense_runner(packed, dtype, ring_bytes)
     times: dict[str, dict[int, float]] = {name: {} for name in runners}
     gen = torch.Generator().manual_seed(0)
@@ -301,19 +368,27 @@ def choose_cpu_path(
         x = torch.randn(tokens, packed.in_features, generator=gen).to(dtype)
         best = {name: float("inf") for name in runners}
         for rep in range(reps + 1):  # the first turn warms up
-            leader = min(best[name] for name in weights)
+            leader = min(best[name] for name in runners if name != "dense")
             for name, run in runners.items():
                 # a path 3x behind after two runs is out of the race: no more of its (slow) runs
                 if rep < 2 or best[name] <= 3 * leader:
                     best[name] = min(best[name], run(x))
         for name in runners:
             times[name][tokens] = round(best[name] * 1e3, 4)
+    native_from = None
+    if native:
+        times["int4/torch"] = times.pop("int4")
+        native_from = native_threshold(sample_tokens, times["int4/torch"], times["int4/native"])
+        times["int4"] = {t: times["int4/native" if native_from is not None and t >= native_from else "int4/torch"][t]
+                         for t in sample_tokens}
     # each token count weighs alike: time relative to dense at that count, summed
     total = {name: sum(times[name][t] / max(times["dense"][t], 1e-6) for t in times[name]) for name in weights}
     path = min(total, key=total.__getitem__)
     if not CPU_PATHS[path].exact and total[path] > (1 - margin) * total["dequant"]:
         path = "dequant"
-    return CpuChoice(path, dtype, times, weights[path])
+    if path != "int4":
+        return CpuChoice(path, dtype, times, weights[path])
+    return CpuChoice(path, dtype, times, dataclasses.replace(weights[path], int4_native_from=native_from), native_from)
 
 
 def _ring_runner(weight: PackedWeight, ring_bytes: int):

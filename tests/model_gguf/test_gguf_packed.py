@@ -16,6 +16,7 @@ packed type, on random GGUFs written here (K-quant blocks built by hand):
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from gguf_writing import prompt_logits, write_random_gguf  # noqa: E402
 
 from kvstrata.config import EngineConfig, ModelConfig  # noqa: E402
 from kvstrata.kernels import PackedWeight, dequantize  # noqa: E402
+from kvstrata.kernels.quant_cpu import int4_rows  # noqa: E402
 from kvstrata.worker.model import load_checkpoint  # noqa: E402
 from kvstrata.worker.model.packed import PackedEmbedding, PackedLinear  # noqa: E402
 
@@ -89,7 +91,16 @@ def test_packed_layers_and_logits_match_the_dequantized_model(tmp_path, qtype, t
     else:  # tied to an int4 lm_head: the rows come from its planes
         assert tied and ((rows - want).abs() <= 2.0**-7 * want.abs().amax(-1, keepdim=True)).all()
     got, ref = prompt_logits(packed, PROMPT), prompt_logits(dense, PROMPT)
-    assert (got - ref).abs().max() <= 2.0**-4 * ref.abs().max()
+    if any(p.cpu_path == "int4" for m in layers.values() for p in m.parts):
+        # The int4 planes hold scale and zero in bf16: a zero (a free offset, as Q4_1's min) rounded shifts
+        # its 32 weights, and the random blocks here make those offsets large. The model of those planes
+        # (rows read back exactly) is what the kernels compute: close to it; to the dequantized model,
+        # within what the rounding costs (Q4_1-tied here: planes vs dense 0.77 of max 10.4).
+        planes = prompt_logits(_as_planes_model(packed), PROMPT)
+        assert (got - planes).abs().max() <= 2.0**-4 * planes.abs().max()
+        assert (got - ref).abs().max() <= 2.0**-3 * ref.abs().max()
+    else:
+        assert (got - ref).abs().max() <= 2.0**-4 * ref.abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     parts = {id(p): p.nbytes for m in layers.values() for p in m.parts} | {id(emb.packed): emb.packed.nbytes}
     norms = sum(p.numel() * 4 for p in packed.model.parameters())
@@ -98,6 +109,17 @@ def test_packed_layers_and_logits_match_the_dequantized_model(tmp_path, qtype, t
     assert packed.fingerprint != dense.fingerprint  # a KV cache of one is not the other's
     if all(p.cpu_path == "dequant" for m in layers.values() for p in m.parts):
         assert packed.weight_bytes == file_bytes  # the blocks as in the file, nothing more
+
+
+def _as_planes_model(ckpt):
+    """``ckpt`` with each int4-path weight replaced by its rows as the int4
+    kernels read them (float32, dense): what those kernels compute, exactly."""
+    ckpt = copy.deepcopy(ckpt)
+    for m in ckpt.model.modules():
+        if isinstance(m, PackedLinear):
+            m.parts = [int4_rows(p, torch.arange(p.out_features), torch.float32)
+                       if isinstance(p, PackedWeight) and p.cpu_path == "int4" else p for p in m.parts]
+    return ckpt
 
 
 def test_q_and_k_rows_are_unpermuted_as_whole_rows(tmp_path):

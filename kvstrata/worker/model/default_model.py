@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from kvstrata.worker.model.config import HFConfig
 
+from kvstrata.paths import cache_root
 from kvstrata.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
 log = structlog.get_logger(__name__)
@@ -59,11 +60,6 @@ DEFAULT_MODEL_CONFIG: HFConfig = {
     "eos_token_id": BYTE_EOS_ID,
     "torch_dtype": "float32",
 }
-
-
-def cache_root() -> Path:
-    env = os.environ.get("KVSTRATA_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstrata"
 
 
 def default_model_dir(seed: int = 0, root: Path | None = None, config: HFConfig | None = None) -> Path:

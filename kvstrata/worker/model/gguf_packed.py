@@ -167,7 +167,8 @@ def choose_paths(plan: PackPlan, dtype: torch.dtype | None) -> tuple[torch.dtype
         picked = torch.bfloat16
     log.info("quant_cpu_paths_chosen", dtype=str(picked).removeprefix("torch."),
              measured_ms={str(dt).removeprefix("torch."): round(t, 2) for dt, t in total.items()},
-             paths={f"{k[0]}{list(k[1])}": c.path for k, c in choices[picked].items()})
+             paths={f"{k[0]}{list(k[1])}": c.path if c.native_from is None else f"{c.path}, native from {c.native_from}"
+                    for k, c in choices[picked].items()})
     return picked, choices[picked]
 
 
@@ -184,8 +185,9 @@ def install(model: LlamaForCausalLM, plan: PackPlan, paths: dict[tuple, CpuChoic
     def prepared(w: PackedWeight, keep_blocks: bool = False) -> PackedWeight:
         if paths is None:
             return w
-        path = paths[_key(w)].path
-        return with_cpu_path(w, path, keep_blocks=keep_blocks or path != "int4")
+        choice = paths[_key(w)]
+        return with_cpu_path(w, choice.path, keep_blocks=keep_blocks or choice.path != "int4",
+                             native_from=choice.native_from)
 
     for name, parts in plan.linears.items():
         dense: list[Part] = [prepared(p) if isinstance(p, PackedWeight) else _dequantized(p, dtype, device)

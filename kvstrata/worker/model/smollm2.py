@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from kvstrata.worker.model.config import CheckpointError
-from kvstrata.worker.model.default_model import cache_root
+from kvstrata.paths import cache_root
 
 log = structlog.get_logger(__name__)
 

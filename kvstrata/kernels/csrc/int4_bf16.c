@@ -1,0 +1,147 @@
+/* kvstrata: a CPU matmul over torch's int4 weight layout, bf16 dot products.
+ *
+ *   out[m][n] (+)= sum_k x[m][k] * w[n][k],   w[n][k] = (q[n][k] - 8) * s[g][n] + z[g][n],  g = k / 32
+ *
+ * x: bf16 [M][K] (row stride K). q: the nibbles of torch's
+ * _convert_weight_to_int4pack_for_cpu(q, 1) for N % 64 == 0: per block of 64
+ * output rows b and column k, 32 bytes at (b * K + k) * 32; byte j holds row
+ * 64b + j in its low nibble and row 64b + j + 32 in its high one. sz: bf16
+ * [K/32][N][2] (scale, zero), the same op's scales_and_zeros. out: float32,
+ * row stride ldo.
+ *
+ * Per (block of 64 rows, group of 32 columns) the nibbles become bf16
+ * (q - 8) once, in a 4 KB tile (exact: small integers), laid out as
+ * vdpbf16ps wants them (16 rows x a pair of columns per 512-bit register);
+ * every row of x then reuses the tile: sum_k x * (q - 8) in float32 by
+ * vdpbf16ps, times s, plus z * (sum of the group's x). So the dequantizing
+ * is paid once per weight whatever M is, and the multiply-adds run at the
+ * bf16 dot-product rate (2x float32 FMAs). x is the only rounded operand
+ * (to bf16, by the caller); products and sums are float32.
+ *
+ * Needs AVX512F/BW/VL and AVX512_BF16 (kvq_supported() says so at run time;
+ * only the kernel is compiled for them). Parallel over blocks of 64 rows
+ * with OpenMP: with torch imported first, its libgomp serves both.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KVQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+int kvq_abi_version(void) { return 1; }
+
+int kvq_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("fma");
+}
+
+/* bf16 bit patterns of q - 8 for q = 0..15 (the rest of the 32-entry table unused) */
+static const uint16_t kLut[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                  0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+/* The tile of one (block, group): tile[kp * 64 + n] = the bf16 pair (q[n][2kp] - 8, q[n][2kp+1] - 8). */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+unpack_tile(const uint8_t *wq, uint32_t *tile) {
+    const __m512i lut = _mm512_loadu_si512(kLut);
+    const __m512i low4 = _mm512_set1_epi16(0x0F0F);
+    for (int kp = 0; kp < 16; kp++) {
+        __m512i cols = _mm512_loadu_si512(wq + kp * 64); /* columns 2kp and 2kp+1, 32 bytes each */
+        __m512i a = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(cols));
+        __m512i b = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(cols, 1));
+        __m512i ab = _mm512_or_si512(a, _mm512_slli_epi16(b, 8)); /* word j: byte j of column 2kp, of 2kp+1 */
+        __m512i lo = _mm512_and_si512(ab, low4);                  /* rows j */
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low4); /* rows j + 32 */
+        uint32_t *t = tile + kp * 64;
+        _mm512_store_si512(t + 0, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), lut));
+        _mm512_store_si512(t + 16, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), lut));
+        _mm512_store_si512(t + 32, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), lut));
+        _mm512_store_si512(t + 48, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), lut));
+    }
+}
+
+/* MT (1..4) rows of x against one tile: out[m][0..63] = (first ? 0 : out) + dot * s + z * xsum. */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+rows_dot(const int MT, const uint32_t *xpairs, size_t x_stride, const uint32_t *tile, const float *xsum,
+         size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out, size_t ldo, int first) {
+    __m512 p[4][4];
+    for (int m = 0; m < MT; m++)
+        for (int t = 0; t < 4; t++) p[m][t] = _mm512_setzero_ps();
+    for (int kp = 0; kp < 16; kp++) {
+        const __m512i w0 = _mm512_load_si512(tile + kp * 64);
+        const __m512i w1 = _mm512_load_si512(tile + kp * 64 + 16);
+        const __m512i w2 = _mm512_load_si512(tile + kp * 64 + 32);
+        const __m512i w3 = _mm512_load_si512(tile + kp * 64 + 48);
+        for (int m = 0; m < MT; m++) {
+            const __m512i xv = _mm512_set1_epi32((int)xpairs[m * x_stride + kp]);
+            p[m][0] = _mm512_dpbf16_ps(p[m][0], (__m512bh)w0, (__m512bh)xv);
+            p[m][1] = _mm512_dpbf16_ps(p[m][1], (__m512bh)w1, (__m512bh)xv);
+            p[m][2] = _mm512_dpbf16_ps(p[m][2], (__m512bh)w2, (__m512bh)xv);
+            p[m][3] = _mm512_dpbf16_ps(p[m][3], (__m512bh)w3, (__m512bh)xv);
+        }
+    }
+    for (int m = 0; m < MT; m++) {
+        const __m512 xs = _mm512_set1_ps(xsum[m * xsum_stride]);
+        for (int t = 0; t < 4; t++) {
+            float *o = out + m * ldo + 16 * t;
+            __m512 acc = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
+            acc = _mm512_fmadd_ps(p[m][t], s[t], acc);
+            acc = _mm512_fmadd_ps(z[t], xs, acc);
+            _mm512_storeu_ps(o, acc);
+        }
+    }
+}
+
+/* xsum[m][g] = the sum of x[m][32g .. 32g + 31] (as bf16, in float32). */
+static void group_sums(const uint16_t *x, int M, int K, float *xsum) {
+    const int G = K / 32;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            float acc = 0.f;
+            for (int i = 0; i < 32; i++) {
+                uint32_t bits = (uint32_t)x[(size_t)m * K + g * 32 + i] << 16;
+                float f;
+                memcpy(&f, &bits, sizeof f);
+                acc += f;
+            }
+            xsum[(size_t)m * G + g] = acc;
+        }
+}
+
+/* out (+)= x @ W^T. M >= 1, N % 64 == 0, K % 32 == 0; xsum: M * K / 32 floats of scratch.
+ * accumulate = 0 overwrites out. The caller checks shapes, strides and the CPU. */
+KVQ_TARGET void kvq_int4_mm(const uint16_t *x, const uint8_t *wq, const uint16_t *sz, float *out, int M, int N,
+                            int K, long ldo, int accumulate, int nthreads, float *xsum) {
+    const int G = K / 32, NB = N / 64;
+    const size_t x_stride = (size_t)K / 2; /* bf16 pairs per row */
+    const uint32_t *xpairs = (const uint32_t *)x;
+    group_sums(x, M, K, xsum);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int b = 0; b < NB; b++) {
+        __attribute__((aligned(64))) uint32_t tile[16 * 64];
+        const __m512i zmask = _mm512_set1_epi32((int)0xFFFF0000);
+        for (int g = 0; g < G; g++) {
+            unpack_tile(wq + ((size_t)b * K + (size_t)g * 32) * 32, tile);
+            __m512 s[4], z[4];
+            for (int t = 0; t < 4; t++) { /* 16 (scale, zero) bf16 pairs; as float32: bits << 16 */
+                const __m512i v = _mm512_loadu_si512(sz + ((size_t)g * N + (size_t)b * 64 + 16 * t) * 2);
+                s[t] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                z[t] = _mm512_castsi512_ps(_mm512_and_si512(v, zmask));
+            }
+            const int first = g == 0 && !accumulate;
+            for (int m0 = 0; m0 < M; m0 += 4) {
+                const uint32_t *xp = xpairs + (size_t)m0 * x_stride + (size_t)g * 16;
+                const float *xs = xsum + (size_t)m0 * G + g;
+                float *o = out + (size_t)m0 * ldo + (size_t)b * 64;
+                switch (M - m0 < 4 ? M - m0 : 4) {
+                case 4: rows_dot(4, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
+                case 3: rows_dot(3, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
+                case 2: rows_dot(2, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
+                default: rows_dot(1, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
+                }
+            }
+        }
+    }
+}
