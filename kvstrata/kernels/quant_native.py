@@ -22,8 +22,8 @@ compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0 (torch lays a
 last block of fewer rows out differently). Built into
 ``$KVSTRATA_CACHE_DIR/native/`` (default ``~/.cache/kvstrata``) under a
 hash of the source, compiler and flags, by an atomic rename, so concurrent
-first loads are safe and a changed source rebuilds (and replaces the old
-build). Anything missing: None,
+first loads are safe and a changed source rebuilds (old builds stay: a few
+tens of KB each, and another checkout may still load one). Anything missing: None,
 one log line (``quant_native_unavailable``) naming why, and the int4 path
 keeps torch's kernel. ``KVSTRATA_NATIVE_KERNELS=0`` turns it off (read at
 the first load in a process).
@@ -182,8 +182,5 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
         raise NativeUnavailable(f"building {source.name} with {cc} failed: {e}") from e
     finally:
         tmp.unlink(missing_ok=True)
-    for old in out_dir.glob(f"{source.stem}-*.so"):  # builds of other sources (a process using one keeps its map)
-        if old != final:
-            old.unlink(missing_ok=True)
     log.info("quant_native_built", path=str(final))
     return final
