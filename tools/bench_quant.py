@@ -6,11 +6,12 @@ Two layer sets, every packed type (random blocks with sane fp16 scales):
             (hidden 576, intermediate 1536, q 576 / kv 192); a K-quant
             (256-weight blocks) cannot hold a 576-wide row, so only ``down``
             is measured for those, as llama.cpp's files fall back there too
-  8b        gate [14336, 4096], down [4096, 14336]   (--quick: gate only, Q4_K and Q8_0)
+  8b        gate [14336, 4096], down [4096, 14336]   (--quick: gate only, Q4_K, Q6_K and Q8_0)
 
 Per set and type:
 
-  resident_bytes   packed (the GGUF blocks), int4 (blocks + the int4 path's
+  resident_bytes   packed (the GGUF blocks; the q6 path's planes are these
+                   bytes re-laid), int4 (blocks + the int4 path's
                    repacked planes, where the type has them), fp32 / bf16
                    (the weights dequantized at load)
   cpu              per activation dtype, per token count (1 = single-stream
@@ -18,7 +19,10 @@ Per set and type:
                    "dense" (F.linear on the dequantized weights) and each packed
                    CPU path, as ``choose_cpu_path`` measured them (weights cycled
                    through ~64 MB of copies: a cold cache, as in a forward pass;
-                   best of --reps runs), and the path it picked per layer
+                   best of --reps runs), and the path it picked per layer; where
+                   the native int4 kernel runs, "int4/torch" and "int4/native"
+                   are the int4 path's two kernels apart ("int4": the one the
+                   measured threshold picks at each count)
   gpu              (CUDA only) Triton quant_matmul vs F.linear on bf16 weights,
                    ms per set, CUDA events, median of --reps after warm-up
 
@@ -77,7 +81,7 @@ SETS = {
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
     "8b": {"gate": (14336, 4096), "down": (4096, 14336)},
 }
-QUICK_8B = {"types": ("Q4_K", "Q8_0"), "layers": ("gate",)}
+QUICK_8B = {"types": ("Q4_K", "Q6_K", "Q8_0"), "layers": ("gate",)}  # a Q4_K_M file: Q4_K and Q6_K
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 TOKENS = (1, 16)
@@ -140,7 +144,7 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int) -> dict:
             ref = F.linear(x.float(), dequantize(w)).double()
             scale = x.double().abs() @ dequantize(w).double().abs().T
             worst = max(worst, ((quant_matmul(x, w).double() - ref).abs() / scale).max().item())
-            del dense
+            dense = None  # freed before the next layer's copy (the lambdas above have run)
         res[f"tokens_{tokens}"] = {"packed_ms": round(packed_ms, 4), "dense_bf16_ms": round(dense_ms, 4),
                                    "speedup": round(dense_ms / packed_ms, 2), "max_err_over_S": worst}
     return res
@@ -339,7 +343,7 @@ def bench_engine_gpu(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer runs; 8b: one layer, two types")
+    parser.add_argument("--quick", action="store_true", help="fewer runs; 8b: one layer, three types")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's; 1 with --quick)")
     parser.add_argument("--reps", type=int, default=None, help="runs per measurement (default 2 quick, 5)")

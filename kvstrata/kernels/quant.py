@@ -45,7 +45,8 @@ import torch
 from kvstrata.kernels._checks import KV_DTYPES, KernelArgumentError, check_tensor
 
 # the CPU paths ``quant_cpu`` implements (a PackedWeight names the one it takes)
-CPU_PATH_NAMES = ("dequant", "int4")
+CPU_PATH_NAMES = ("dequant", "int4", "q6")
+PLANE_PATHS = ("int4", "q6")  # the CPU paths that read repacked planes (the blocks may go)
 
 class QuantType(NamedTuple):
     """One GGUF block format: ggml type id, weights per block, bytes per block."""
@@ -99,11 +100,12 @@ class PackedWeight:
 
     ``data``: uint8 [out_features, in_features // block * type_size], the
     GGUF bytes of each weight row (contiguous); None once dropped for the
-    int4 path (``quant_cpu.with_cpu_path(w, "int4", keep_blocks=False)``:
+    int4 or q6 path (``quant_cpu.with_cpu_path(w, "int4", keep_blocks=False)``:
     then only that path can run it). ``cpu_path``: the CPU path
-    ``quant_matmul`` takes ("dequant" or "int4"), set by
+    ``quant_matmul`` takes ("dequant", "int4" or "q6"), set by
     ``quant_cpu.with_cpu_path`` (or ``choose_cpu_path``).
-    ``int4``: the planes the "int4" path reads, else None.
+    ``planes``: what the "int4" path reads ((nibbles, scales_and_zeros) per
+    plane) or the "q6" path ((low nibbles, high bits, scales, d)), else None.
     ``int4_native_from``: on the "int4" path, the token count from which
     the native kernel (``quant_native``) runs instead of torch's; None:
     torch's always. Set by ``with_cpu_path`` from ``choose_cpu_path``.
@@ -113,7 +115,7 @@ class PackedWeight:
     shape: tuple[int, int]
     data: torch.Tensor | None
     cpu_path: str = "dequant"
-    int4: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None  # (nibbles, scales_and_zeros) per plane
+    planes: tuple[tuple[torch.Tensor, ...], ...] | None = None
     int4_native_from: int | None = None
 
     @property
@@ -126,16 +128,16 @@ class PackedWeight:
 
     @property
     def device(self) -> torch.device:
-        return self.data.device if self.data is not None else self.int4[0][0].device
+        return self.data.device if self.data is not None else self.planes[0][0].device
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: the blocks (unless dropped) plus any int4 planes."""
-        extra = sum(t.numel() * t.element_size() for plane in self.int4 or () for t in plane)
+        """Resident bytes: the blocks (unless dropped) plus any planes."""
+        extra = sum(t.numel() * t.element_size() for plane in self.planes or () for t in plane)
         return (0 if self.data is None else self.data.numel()) + extra
 
     def to(self, device: torch.device | str) -> PackedWeight:
-        """The same weight on ``device`` (the int4 planes, CPU only, are not carried)."""
+        """The same weight on ``device`` (the planes, CPU only, are not carried)."""
         return PackedWeight(self.qtype, self.shape, _blocks(self).to(device))
 
     def rows(self, index: torch.Tensor | slice) -> PackedWeight:
@@ -147,7 +149,7 @@ class PackedWeight:
 
 def _blocks(packed: PackedWeight, name: str = "packed") -> torch.Tensor:
     if packed.data is None:
-        raise KernelArgumentError(f"{name} has no GGUF blocks left (dropped for the int4 CPU path)")
+        raise KernelArgumentError(f"{name} has no GGUF blocks left (dropped for a CPU path's planes)")
     return packed.data
 
 
@@ -203,10 +205,10 @@ def check_packed(packed: object, name: str = "packed", *, need_blocks: bool = Tr
     if not isinstance(packed, PackedWeight):
         raise TypeError(f"{name} must be a PackedWeight, got {type(packed).__name__}")
     qt, (out_f, in_f) = packed.qtype, packed.shape
-    if packed.cpu_path not in CPU_PATH_NAMES or (packed.int4 is not None) != (packed.cpu_path == "int4"):
-        raise KernelArgumentError(f"{name}.cpu_path {packed.cpu_path!r} does not match its int4 planes "
+    if packed.cpu_path not in CPU_PATH_NAMES or (packed.planes is not None) != (packed.cpu_path in PLANE_PATHS):
+        raise KernelArgumentError(f"{name}.cpu_path {packed.cpu_path!r} does not match its planes "
                                   f"(set it with with_cpu_path)")
-    if packed.int4_native_from is not None and packed.int4 is None:
+    if packed.int4_native_from is not None and packed.cpu_path != "int4":
         raise KernelArgumentError(f"{name}.int4_native_from needs the int4 path (set it with with_cpu_path)")
     if packed.data is None and not need_blocks:
         return packed

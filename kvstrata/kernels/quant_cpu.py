@@ -4,6 +4,8 @@ and the one-time micro-benchmark that picks one per layer at load.
     with_cpu_path(packed, path, *, keep_blocks=True, native_from=None) -> PackedWeight   (repacked for ``path``)
     choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None) -> CpuChoice
     int4_rows(packed, ids, dtype) -> [T, in]      rows rebuilt from the int4 planes
+    q6_rows(packed, ids, dtype) -> [T, in]        rows from the q6 planes (bit-equal to dequantize)
+    planes_rows(packed, ids, dtype)               either, by the weight's path
 
 Paths (``quant_matmul`` with impl "auto"/"torch" on CPU runs ``packed.cpu_path``):
 
@@ -73,6 +75,7 @@ import torch.nn.functional as F
 from kvstrata.kernels._checks import KV_DTYPES, KernelArgumentError
 from kvstrata.kernels.quant import (
     CPU_PATH_NAMES,
+    PLANE_PATHS,
     PackedWeight,
     _bits,
     _f16,
@@ -84,7 +87,7 @@ from kvstrata.kernels.quant import (
     dequantize,
     dequantize_rows_into,
 )
-from kvstrata.kernels.quant_native import native_int4, native_int4_status
+from kvstrata.kernels.quant_native import native_kernels, native_status
 
 # weights dequantized per chunk of the "dequant" path: 4 MB of float32, still
 # in the last-level cache when F.linear reads it, and few enough chunks that
@@ -129,7 +132,7 @@ class DequantPath:
 
     @staticmethod
     def prepare(packed: PackedWeight) -> PackedWeight:
-        return dataclasses.replace(packed, cpu_path="dequant", int4=None, int4_native_from=None)
+        return dataclasses.replace(packed, cpu_path="dequant", planes=None, int4_native_from=None)
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
@@ -208,17 +211,17 @@ class Int4Path:
             w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             sz = torch.stack((s, z), -1).transpose(0, 1).to(torch.bfloat16).contiguous()
             planes.append((w, sz))
-        return dataclasses.replace(packed, cpu_path="int4", int4=tuple(planes))
+        return dataclasses.replace(packed, cpu_path="int4", planes=tuple(planes))
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
         xb = x.to(torch.bfloat16).contiguous()
-        planes = packed.int4
+        planes = packed.planes
         # the planes' sums and the bias in float32: in place in a float32 out, else rounded to out once
         acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         native_from = packed.int4_native_from
         if native_from is not None and x.shape[0] >= native_from:
-            native_int4().matmul(xb, planes, acc)  # with_cpu_path made sure it loaded
+            native_kernels().int4_matmul(xb, planes, acc)  # with_cpu_path made sure it loaded
         else:
             mm = torch.ops.aten._weight_int4pack_mm_for_cpu
             acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
@@ -230,7 +233,67 @@ class Int4Path:
             out.copy_(acc)
 
 
-CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path}
+class Q6Path:
+    """Q6_K, re-laid for the native kernel (``quant_native.q6k_matmul``; torch
+    has none: the scales cover 16 weights): the file's bytes exactly, moved.
+    Weights exact (d * sc formed in float32, as gguf does), x in bf16.
+
+    Planes ((lo, hi, sc, d),): ``lo`` uint8 [N/64, K, 32], per block of 64
+    rows and column, byte j = row j's low nibble | row j+32's << 4 (the
+    int4 layout); ``hi`` uint8 [N/64, K, 16], byte i = the top two bits of
+    rows i, i+16, i+32, i+48 at bits 0, 2, 4, 6; ``sc`` int8 [K/16, N];
+    ``d`` float16 [K/256, N]."""
+
+    name = "q6"
+    exact = False
+
+    @staticmethod
+    def available(packed: PackedWeight) -> bool:
+        return (packed.device.type == "cpu" and packed.qtype.name == "Q6_K" and packed.out_features % 64 == 0
+                and native_kernels() is not None)
+
+    @staticmethod
+    def prepare(packed: PackedWeight) -> PackedWeight:
+        if not Q6Path.available(packed):
+            raise KernelArgumentError(
+                f"packed: the q6 CPU path needs a Q6_K CPU weight with out_features % 64 == 0 and the native "
+                f"kernels (here: {native_status()}), got {packed.qtype.name} {packed.shape} on {packed.device}")
+        (n, k), nb = packed.shape, packed.out_features // 64
+        b = packed.data.view(n, -1, packed.qtype.type_size)
+        q = _q6_values(b).view(nb, 64, k)
+        lo = (q[:, :32] & 15) | ((q[:, 32:] & 15) << 4)  # [nb, 32, k]
+        h = (q >> 4).view(nb, 4, 16, k)
+        hi = h[:, 0] | (h[:, 1] << 2) | (h[:, 2] << 4) | (h[:, 3] << 6)  # [nb, 16, k]
+        sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16)
+        d = b[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256)
+        planes = ((lo.transpose(1, 2).contiguous(), hi.transpose(1, 2).contiguous(), sc.T.contiguous(),
+                   d.T.contiguous()),)
+        return dataclasses.replace(packed, cpu_path="q6", planes=planes, int4_native_from=None)
+
+    @staticmethod
+    def matmul(x, packed, bias, out, scratch) -> None:
+        xb = x.to(torch.bfloat16).contiguous()
+        acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        native_kernels().q6k_matmul(xb, packed.planes, acc)  # available() made sure it loaded
+        if bias is not None:
+            acc.add_(bias)
+        if acc is not out:
+            out.copy_(acc)
+
+
+def _q6_values(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [N, S, 210] -> uint8 [N, S * 256]: each weight's 6-bit q (0..63; w = d * sc * (q - 32))."""
+    n, nsb = b.shape[:2]
+    ql = b[..., 0:128].contiguous().unflatten(-1, (2, 2, 32))  # weight 128h + 32r + j: [h, r % 2, j]
+    qh = b[..., 128:192].contiguous().unflatten(-1, (2, 1, 32))
+    q = torch.empty(n, nsb, 2, 4, 32, dtype=torch.uint8, device=b.device)
+    q[..., 0:2, :] = ql & 15
+    q[..., 2:4, :] = ql >> 4
+    q += ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)) & 3) << 4
+    return q.view(n, -1)
+
+
+CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "q6": Q6Path}
 assert tuple(CPU_PATHS) == CPU_PATH_NAMES
 
 
@@ -246,15 +309,15 @@ def with_cpu_path(packed: PackedWeight, path: str, *, keep_blocks: bool = True,
     load here, and out_features % 64 == 0); None: torch's always."""
     if path not in CPU_PATHS:
         raise KernelArgumentError(f"path must be one of {', '.join(CPU_PATHS)}, got {path!r}")
-    if not keep_blocks and path != "int4":
-        raise KernelArgumentError(f"keep_blocks=False needs path 'int4' (the {path!r} path reads the blocks)")
+    if not keep_blocks and path not in PLANE_PATHS:
+        raise KernelArgumentError(f"keep_blocks=False needs path 'int4' or 'q6' (the {path!r} path reads the blocks)")
     if native_from is not None:
         _check_native_from(packed, path, native_from)
     if packed.data is None:
-        if path == "int4" and not keep_blocks:
+        if path == packed.cpu_path and not keep_blocks:
             return dataclasses.replace(packed, int4_native_from=native_from)
-        raise KernelArgumentError("packed has no GGUF blocks left (dropped for the int4 path)")
-    weight = packed if path == packed.cpu_path == "int4" else CPU_PATHS[path].prepare(packed)
+        raise KernelArgumentError(f"packed has no GGUF blocks left (dropped for the {packed.cpu_path} path)")
+    weight = packed if path == packed.cpu_path and path in PLANE_PATHS else CPU_PATHS[path].prepare(packed)
     if path == "int4":
         weight = dataclasses.replace(weight, int4_native_from=native_from)
     return weight if keep_blocks else dataclasses.replace(weight, data=None)
@@ -262,7 +325,7 @@ def with_cpu_path(packed: PackedWeight, path: str, *, keep_blocks: bool = True,
 
 def native_available(packed: PackedWeight) -> bool:
     """Whether the native int4 kernel can run ``packed`` (loads it: call at load)."""
-    return Int4Path.available(packed) and packed.out_features % 64 == 0 and native_int4() is not None
+    return Int4Path.available(packed) and packed.out_features % 64 == 0 and native_kernels() is not None
 
 
 def _check_native_from(packed: PackedWeight, path: str, native_from: object) -> None:
@@ -273,7 +336,7 @@ def _check_native_from(packed: PackedWeight, path: str, native_from: object) -> 
     if not native_available(packed):
         raise KernelArgumentError(
             f"native_from: the native int4 kernel cannot run {packed.qtype.name} {packed.shape} here "
-            f"(needs out_features % 64 == 0; kernel: {native_int4_status()})")
+            f"(needs out_features % 64 == 0; kernel: {native_status()})")
 
 
 def native_threshold(sample_tokens, torch_ms: dict[int, float], native_ms: dict[int, float]) -> int | None:
@@ -421,24 +484,49 @@ def _dense_runner(packed: PackedWeight, dtype: torch.dtype, ring_bytes: int):
 
 
 def _clone(w: PackedWeight) -> PackedWeight:
-    int4 = None if w.int4 is None else tuple((a.clone(), b.clone()) for a, b in w.int4)
-    return dataclasses.replace(w, data=w.data.clone(), int4=int4)
+    planes = None if w.planes is None else tuple(tuple(t.clone() for t in plane) for plane in w.planes)
+    return dataclasses.replace(w, data=w.data.clone(), planes=planes)
 
 
-# ---- rows back out of the int4 planes ------------------------------------------------------
+# ---- rows back out of the planes --------------------------------------------------------------
+
+
+def planes_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T] of a weight whose blocks were dropped, from its path's
+    planes (``int4_rows`` / ``q6_rows``), in ``dtype``."""
+    if packed.cpu_path == "q6":
+        return q6_rows(packed, ids, dtype)
+    return int4_rows(packed, ids, dtype)
+
+
+def q6_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T] of a q6-path weight: d * sc * (q - 32) as gguf forms
+    it (float32), so bit-equal to the blocks' ``dequantize``, in ``dtype``."""
+    if packed.cpu_path != "q6" or packed.planes is None:
+        raise KernelArgumentError(f"packed has no q6 planes (its CPU path is {packed.cpu_path!r})")
+    (lo, hi, sc, d), = packed.planes
+    n, k = packed.shape
+    ids = ids.to(torch.int64)
+    low = _int4_nibbles(lo, n, k, ids)  # the int4 layout, whole 64-row blocks
+    r = ids % 64
+    base = (ids // 64 * k * 16 + r % 16).unsqueeze(1) + torch.arange(k, dtype=torch.int64) * 16
+    high = (hi.reshape(-1)[base] >> (2 * (r // 16)).to(torch.uint8).unsqueeze(1)) & 3
+    q = (low | (high << 4)).view(-1, k // 16, 16).float().sub_(32)
+    scale = d[:, ids].float().repeat_interleave(16, 0) * sc[:, ids].float()  # [K/16, T]: (d * sc) first
+    return q.mul_(scale.T.unsqueeze(-1)).view(-1, k).to(dtype)
 
 
 def int4_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` [T] of an int4-path weight as the int4 kernel sees them:
     sum over planes of (q_p - 8) * s_p + z_p (s, z in bf16), in ``dtype``."""
-    if packed.int4 is None:
+    if packed.planes is None:
         raise KernelArgumentError("packed has no int4 planes (its CPU path is not 'int4')")
     if not int4_layout_ok():
         raise KernelArgumentError("this torch build's int4 layout is not the one int4_rows reads: keep the blocks")
     n, k = packed.shape
     ids = ids.to(torch.int64)
     out = torch.zeros(ids.shape[0], k // 32, 32, dtype=torch.float32)
-    for w, sz in packed.int4:
+    for w, sz in packed.planes:
         q = _int4_nibbles(w, n, k, ids).view(-1, k // 32, 32).float()
         scale, zero = sz[:, ids].float().unbind(-1)  # [K/32, T] each
         out += (q - 8) * scale.T.unsqueeze(-1) + zero.T.unsqueeze(-1)

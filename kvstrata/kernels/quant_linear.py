@@ -15,7 +15,9 @@ Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms)
     CPU "dequant" path         bit-equal to quant_matmul_ref
     Triton kernel              fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
                                bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
-    CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S)
+    CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S);
+                               its native kernel: x's bf16 rounding only (~1e-6 S from the planes)
+    CPU "q6" path              x's bf16 rounding only: <= 2^-8 * S (weights exact)
 
 The Triton kernel rebuilds each weight with ``dequantize``'s operations
 (fp-contraction off), so it multiplies by the very same fp32 weights and
@@ -23,7 +25,8 @@ differs from the reference by accumulation order only (and for bf16 x by
 when the weights and the sum round to bf16). ``packed_embedding`` is
 ``dequantize`` of the rows (exact) while the blocks are kept, and the int4
 planes' values (``quant_cpu.int4_rows``: scales in bf16, |err| <= 2^-8 of
-each row's group scale times 15) once they were dropped for the int4 path.
+each row's group scale times 15) once they were dropped for the int4 path,
+or the q6 planes' (``q6_rows``: bit-equal to ``dequantize``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from kvstrata.kernels._checks import (
 )
 from kvstrata.kernels.dispatch import is_interpreted, use_triton
 from kvstrata.kernels.quant import PackedWeight, check_packed, dequantize
-from kvstrata.kernels.quant_cpu import CPU_PATHS, QuantScratch, int4_rows
+from kvstrata.kernels.quant_cpu import CPU_PATHS, QuantScratch, planes_rows
 
 def quant_matmul(
     x: torch.Tensor,
@@ -117,7 +120,7 @@ def _check_matmul_args(x, packed, bias, out, scratch, need_blocks: bool) -> None
         raise KernelArgumentError(
             f"x must have {packed.in_features} columns (the weight's in_features), got shape {tuple(x.shape)}"
         )
-    tensors = {"x": x, "packed": packed.data if packed.data is not None else packed.int4[0][0]}
+    tensors = {"x": x, "packed": packed.data if packed.data is not None else packed.planes[0][0]}
     if bias is not None:
         check_tensor("bias", bias, 1, KV_DTYPES)
         check_shape("bias", bias, (packed.out_features,))
@@ -138,15 +141,15 @@ def _check_matmul_args(x, packed, bias, out, scratch, need_blocks: bool) -> None
 
 def packed_embedding(ids: torch.Tensor, packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight's rows ``ids`` (int64 [T], on its device) in ``dtype``: an
-    embedding lookup that reads only those rows' blocks (or int4 planes)."""
+    embedding lookup that reads only those rows' blocks (or planes)."""
     check_packed(packed, need_blocks=False)
     check_tensor("ids", ids, 1, (torch.int64, torch.int32))
-    if packed.data is None and packed.int4 is None:
-        raise KernelArgumentError("packed has neither GGUF blocks nor int4 planes")
+    if packed.data is None and packed.planes is None:
+        raise KernelArgumentError("packed has neither GGUF blocks nor planes")
     if dtype not in KV_DTYPES:
         raise KernelArgumentError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
     if ids.device != packed.device:
         raise KernelArgumentError(f"ids are on {ids.device}, packed on {packed.device}")
     if packed.data is None:
-        return int4_rows(packed, ids, dtype)
+        return planes_rows(packed, ids, dtype)
     return dequantize(packed.rows(ids), dtype)

@@ -294,7 +294,7 @@ def test_choose_cpu_path_times_every_candidate_and_dense():
     assert set(exact.times_ms["dense"]) == {1, 4}
     fast = choose_cpu_path(packed, (1,), dtype=torch.bfloat16, reps=1, ring_bytes=0)
     assert set(fast.times_ms) == {"dequant", "int4", "dense"}
-    assert fast.weight.cpu_path == fast.path and (fast.weight.int4 is not None) == (fast.path == "int4")
+    assert fast.weight.cpu_path == fast.path and (fast.weight.planes is not None) == (fast.path == "int4")
     only = choose_cpu_path(random_packed("Q6_K", 16, 256), (1,), dtype=torch.bfloat16, reps=1, ring_bytes=0)
     assert set(only.times_ms) == {"dequant", "dense"}  # no int4 planes for Q6_K's 16-weight scales
 
@@ -325,7 +325,7 @@ BAD_CALLS = {
     "tokens": (lambda: choose_cpu_path(_P, (0,)), "sample_tokens"),
     "ids_dtype": (lambda: packed_embedding(torch.zeros(2), _P, torch.float32), "ids dtype"),
     "no_planes": (lambda: packed_embedding(torch.zeros(2, dtype=torch.long),
-                                           PackedWeight(_P.qtype, _P.shape, None), torch.float32), "int4 planes"),
+                                           PackedWeight(_P.qtype, _P.shape, None), torch.float32), "nor planes"),
 }
 
 

@@ -1,7 +1,9 @@
-"""The native CPU kernel of the int4 path (kernels/csrc/int4_bf16.c via
-kernels/quant_native.py): against the exact model of the int4 planes in
-float64, against torch's kernel on the same planes, its dispatch by token
-count, its build cache, and the threshold ``choose_cpu_path`` sets.
+"""The native CPU kernels (kernels/csrc/int4_bf16.c via
+kernels/quant_native.py). int4: against the exact model of the int4 planes
+in float64, against torch's kernel on the same planes, its dispatch by
+token count and the threshold ``choose_cpu_path`` sets. q6 (Q6_K): against
+``dequantize`` in float64, its rows bit-equal to it, its place among the
+CPU paths. And the build cache.
 
 Runs where the kernel builds and runs (a C compiler with OpenMP, an x86-64
 CPU with AVX512_BF16: the CI host); elsewhere the kernel tests skip, naming
@@ -17,14 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata.kernels import KernelArgumentError, QuantScratch, choose_cpu_path, quant_matmul, with_cpu_path
-from kvstrata.kernels.quant_cpu import Int4Path, int4_rows, native_available, native_threshold
-from kvstrata.kernels.quant_native import SOURCE, NativeUnavailable, build, native_int4, native_int4_status
+from kvstrata.kernels import (
+    KernelArgumentError,
+    QuantScratch,
+    choose_cpu_path,
+    dequantize,
+    quant_matmul,
+    with_cpu_path,
+)
+from kvstrata.kernels.quant_cpu import Int4Path, int4_rows, native_available, native_threshold, planes_rows, q6_rows
+from kvstrata.kernels.quant_native import SOURCE, NativeUnavailable, build, native_kernels, native_status
 
 pytest.importorskip("gguf")
 from test_quant_kernels import random_packed  # noqa: E402
 
-native = pytest.mark.skipif(native_int4() is None, reason=f"no native int4 kernel here: {native_int4_status()}")
+native = pytest.mark.skipif(native_kernels() is None, reason=f"no native int4 kernel here: {native_status()}")
 
 
 def planes_weight(w) -> torch.Tensor:
@@ -45,14 +54,14 @@ def test_native_matches_the_planes_in_float64(qtype, rows, cols, tokens):
     w = with_cpu_path(random_packed(qtype, rows, cols, seed=tokens), "int4")
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(rows + tokens))
     acc = torch.full((tokens, rows), float("nan"))  # every entry must be written
-    native_int4().matmul(x.to(torch.bfloat16), w.int4, acc)
+    native_kernels().int4_matmul(x.to(torch.bfloat16), w.planes, acc)
     want = exact(x, w)
     scale = x.to(torch.bfloat16).double().abs() @ planes_weight(w).abs().T
     assert ((acc.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
     # torch's kernel on the same planes: the same up to its bf16 output
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-    theirs = sum(mm(x.to(torch.bfloat16), q, 32, sz).double() for q, sz in w.int4)
-    assert ((theirs - want).abs() <= 2.0**-7 * scale * len(w.int4)).all()
+    theirs = sum(mm(x.to(torch.bfloat16), q, 32, sz).double() for q, sz in w.planes)
+    assert ((theirs - want).abs() <= 2.0**-7 * scale * len(w.planes)).all()
 
 
 @native
@@ -60,7 +69,7 @@ def test_native_writes_a_column_slice_of_a_wider_output_and_nothing_else():
     w = with_cpu_path(random_packed("Q4_1", 128, 64), "int4")
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
     wide = torch.full((6, 256), 7.0)
-    native_int4().matmul(x.to(torch.bfloat16), w.int4, wide[:, 64:192])
+    native_kernels().int4_matmul(x.to(torch.bfloat16), w.planes, wide[:, 64:192])
     assert torch.equal(wide[:, :64], torch.full((6, 64), 7.0)) and torch.equal(wide[:, 192:], torch.full((6, 64), 7.0))
     assert (wide[:, 64:192].double() - exact(x, w)).abs().max() <= 1e-4
 
@@ -75,7 +84,7 @@ def test_native_gives_the_same_bits_on_one_thread_and_on_two():
         for n in (1, 2):
             torch.set_num_threads(n)
             outs.append(torch.empty(9, 512))
-            native_int4().matmul(xb, w.int4, outs[-1])
+            native_kernels().int4_matmul(xb, w.planes, outs[-1])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])  # the blocks of 64 rows split over threads, each summed alike
@@ -90,14 +99,14 @@ def test_int4_path_takes_the_native_kernel_from_native_from_tokens():
     for tokens in (1, 3, 4, 9):
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
         got = quant_matmul(x, w)
-        torch_side = mm(x.to(torch.bfloat16), base.int4[0][0], 32, base.int4[0][1]).float()
+        torch_side = mm(x.to(torch.bfloat16), base.planes[0][0], 32, base.planes[0][1]).float()
         native_side = torch.empty(tokens, 128)
-        native_int4().matmul(x.to(torch.bfloat16), base.int4, native_side)
+        native_kernels().int4_matmul(x.to(torch.bfloat16), base.planes, native_side)
         assert torch.equal(got, native_side if tokens >= 4 else torch_side), tokens
     # a bf16 output: the float32 sums rounded once
     xb = torch.randn(5, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     ref = torch.empty(5, 128)
-    native_int4().matmul(xb, base.int4, ref)
+    native_kernels().int4_matmul(xb, base.planes, ref)
     assert torch.equal(quant_matmul(xb, w), ref.to(torch.bfloat16))
 
 
@@ -114,7 +123,7 @@ def test_choose_cpu_path_times_both_int4_kernels_and_sets_the_threshold():
     if choice.path == "int4":
         assert choice.weight.int4_native_from == choice.native_from
     else:
-        assert choice.native_from is None or choice.weight.int4 is None
+        assert choice.native_from is None or choice.weight.planes is None
 
 
 def test_native_threshold_rule():
@@ -150,18 +159,18 @@ def test_native_from_errors_name_what_is_wrong(case):
 def test_native_matmul_argument_errors(case):
     w = with_cpu_path(random_packed("Q4_0", 64, 64), "int4")
     xb, acc = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 64)
-    q, sz = w.int4[0]
+    q, sz = w.planes[0]
     args, match = {
-        "x_dtype": ((xb.float(), w.int4, acc), "xb must be a contiguous 2-D bfloat16"),
-        "x_strided": ((torch.zeros(2, 128, dtype=torch.bfloat16)[:, ::2], w.int4, acc), "xb must be"),
-        "acc_dtype": ((xb, w.int4, acc.double()), "acc must be float32"),
-        "acc_rows": ((xb, w.int4, torch.zeros(3, 64)), "acc must be float32 \\[2, N\\]"),
-        "cols": ((xb, w.int4, torch.zeros(2, 128)[:, ::2]), "contiguous rows"),
+        "x_dtype": ((xb.float(), w.planes, acc), "xb must be a contiguous 2-D bfloat16"),
+        "x_strided": ((torch.zeros(2, 128, dtype=torch.bfloat16)[:, ::2], w.planes, acc), "xb must be"),
+        "acc_dtype": ((xb, w.planes, acc.double()), "acc must be float32"),
+        "acc_rows": ((xb, w.planes, torch.zeros(3, 64)), "acc must be float32 \\[2, N\\]"),
+        "cols": ((xb, w.planes, torch.zeros(2, 128)[:, ::2]), "contiguous rows"),
         "sz_shape": ((xb, ((q, sz[:1]),), acc), "scales_and_zeros must be"),
         "planes": ((xb, (), acc), "at least one"),
     }[case]
     with pytest.raises(KernelArgumentError, match=match):
-        native_int4().matmul(*args)
+        native_kernels().int4_matmul(*args)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and not os.environ.get("CC"), reason="no C compiler")
@@ -194,7 +203,7 @@ def test_scratch_is_not_needed_and_planes_are_read_in_place():
     (resident bytes unchanged by native_from)."""
     w = with_cpu_path(random_packed("Q8_0", 128, 128), "int4")
     n = with_cpu_path(w, "int4", native_from=1)
-    assert n.nbytes == w.nbytes and all(a[0] is b[0] for a, b in zip(n.int4, w.int4))
+    assert n.nbytes == w.nbytes and all(a[0] is b[0] for a, b in zip(n.planes, w.planes))
     x = torch.randn(4, 128)
     out = torch.empty(4, 128)
     Int4Path.matmul(x, n, None, out, QuantScratch())
@@ -206,9 +215,91 @@ def test_the_switch_turns_the_native_kernel_off_and_says_so():
     import subprocess
     import sys
 
-    code = ("from kvstrata.kernels.quant_native import native_int4, native_int4_status\n"
-            "assert native_int4() is None\nprint(native_int4_status())\n")
+    code = ("from kvstrata.kernels.quant_native import native_kernels, native_status\n"
+            "assert native_kernels() is None\nprint(native_status())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "KVSTRATA_NATIVE_KERNELS": "0"})
     assert done.returncode == 0, done.stderr
     assert "KVSTRATA_NATIVE_KERNELS=0" in done.stdout
+
+
+# ---- Q6_K: the q6 path ---------------------------------------------------------------------
+
+
+def exact_q6(x: torch.Tensor, w) -> torch.Tensor:
+    return x.to(torch.bfloat16).double() @ dequantize(w).double().T
+
+
+@native
+@pytest.mark.parametrize("rows,cols", [(64, 256), (320, 512)])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 17])
+def test_q6_matches_dequantize_in_float64(rows, cols, tokens):
+    packed = random_packed("Q6_K", rows, cols, seed=tokens)
+    w = with_cpu_path(packed, "q6")
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(rows + tokens))
+    acc = torch.full((tokens, rows), float("nan"))
+    native_kernels().q6k_matmul(x.to(torch.bfloat16), w.planes, acc)
+    scale = x.to(torch.bfloat16).double().abs() @ dequantize(packed).double().abs().T
+    assert ((acc.double() - exact_q6(x, packed)).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@native
+def test_q6_path_through_quant_matmul_with_bias_slices_and_bf16():
+    packed = random_packed("Q6_K", 128, 256, seed=4)
+    w = with_cpu_path(packed, "q6", keep_blocks=False)
+    assert w.data is None and w.nbytes == packed.nbytes  # the file's bytes, re-laid
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(128, generator=torch.Generator().manual_seed(6))
+    wide = torch.full((6, 320), 3.0)
+    quant_matmul(x, w, bias, out=wide[:, 64:192])
+    scale = x.to(torch.bfloat16).double().abs() @ dequantize(packed).double().abs().T  # random scales: sums ~1e3
+    assert ((wide[:, 64:192].double() - exact_q6(x, packed) - bias.double()).abs() <= 1e-5 * scale).all()
+    assert torch.equal(wide[:, :64], torch.full((6, 64), 3.0)) and torch.equal(wide[:, 192:], torch.full((6, 128), 3.0))
+    got = quant_matmul(x.to(torch.bfloat16), w)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - exact_q6(x, packed)).abs().max() <= 2.0**-7 * exact_q6(x, packed).abs().max()
+
+
+@native
+def test_q6_rows_are_bit_equal_to_dequantize():
+    packed = random_packed("Q6_K", 192, 512, seed=7)
+    w = with_cpu_path(packed, "q6", keep_blocks=False)
+    ids = torch.tensor([0, 1, 15, 16, 31, 32, 47, 48, 63, 64, 100, 191, 5, 5])
+    assert torch.equal(q6_rows(w, ids, torch.float32), dequantize(packed)[ids])
+    assert torch.equal(planes_rows(w, ids, torch.bfloat16), dequantize(packed)[ids].to(torch.bfloat16))
+    with pytest.raises(KernelArgumentError, match="no q6 planes"):
+        q6_rows(with_cpu_path(random_packed("Q4_0", 64, 64), "int4"), ids[:1], torch.float32)
+
+
+@native
+def test_q6_is_a_candidate_only_for_inexact_activations_and_wins_over_dequant():
+    packed = random_packed("Q6_K", 256, 512, seed=8)
+    exact_only = choose_cpu_path(packed, (1,), dtype=torch.float32, reps=1, ring_bytes=0)
+    assert "q6" not in exact_only.times_ms and exact_only.path == "dequant"
+    fast = choose_cpu_path(packed, (1, 16), dtype=torch.float32, reps=2, ring_bytes=0, allow_inexact=True)
+    assert "q6" in fast.times_ms
+    if fast.path == "q6":
+        assert fast.weight.cpu_path == "q6" and fast.weight.planes is not None and fast.native_from is None
+
+
+@native
+@pytest.mark.parametrize("case", ["k", "planes", "lo_shape", "sc_dtype"])
+def test_q6_matmul_argument_errors(case):
+    w = with_cpu_path(random_packed("Q6_K", 64, 256), "q6")
+    xb, acc = torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(2, 64)
+    lo, hi, sc, d = w.planes[0]
+    args, match = {
+        "k": ((torch.zeros(2, 128, dtype=torch.bfloat16), w.planes, acc), "K % 256"),
+        "planes": ((xb, w.planes + w.planes, acc), "\\(\\(lo, hi, sc, d\\),\\)"),
+        "lo_shape": ((xb, ((lo[:, :128], hi, sc, d),), acc), "planes lo must be contiguous uint8"),
+        "sc_dtype": ((xb, ((lo, hi, sc.to(torch.uint8), d),), acc), "planes sc must be contiguous int8"),
+    }[case]
+    with pytest.raises(KernelArgumentError, match=match):
+        native_kernels().q6k_matmul(*args)
+
+
+def test_q6_path_needs_the_native_kernels_and_whole_row_blocks():
+    with pytest.raises(KernelArgumentError, match="q6 CPU path needs a Q6_K"):
+        with_cpu_path(random_packed("Q6_K", 16, 256), "q6")  # 16 rows: not a multiple of 64
+    with pytest.raises(KernelArgumentError, match="q6 CPU path needs a Q6_K"):
+        with_cpu_path(random_packed("Q4_0", 64, 256), "q6")

@@ -33,7 +33,7 @@ from gguf_writing import prompt_logits, write_random_gguf  # noqa: E402
 
 from kvstrata.config import EngineConfig, ModelConfig  # noqa: E402
 from kvstrata.kernels import PackedWeight, dequantize  # noqa: E402
-from kvstrata.kernels.quant_cpu import int4_rows  # noqa: E402
+from kvstrata.kernels.quant_cpu import int4_rows, planes_rows  # noqa: E402
 from kvstrata.worker.model import load_checkpoint  # noqa: E402
 from kvstrata.worker.model.packed import PackedEmbedding, PackedLinear  # noqa: E402
 
@@ -107,8 +107,8 @@ def test_packed_layers_and_logits_match_the_dequantized_model(tmp_path, qtype, t
     assert packed.weight_bytes == sum(parts.values()) + norms
     assert packed.weight_bytes < 0.5 * dense.weight_bytes
     assert packed.fingerprint != dense.fingerprint  # a KV cache of one is not the other's
-    if all(p.cpu_path == "dequant" for m in layers.values() for p in m.parts):
-        assert packed.weight_bytes == file_bytes  # the blocks as in the file, nothing more
+    if all(p.cpu_path in ("dequant", "q6") for m in layers.values() for p in m.parts):
+        assert packed.weight_bytes == file_bytes  # the blocks as in the file (or q6: re-laid), nothing more
 
 
 def _as_planes_model(ckpt):
@@ -126,11 +126,13 @@ def test_q_and_k_rows_are_unpermuted_as_whole_rows(tmp_path):
     """llama.cpp permutes Llama's q/k rows; the packed rows are moved back:
     the packed q|k|v weight dequantized is the dequantized model's, exactly."""
     path = tmp_path / "perm.gguf"
-    write_random_gguf(path, Q.Q6_K, seed=3)  # Q6_K: no int4 form, the blocks stay
+    write_random_gguf(path, Q.Q6_K, seed=3)  # Q6_K: the q6 path's rows are bit-equal to dequantize's
     dense, packed = _pair(path)
     qkv = packed.model.model.layers[1].self_attn.qkv_proj
     (part,) = qkv.parts
-    assert torch.equal(dequantize(part), dense.model.model.layers[1].self_attn.qkv_proj.weight)
+    rows = dequantize(part) if part.data is not None else planes_rows(part, torch.arange(part.out_features),
+                                                                       torch.float32)
+    assert torch.equal(rows, dense.model.model.layers[1].self_attn.qkv_proj.weight)
 
 
 def test_a_type_that_does_not_pack_is_dequantized_and_named(tmp_path):

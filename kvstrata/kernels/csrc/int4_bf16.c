@@ -29,7 +29,7 @@
 
 #define KVQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
-int kvq_abi_version(void) { return 1; }
+int kvq_abi_version(void) { return 2; }
 
 int kvq_supported(void) {
     __builtin_cpu_init();
@@ -62,14 +62,17 @@ unpack_tile(const uint8_t *wq, uint32_t *tile) {
     }
 }
 
-/* MT (1..4) rows of x against one tile: out[m][0..63] = (first ? 0 : out) + dot * s + z * xsum. */
+/* MT (1..4) rows of x against one tile of KP column pairs (a group: 16 for
+ * int4's 32 columns, 8 for Q6_K's 16): out[m][0..63] = (first ? 0 : out) +
+ * dot * s (+ z * xsum when HAS_Z). */
 static inline __attribute__((always_inline)) KVQ_TARGET void
-rows_dot(const int MT, const uint32_t *xpairs, size_t x_stride, const uint32_t *tile, const float *xsum,
-         size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out, size_t ldo, int first) {
+rows_dot(const int MT, const int KP, const int HAS_Z, const uint32_t *xpairs, size_t x_stride, const uint32_t *tile,
+         const float *xsum, size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out, size_t ldo,
+         int first) {
     __m512 p[4][4];
     for (int m = 0; m < MT; m++)
         for (int t = 0; t < 4; t++) p[m][t] = _mm512_setzero_ps();
-    for (int kp = 0; kp < 16; kp++) {
+    for (int kp = 0; kp < KP; kp++) {
         const __m512i w0 = _mm512_load_si512(tile + kp * 64);
         const __m512i w1 = _mm512_load_si512(tile + kp * 64 + 16);
         const __m512i w2 = _mm512_load_si512(tile + kp * 64 + 32);
@@ -83,13 +86,31 @@ rows_dot(const int MT, const uint32_t *xpairs, size_t x_stride, const uint32_t *
         }
     }
     for (int m = 0; m < MT; m++) {
-        const __m512 xs = _mm512_set1_ps(xsum[m * xsum_stride]);
+        const __m512 xs = HAS_Z ? _mm512_set1_ps(xsum[m * xsum_stride]) : _mm512_setzero_ps();
         for (int t = 0; t < 4; t++) {
             float *o = out + m * ldo + 16 * t;
             __m512 acc = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
             acc = _mm512_fmadd_ps(p[m][t], s[t], acc);
-            acc = _mm512_fmadd_ps(z[t], xs, acc);
+            if (HAS_Z) acc = _mm512_fmadd_ps(z[t], xs, acc);
             _mm512_storeu_ps(o, acc);
+        }
+    }
+}
+
+/* Every row of x against one tile, 4 rows at a time. */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+all_rows(const int KP, const int HAS_Z, int M, const uint32_t *xpairs, size_t x_stride, const uint32_t *tile,
+         const float *xsum, size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out, size_t ldo,
+         int first) {
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const uint32_t *xp = xpairs + (size_t)m0 * x_stride;
+        const float *xs = HAS_Z ? xsum + (size_t)m0 * xsum_stride : xsum;
+        float *o = out + (size_t)m0 * ldo;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+        case 4: rows_dot(4, KP, HAS_Z, xp, x_stride, tile, xs, xsum_stride, s, z, o, ldo, first); break;
+        case 3: rows_dot(3, KP, HAS_Z, xp, x_stride, tile, xs, xsum_stride, s, z, o, ldo, first); break;
+        case 2: rows_dot(2, KP, HAS_Z, xp, x_stride, tile, xs, xsum_stride, s, z, o, ldo, first); break;
+        default: rows_dot(1, KP, HAS_Z, xp, x_stride, tile, xs, xsum_stride, s, z, o, ldo, first); break;
         }
     }
 }
@@ -131,17 +152,83 @@ KVQ_TARGET void kvq_int4_mm(const uint16_t *x, const uint8_t *wq, const uint16_t
                 z[t] = _mm512_castsi512_ps(_mm512_and_si512(v, zmask));
             }
             const int first = g == 0 && !accumulate;
-            for (int m0 = 0; m0 < M; m0 += 4) {
-                const uint32_t *xp = xpairs + (size_t)m0 * x_stride + (size_t)g * 16;
-                const float *xs = xsum + (size_t)m0 * G + g;
-                float *o = out + (size_t)m0 * ldo + (size_t)b * 64;
-                switch (M - m0 < 4 ? M - m0 : 4) {
-                case 4: rows_dot(4, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
-                case 3: rows_dot(3, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
-                case 2: rows_dot(2, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
-                default: rows_dot(1, xp, x_stride, tile, xs, G, s, z, o, ldo, first); break;
-                }
+            all_rows(16, 1, M, xpairs + (size_t)g * 16, x_stride, tile, xsum + g, G, s, z, out + (size_t)b * 64, ldo,
+                     first);
+        }
+    }
+}
+
+/* ---- Q6_K ------------------------------------------------------------------------------------
+ *
+ *   out[m][n] = sum_k x[m][k] * d[k/256][n] * sc[k/16][n] * (q[n][k] - 32),   q in 0..63
+ *
+ * Q6_K's values re-laid for this kernel (kvstrata.kernels.quant_cpu.Q6Path), the file's
+ * bytes exactly (0.82 B per weight): lo = the low nibbles in the int4 layout above; hi = the
+ * top two bits, per block of 64 rows b and column k 16 bytes at (b * K + k) * 16, byte i
+ * holding rows 64b + i, +16, +32, +48 in bits 0-1, 2-3, 4-5, 6-7; sc = int8 [K/16][N];
+ * d = fp16 [K/256][N]. The scale d * sc is formed in float32 as gguf does (no rounding to
+ * bf16), so x is again the only rounded operand. Groups of 16 columns (8 pairs), no zero.
+ */
+
+/* tile[kp * 64 + n] = the bf16 pair (q[n][2kp] - 32, q[n][2kp+1] - 32), kp < 8. */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+unpack_q6_tile(const uint8_t *lo, const uint8_t *hi, const __m512i lut0, const __m512i lut1, uint32_t *tile) {
+    const __m512i low4 = _mm512_set1_epi16(0x0F0F);
+    const __m256i low2 = _mm256_set1_epi16(0x0303);
+    for (int kp = 0; kp < 8; kp++) {
+        __m512i cols = _mm512_loadu_si512(lo + kp * 64);
+        __m512i a = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(cols));
+        __m512i b = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(cols, 1));
+        __m512i ab = _mm512_or_si512(a, _mm512_slli_epi16(b, 8));
+        __m512i v_lo = _mm512_and_si512(ab, low4);                  /* rows 0..31, low nibbles */
+        __m512i v_hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low4); /* rows 32..63 */
+        __m256i hcols = _mm256_loadu_si256((const __m256i *)(hi + kp * 32)); /* 16 bytes of 2k, of 2k+1 */
+        __m256i ha = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hcols));
+        __m256i hb = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hcols, 1));
+        __m256i hab = _mm256_or_si256(ha, _mm256_slli_epi16(hb, 8)); /* word i: byte i of 2k, of 2k+1 */
+        __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(hab, low2)),
+                                         _mm256_and_si256(_mm256_srli_epi16(hab, 2), low2), 1); /* rows 0..31 */
+        __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(hab, 4), low2)),
+                                         _mm256_and_si256(_mm256_srli_epi16(hab, 6), low2), 1); /* rows 32..63 */
+        v_lo = _mm512_or_si512(v_lo, _mm512_slli_epi16(h01, 4));
+        v_hi = _mm512_or_si512(v_hi, _mm512_slli_epi16(h23, 4));
+        uint32_t *t = tile + kp * 64;
+        _mm512_store_si512(t + 0, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v_lo)), lut1));
+        _mm512_store_si512(t + 16, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_lo, 1)), lut1));
+        _mm512_store_si512(t + 32, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v_hi)), lut1));
+        _mm512_store_si512(t + 48, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_hi, 1)), lut1));
+    }
+}
+
+/* out = x @ W^T for Q6_K laid out as above. M >= 1, N % 64 == 0, K % 256 == 0. */
+KVQ_TARGET void kvq_q6k_mm(const uint16_t *x, const uint8_t *lo, const uint8_t *hi, const int8_t *sc,
+                           const uint16_t *d, float *out, int M, int N, int K, long ldo, int nthreads) {
+    const int G = K / 16, NB = N / 64;
+    const size_t x_stride = (size_t)K / 2;
+    const uint32_t *xpairs = (const uint32_t *)x;
+    uint16_t lut[64]; /* bf16 of v - 32: small integers, exact */
+    for (int v = 0; v < 64; v++) {
+        float f = (float)(v - 32);
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        lut[v] = (uint16_t)(bits >> 16);
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int b = 0; b < NB; b++) {
+        __attribute__((aligned(64))) uint32_t tile[8 * 64];
+        const __m512i lut0 = _mm512_loadu_si512(lut), lut1 = _mm512_loadu_si512(lut + 32);
+        __m512 s[4], z[4];
+        for (int g = 0; g < G; g++) {
+            unpack_q6_tile(lo + ((size_t)b * K + (size_t)g * 16) * 32, hi + ((size_t)b * K + (size_t)g * 16) * 16,
+                           lut0, lut1, tile);
+            for (int t = 0; t < 4; t++) {
+                const size_t n0 = (size_t)b * 64 + 16 * t;
+                const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (size_t)(g / 16) * N + n0)));
+                const __m128i c = _mm_loadu_si128((const __m128i *)(sc + (size_t)g * N + n0));
+                s[t] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+                z[t] = _mm512_setzero_ps();
             }
+            all_rows(8, 0, M, xpairs + (size_t)g * 8, x_stride, tile, NULL, 0, s, z, out + (size_t)b * 64, ldo, g == 0);
         }
     }
 }

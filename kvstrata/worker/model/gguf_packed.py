@@ -19,11 +19,11 @@ load into a dense part. Norms and biases are dense.
 
 CPU paths: ``choose_cpu_path`` runs once per distinct (type, shape) at load
 (SmolLM2: 5 of 151 weights) with ``allow_inexact=True``: the int4 path
-(bf16 matmul, |err| <= 2^-7 S, ``kernels/quant_linear.py``) competes with
-the exact "dequant" path for float32 activations too; a layer keeps the
-GGUF blocks only where they are still read: on the int4 path the blocks are
-dropped, and a tied embedding then reads its rows from the lm_head's int4
-planes (``int4_rows``). "auto" dtype on a CPU: the chosen paths' summed time
+(bf16 matmul, |err| <= 2^-7 S, ``kernels/quant_linear.py``) and for Q6_K
+the q6 path (x in bf16) compete with the exact "dequant" path for float32
+activations too; a layer keeps the GGUF blocks only where they are still
+read: on the int4 and q6 paths the blocks are dropped, and a tied embedding
+then reads its rows from the lm_head's planes (``planes_rows``). "auto" dtype on a CPU: the chosen paths' summed time
 (layers weighted by count, 1 and 16 tokens) at float32 and at bfloat16;
 bfloat16 when it is 10 % faster, which also runs attention and norms in
 bf16. On CUDA nothing is measured: the Triton kernel reads the blocks.
@@ -46,6 +46,7 @@ from kvstrata.kernels import (
     choose_cpu_path,
     with_cpu_path,
 )
+from kvstrata.kernels.quant import PLANE_PATHS
 from kvstrata.kernels.quant_cpu import int4_layout_ok
 from kvstrata.worker.model.config import CheckpointError, LlamaArchConfig
 from kvstrata.worker.model.gguf_file import GGUFTensor
@@ -182,12 +183,14 @@ def install(model: LlamaForCausalLM, plan: PackPlan, paths: dict[tuple, CpuChoic
     parts are dequantized here. ``paths``: each weight's CPU path (None on CUDA)."""
     scratch = QuantScratch()
 
-    def prepared(w: PackedWeight, keep_blocks: bool = False) -> PackedWeight:
+    def prepared(w: PackedWeight, tied: bool = False) -> PackedWeight:
         if paths is None:
             return w
         choice = paths[_key(w)]
-        return with_cpu_path(w, choice.path, keep_blocks=keep_blocks or choice.path != "int4",
-                             native_from=choice.native_from)
+        # the blocks go where the planes hold the weight; a tied embedding then reads its rows from the
+        # planes, which for int4 needs this torch build's layout to be the one int4_rows knows
+        keep = choice.path not in PLANE_PATHS or (tied and choice.path == "int4" and not int4_layout_ok())
+        return with_cpu_path(w, choice.path, keep_blocks=keep, native_from=choice.native_from)
 
     for name, parts in plan.linears.items():
         dense: list[Part] = [prepared(p) if isinstance(p, PackedWeight) else _dequantized(p, dtype, device)
@@ -196,8 +199,8 @@ def install(model: LlamaForCausalLM, plan: PackPlan, paths: dict[tuple, CpuChoic
         model.set_submodule(name, PackedLinear(dense, old.bias is not None, dtype, device, scratch))
     if plan.embedding is not None:
         emb = plan.embedding
-        if plan.tied:  # one weight for both: its blocks go only if int4_rows can read the planes instead
-            emb = prepared(emb, keep_blocks=not int4_layout_ok())
+        if plan.tied:  # one weight for both
+            emb = prepared(emb, tied=True)
             model.lm_head = PackedLinear([emb], False, dtype, device, scratch)
         model.model.embed_tokens = PackedEmbedding(emb, dtype)
 

@@ -99,7 +99,7 @@ class PackedEmbedding(nn.Module):
     def weight(self) -> torch.Tensor:
         """The packed storage (uint8 blocks, or the first int4 plane): here
         for code that asks an embedding for its device; not a dense weight."""
-        return self.packed.data if self.packed.data is not None else self.packed.int4[0][0]
+        return self.packed.data if self.packed.data is not None else self.packed.planes[0][0]
 
     @property
     def nbytes(self) -> int:
