@@ -91,6 +91,22 @@ def test_native_gives_the_same_bits_on_one_thread_and_on_two():
 
 
 @native
+@pytest.mark.parametrize("qtype,path", [("Q4_1", "int4"), ("Q8_0", "int4"), ("Q6_K", "q6")])
+def test_native_rows_do_not_depend_on_the_batch(qtype, path):
+    """A row's sums are the same bits alone (1-3 rows: unpacked straight
+    into registers) as in a batch of 7 (4-row tiles and a rest of 3)."""
+    w = with_cpu_path(random_packed(qtype, 192, 256), path)
+    mm = native_kernels().int4_matmul if path == "int4" else native_kernels().q6k_matmul
+    xb = torch.randn(7, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    batch = torch.empty(7, 192)
+    mm(xb, w.planes, batch)
+    for lo, hi in ((0, 1), (1, 3), (4, 7), (6, 7)):
+        part = torch.empty(hi - lo, 192)
+        mm(xb[lo:hi].contiguous(), w.planes, part)
+        assert torch.equal(part, batch[lo:hi]), (lo, hi)
+
+
+@native
 def test_int4_path_takes_the_native_kernel_from_native_from_tokens():
     base = with_cpu_path(random_packed("Q4_0", 128, 256), "int4")
     w = with_cpu_path(base, "int4", native_from=4)

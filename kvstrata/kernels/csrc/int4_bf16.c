@@ -42,23 +42,31 @@ int kvq_supported(void) {
 static const uint16_t kLut[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
                                   0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
 
+/* One column pair 2kp, 2kp+1 of a (block, group) as four registers of 16 rows:
+ * w[t] lane r = the bf16 pair (q[16t + r][2kp] - 8, q[16t + r][2kp + 1] - 8). */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+unpack_pair(const uint8_t *cols_at, const __m512i lut, const __m512i low4, __m512i w[4]) {
+    __m512i cols = _mm512_loadu_si512(cols_at); /* columns 2kp and 2kp+1, 32 bytes each */
+    __m512i a = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(cols));
+    __m512i b = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(cols, 1));
+    __m512i ab = _mm512_or_si512(a, _mm512_slli_epi16(b, 8)); /* word j: byte j of column 2kp, of 2kp+1 */
+    __m512i lo = _mm512_and_si512(ab, low4);                  /* rows j */
+    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low4); /* rows j + 32 */
+    w[0] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), lut);
+    w[1] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), lut);
+    w[2] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), lut);
+    w[3] = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), lut);
+}
+
 /* The tile of one (block, group): tile[kp * 64 + n] = the bf16 pair (q[n][2kp] - 8, q[n][2kp+1] - 8). */
 static inline __attribute__((always_inline)) KVQ_TARGET void
 unpack_tile(const uint8_t *wq, uint32_t *tile) {
     const __m512i lut = _mm512_loadu_si512(kLut);
     const __m512i low4 = _mm512_set1_epi16(0x0F0F);
     for (int kp = 0; kp < 16; kp++) {
-        __m512i cols = _mm512_loadu_si512(wq + kp * 64); /* columns 2kp and 2kp+1, 32 bytes each */
-        __m512i a = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(cols));
-        __m512i b = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(cols, 1));
-        __m512i ab = _mm512_or_si512(a, _mm512_slli_epi16(b, 8)); /* word j: byte j of column 2kp, of 2kp+1 */
-        __m512i lo = _mm512_and_si512(ab, low4);                  /* rows j */
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low4); /* rows j + 32 */
-        uint32_t *t = tile + kp * 64;
-        _mm512_store_si512(t + 0, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), lut));
-        _mm512_store_si512(t + 16, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), lut));
-        _mm512_store_si512(t + 32, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), lut));
-        _mm512_store_si512(t + 48, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), lut));
+        __m512i w[4];
+        unpack_pair(wq + kp * 64, lut, low4, w);
+        for (int t = 0; t < 4; t++) _mm512_store_si512(tile + kp * 64 + 16 * t, w[t]);
     }
 }
 
@@ -115,6 +123,37 @@ all_rows(const int KP, const int HAS_Z, int M, const uint32_t *xpairs, size_t x_
     }
 }
 
+/* MT (1..3) rows of x against one (block, group) unpacked straight into
+ * registers (no tile: with so few rows the tile's stores and loads cost
+ * more than they save). Same sums as rows_dot, in the same order. */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+rows_direct(const int MT, const uint8_t *wq, const uint32_t *xpairs, size_t x_stride, const float *xsum,
+            size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out, size_t ldo, int first) {
+    const __m512i lut = _mm512_loadu_si512(kLut);
+    const __m512i low4 = _mm512_set1_epi16(0x0F0F);
+    __m512 p[4][4];
+    for (int m = 0; m < MT; m++)
+        for (int t = 0; t < 4; t++) p[m][t] = _mm512_setzero_ps();
+    for (int kp = 0; kp < 16; kp++) {
+        __m512i w[4];
+        unpack_pair(wq + kp * 64, lut, low4, w);
+        for (int m = 0; m < MT; m++) {
+            const __m512i xv = _mm512_set1_epi32((int)xpairs[m * x_stride + kp]);
+            for (int t = 0; t < 4; t++) p[m][t] = _mm512_dpbf16_ps(p[m][t], (__m512bh)w[t], (__m512bh)xv);
+        }
+    }
+    for (int m = 0; m < MT; m++) {
+        const __m512 xs = _mm512_set1_ps(xsum[m * xsum_stride]);
+        for (int t = 0; t < 4; t++) {
+            float *o = out + m * ldo + 16 * t;
+            __m512 acc = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
+            acc = _mm512_fmadd_ps(p[m][t], s[t], acc);
+            acc = _mm512_fmadd_ps(z[t], xs, acc);
+            _mm512_storeu_ps(o, acc);
+        }
+    }
+}
+
 /* xsum[m][g] = the sum of x[m][32g .. 32g + 31] (as bf16, in float32). */
 static void group_sums(const uint16_t *x, int M, int K, float *xsum) {
     const int G = K / 32;
@@ -144,7 +183,7 @@ KVQ_TARGET void kvq_int4_mm(const uint16_t *x, const uint8_t *wq, const uint16_t
         __attribute__((aligned(64))) uint32_t tile[16 * 64];
         const __m512i zmask = _mm512_set1_epi32((int)0xFFFF0000);
         for (int g = 0; g < G; g++) {
-            unpack_tile(wq + ((size_t)b * K + (size_t)g * 32) * 32, tile);
+            const uint8_t *wg = wq + ((size_t)b * K + (size_t)g * 32) * 32;
             __m512 s[4], z[4];
             for (int t = 0; t < 4; t++) { /* 16 (scale, zero) bf16 pairs; as float32: bits << 16 */
                 const __m512i v = _mm512_loadu_si512(sz + ((size_t)g * N + (size_t)b * 64 + 16 * t) * 2);
@@ -152,8 +191,17 @@ KVQ_TARGET void kvq_int4_mm(const uint16_t *x, const uint8_t *wq, const uint16_t
                 z[t] = _mm512_castsi512_ps(_mm512_and_si512(v, zmask));
             }
             const int first = g == 0 && !accumulate;
-            all_rows(16, 1, M, xpairs + (size_t)g * 16, x_stride, tile, xsum + g, G, s, z, out + (size_t)b * 64, ldo,
-                     first);
+            const uint32_t *xp = xpairs + (size_t)g * 16;
+            float *o = out + (size_t)b * 64;
+            switch (M) {
+            case 1: rows_direct(1, wg, xp, x_stride, xsum + g, G, s, z, o, ldo, first); break;
+            case 2: rows_direct(2, wg, xp, x_stride, xsum + g, G, s, z, o, ldo, first); break;
+            case 3: rows_direct(3, wg, xp, x_stride, xsum + g, G, s, z, o, ldo, first); break;
+            case 4: rows_direct(4, wg, xp, x_stride, xsum + g, G, s, z, o, ldo, first); break;
+            default:
+                unpack_tile(wg, tile);
+                all_rows(16, 1, M, xp, x_stride, tile, xsum + g, G, s, z, o, ldo, first);
+            }
         }
     }
 }
@@ -170,34 +218,64 @@ KVQ_TARGET void kvq_int4_mm(const uint16_t *x, const uint8_t *wq, const uint16_t
  * bf16), so x is again the only rounded operand. Groups of 16 columns (8 pairs), no zero.
  */
 
+/* One column pair of a Q6_K (block, group) as four registers of 16 rows (as unpack_pair). */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+unpack_q6_pair(const uint8_t *lo, const uint8_t *hi, const __m512i lut0, const __m512i lut1, __m512i w[4]) {
+    const __m512i low4 = _mm512_set1_epi16(0x0F0F);
+    const __m256i low2 = _mm256_set1_epi16(0x0303);
+    __m512i cols = _mm512_loadu_si512(lo);
+    __m512i a = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(cols));
+    __m512i b = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(cols, 1));
+    __m512i ab = _mm512_or_si512(a, _mm512_slli_epi16(b, 8));
+    __m512i v_lo = _mm512_and_si512(ab, low4);                  /* rows 0..31, low nibbles */
+    __m512i v_hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low4); /* rows 32..63 */
+    __m256i hcols = _mm256_loadu_si256((const __m256i *)hi); /* 16 bytes of 2k, of 2k+1 */
+    __m256i ha = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hcols));
+    __m256i hb = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hcols, 1));
+    __m256i hab = _mm256_or_si256(ha, _mm256_slli_epi16(hb, 8)); /* word i: byte i of 2k, of 2k+1 */
+    __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(hab, low2)),
+                                     _mm256_and_si256(_mm256_srli_epi16(hab, 2), low2), 1); /* rows 0..31 */
+    __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(hab, 4), low2)),
+                                     _mm256_and_si256(_mm256_srli_epi16(hab, 6), low2), 1); /* rows 32..63 */
+    v_lo = _mm512_or_si512(v_lo, _mm512_slli_epi16(h01, 4));
+    v_hi = _mm512_or_si512(v_hi, _mm512_slli_epi16(h23, 4));
+    w[0] = _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v_lo)), lut1);
+    w[1] = _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_lo, 1)), lut1);
+    w[2] = _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v_hi)), lut1);
+    w[3] = _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_hi, 1)), lut1);
+}
+
 /* tile[kp * 64 + n] = the bf16 pair (q[n][2kp] - 32, q[n][2kp+1] - 32), kp < 8. */
 static inline __attribute__((always_inline)) KVQ_TARGET void
 unpack_q6_tile(const uint8_t *lo, const uint8_t *hi, const __m512i lut0, const __m512i lut1, uint32_t *tile) {
-    const __m512i low4 = _mm512_set1_epi16(0x0F0F);
-    const __m256i low2 = _mm256_set1_epi16(0x0303);
     for (int kp = 0; kp < 8; kp++) {
-        __m512i cols = _mm512_loadu_si512(lo + kp * 64);
-        __m512i a = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(cols));
-        __m512i b = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(cols, 1));
-        __m512i ab = _mm512_or_si512(a, _mm512_slli_epi16(b, 8));
-        __m512i v_lo = _mm512_and_si512(ab, low4);                  /* rows 0..31, low nibbles */
-        __m512i v_hi = _mm512_and_si512(_mm512_srli_epi16(ab, 4), low4); /* rows 32..63 */
-        __m256i hcols = _mm256_loadu_si256((const __m256i *)(hi + kp * 32)); /* 16 bytes of 2k, of 2k+1 */
-        __m256i ha = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hcols));
-        __m256i hb = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hcols, 1));
-        __m256i hab = _mm256_or_si256(ha, _mm256_slli_epi16(hb, 8)); /* word i: byte i of 2k, of 2k+1 */
-        __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(hab, low2)),
-                                         _mm256_and_si256(_mm256_srli_epi16(hab, 2), low2), 1); /* rows 0..31 */
-        __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(hab, 4), low2)),
-                                         _mm256_and_si256(_mm256_srli_epi16(hab, 6), low2), 1); /* rows 32..63 */
-        v_lo = _mm512_or_si512(v_lo, _mm512_slli_epi16(h01, 4));
-        v_hi = _mm512_or_si512(v_hi, _mm512_slli_epi16(h23, 4));
-        uint32_t *t = tile + kp * 64;
-        _mm512_store_si512(t + 0, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v_lo)), lut1));
-        _mm512_store_si512(t + 16, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_lo, 1)), lut1));
-        _mm512_store_si512(t + 32, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v_hi)), lut1));
-        _mm512_store_si512(t + 48, _mm512_permutex2var_epi16(lut0, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_hi, 1)), lut1));
+        __m512i w[4];
+        unpack_q6_pair(lo + kp * 64, hi + kp * 32, lut0, lut1, w);
+        for (int t = 0; t < 4; t++) _mm512_store_si512(tile + kp * 64 + 16 * t, w[t]);
     }
+}
+
+/* MT (1..3) rows against one Q6_K (block, group) unpacked straight into registers (as rows_direct). */
+static inline __attribute__((always_inline)) KVQ_TARGET void
+q6_rows_direct(const int MT, const uint8_t *lo, const uint8_t *hi, const __m512i lut0, const __m512i lut1,
+               const uint32_t *xpairs, size_t x_stride, const __m512 s[4], float *out, size_t ldo, int first) {
+    __m512 p[4][4];
+    for (int m = 0; m < MT; m++)
+        for (int t = 0; t < 4; t++) p[m][t] = _mm512_setzero_ps();
+    for (int kp = 0; kp < 8; kp++) {
+        __m512i w[4];
+        unpack_q6_pair(lo + kp * 64, hi + kp * 32, lut0, lut1, w);
+        for (int m = 0; m < MT; m++) {
+            const __m512i xv = _mm512_set1_epi32((int)xpairs[m * x_stride + kp]);
+            for (int t = 0; t < 4; t++) p[m][t] = _mm512_dpbf16_ps(p[m][t], (__m512bh)w[t], (__m512bh)xv);
+        }
+    }
+    for (int m = 0; m < MT; m++)
+        for (int t = 0; t < 4; t++) {
+            float *o = out + m * ldo + 16 * t;
+            const __m512 acc = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(p[m][t], s[t], acc));
+        }
 }
 
 /* out = x @ W^T for Q6_K laid out as above. M >= 1, N % 64 == 0, K % 256 == 0. */
@@ -219,8 +297,6 @@ KVQ_TARGET void kvq_q6k_mm(const uint16_t *x, const uint8_t *lo, const uint8_t *
         const __m512i lut0 = _mm512_loadu_si512(lut), lut1 = _mm512_loadu_si512(lut + 32);
         __m512 s[4], z[4];
         for (int g = 0; g < G; g++) {
-            unpack_q6_tile(lo + ((size_t)b * K + (size_t)g * 16) * 32, hi + ((size_t)b * K + (size_t)g * 16) * 16,
-                           lut0, lut1, tile);
             for (int t = 0; t < 4; t++) {
                 const size_t n0 = (size_t)b * 64 + 16 * t;
                 const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (size_t)(g / 16) * N + n0)));
@@ -228,7 +304,18 @@ KVQ_TARGET void kvq_q6k_mm(const uint16_t *x, const uint8_t *lo, const uint8_t *
                 s[t] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
                 z[t] = _mm512_setzero_ps();
             }
-            all_rows(8, 0, M, xpairs + (size_t)g * 8, x_stride, tile, NULL, 0, s, z, out + (size_t)b * 64, ldo, g == 0);
+            const uint8_t *lg = lo + ((size_t)b * K + (size_t)g * 16) * 32, *hg = hi + ((size_t)b * K + (size_t)g * 16) * 16;
+            const uint32_t *xp = xpairs + (size_t)g * 8;
+            float *o = out + (size_t)b * 64;
+            switch (M) {
+            case 1: q6_rows_direct(1, lg, hg, lut0, lut1, xp, x_stride, s, o, ldo, g == 0); break;
+            case 2: q6_rows_direct(2, lg, hg, lut0, lut1, xp, x_stride, s, o, ldo, g == 0); break;
+            case 3: q6_rows_direct(3, lg, hg, lut0, lut1, xp, x_stride, s, o, ldo, g == 0); break;
+            case 4: q6_rows_direct(4, lg, hg, lut0, lut1, xp, x_stride, s, o, ldo, g == 0); break;
+            default:
+                unpack_q6_tile(lg, hg, lut0, lut1, tile);
+                all_rows(8, 0, M, xp, x_stride, tile, NULL, 0, s, z, o, ldo, g == 0);
+            }
         }
     }
 }
