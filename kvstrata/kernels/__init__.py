@@ -28,7 +28,7 @@ imports triton and never needs a GPU.
     packed_embedding(ids, packed, dtype) -> [T, in]        the rows ids, dequantized
     choose_cpu_path(packed, sample_tokens) -> CpuChoice    one-time CPU micro-benchmark at load (quant_cpu.py)
     with_cpu_path(packed, "dequant" | "int4", keep_blocks=True, native_from=None) -> PackedWeight
-        (native_from: the token count from which the native C kernel, csrc/int4_bf16.c, runs: quant_native.py)
+        (native_from: the token count from which the native C kernel, csrc/lowbit_bf16.c, runs: quant_native.py)
 
 All kernel entry points also take ``impl="auto" | "torch" | "triton"``.
 """

@@ -45,8 +45,8 @@ import torch
 from kvstrata.kernels._checks import KV_DTYPES, KernelArgumentError, check_tensor
 
 # the CPU paths ``quant_cpu`` implements (a PackedWeight names the one it takes)
-CPU_PATH_NAMES = ("dequant", "int4", "q6")
-PLANE_PATHS = ("int4", "q6")  # the CPU paths that read repacked planes (the blocks may go)
+CPU_PATH_NAMES = ("dequant", "int4", "q6", "q8")
+PLANE_PATHS = ("int4", "q6", "q8")  # the CPU paths that read repacked planes (the blocks may go)
 
 class QuantType(NamedTuple):
     """One GGUF block format: ggml type id, weights per block, bytes per block."""
@@ -100,12 +100,13 @@ class PackedWeight:
 
     ``data``: uint8 [out_features, in_features // block * type_size], the
     GGUF bytes of each weight row (contiguous); None once dropped for the
-    int4 or q6 path (``quant_cpu.with_cpu_path(w, "int4", keep_blocks=False)``:
+    int4, q6 or q8 path (``quant_cpu.with_cpu_path(w, "int4", keep_blocks=False)``:
     then only that path can run it). ``cpu_path``: the CPU path
-    ``quant_matmul`` takes ("dequant", "int4" or "q6"), set by
+    ``quant_matmul`` takes ("dequant", "int4", "q6" or "q8"), set by
     ``quant_cpu.with_cpu_path`` (or ``choose_cpu_path``).
     ``planes``: what the "int4" path reads ((nibbles, scales_and_zeros) per
-    plane) or the "q6" path ((low nibbles, high bits, scales, d)), else None.
+    plane), the "q6" path ((low nibbles, high bits, scales, d)) or the "q8"
+    path ((q, d)), else None.
     ``int4_native_from``: on the "int4" path, the token count from which
     the native kernel (``quant_native``) runs instead of torch's; None:
     torch's always. Set by ``with_cpu_path`` from ``choose_cpu_path``.

@@ -5,6 +5,7 @@ and the one-time micro-benchmark that picks one per layer at load.
     choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None) -> CpuChoice
     int4_rows(packed, ids, dtype) -> [T, in]      rows rebuilt from the int4 planes
     q6_rows(packed, ids, dtype) -> [T, in]        rows from the q6 planes (bit-equal to dequantize)
+    q8_rows(packed, ids, dtype) -> [T, in]        rows from the q8 planes (bit-equal to dequantize)
     planes_rows(packed, ids, dtype)               either, by the weight's path
 
 Paths (``quant_matmul`` with impl "auto"/"torch" on CPU runs ``packed.cpu_path``):
@@ -272,13 +273,7 @@ class Q6Path:
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
-        xb = x.to(torch.bfloat16).contiguous()
-        acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        native_kernels().q6k_matmul(xb, packed.planes, acc)  # available() made sure it loaded
-        if bias is not None:
-            acc.add_(bias)
-        if acc is not out:
-            out.copy_(acc)
+        _native_matmul(native_kernels().q6k_matmul, x, packed, bias, out)  # available() made sure it loaded
 
 
 def _q6_values(b: torch.Tensor) -> torch.Tensor:
@@ -293,7 +288,52 @@ def _q6_values(b: torch.Tensor) -> torch.Tensor:
     return q.view(n, -1)
 
 
-CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "q6": Q6Path}
+class Q8Path:
+    """Q8_0 re-laid for the native kernel (``quant_native.q8_matmul``): the
+    file's bytes exactly, one pass (the int4 path splits it in two planes,
+    1.18x the bytes, and rounds its scale to bf16). Weights exact, x in bf16.
+
+    Planes ((q, d),): ``q`` int8 [N/64, K/2, 64, 2], per block of 64 rows
+    and column pair, row r's two values at [.., r, 0:2]; ``d`` float16
+    [K/32, N]."""
+
+    name = "q8"
+    exact = False
+
+    @staticmethod
+    def available(packed: PackedWeight) -> bool:
+        return (packed.device.type == "cpu" and packed.qtype.name == "Q8_0" and packed.out_features % 64 == 0
+                and native_kernels() is not None)
+
+    @staticmethod
+    def prepare(packed: PackedWeight) -> PackedWeight:
+        if not Q8Path.available(packed):
+            raise KernelArgumentError(
+                f"packed: the q8 CPU path needs a Q8_0 CPU weight with out_features % 64 == 0 and the native "
+                f"kernels (here: {native_status()}), got {packed.qtype.name} {packed.shape} on {packed.device}")
+        (n, k), nb = packed.shape, packed.out_features // 64
+        b = packed.data.view(n, -1, packed.qtype.type_size)
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(nb, 64, k // 2, 2).transpose(1, 2).contiguous()
+        d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, k // 32).T.contiguous()
+        return dataclasses.replace(packed, cpu_path="q8", planes=((q, d),), int4_native_from=None)
+
+    @staticmethod
+    def matmul(x, packed, bias, out, scratch) -> None:
+        _native_matmul(native_kernels().q8_matmul, x, packed, bias, out)
+
+
+def _native_matmul(kernel, x, packed, bias, out) -> None:
+    """``kernel`` (a NativeKernels matmul) into ``out`` via float32: x in bf16, bias added in float32."""
+    xb = x.to(torch.bfloat16).contiguous()
+    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    kernel(xb, packed.planes, acc)
+    if bias is not None:
+        acc.add_(bias)
+    if acc is not out:
+        out.copy_(acc)
+
+
+CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "q6": Q6Path, "q8": Q8Path}
 assert tuple(CPU_PATHS) == CPU_PATH_NAMES
 
 
@@ -493,10 +533,23 @@ def _clone(w: PackedWeight) -> PackedWeight:
 
 def planes_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` [T] of a weight whose blocks were dropped, from its path's
-    planes (``int4_rows`` / ``q6_rows``), in ``dtype``."""
+    planes (``int4_rows`` / ``q6_rows`` / ``q8_rows``), in ``dtype``."""
     if packed.cpu_path == "q6":
         return q6_rows(packed, ids, dtype)
+    if packed.cpu_path == "q8":
+        return q8_rows(packed, ids, dtype)
     return int4_rows(packed, ids, dtype)
+
+
+def q8_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T] of a q8-path weight: q * d in float32, bit-equal to
+    the blocks' ``dequantize``, in ``dtype``."""
+    if packed.cpu_path != "q8" or packed.planes is None:
+        raise KernelArgumentError(f"packed has no q8 planes (its CPU path is {packed.cpu_path!r})")
+    (q, d), = packed.planes
+    ids = ids.to(torch.int64)
+    rows = q[ids // 64, :, ids % 64, :].float()  # [T, K/2, 2]
+    return rows.view(ids.shape[0], -1, 32).mul_(d[:, ids].T.float().unsqueeze(-1)).view(ids.shape[0], -1).to(dtype)
 
 
 def q6_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

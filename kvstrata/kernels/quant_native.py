@@ -1,10 +1,11 @@
-"""The native CPU kernels of the "int4" and "q6" paths (``csrc/int4_bf16.c``):
+"""The native CPU kernels of the "int4", "q6" and "q8" paths (``csrc/lowbit_bf16.c``):
 built once per machine with the system C compiler, cached, loaded with ctypes.
 
     native_kernels() -> NativeKernels | None   loaded (built first if needed); None: see native_status()
     native_status() -> str                      "ok", or why there are no native kernels here
     NativeKernels.int4_matmul(xb, planes, acc)  acc = xb @ W.T, W = the sum of the int4 planes
     NativeKernels.q6k_matmul(xb, planes, acc)   acc = xb @ W.T, W = Q6_K re-laid (quant_cpu.Q6Path)
+    NativeKernels.q8_matmul(xb, planes, acc)    acc = xb @ W.T, W = Q8_0 re-laid (quant_cpu.Q8Path)
 
 int4: what it computes is what torch's ``_weight_int4pack_mm_for_cpu`` computes on
 the same planes (no repacking, no extra memory), in another order: each
@@ -57,8 +58,8 @@ from kvstrata.paths import cache_root
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "int4_bf16.c"
-ABI_VERSION = 2
+SOURCE = Path(__file__).parent / "csrc" / "lowbit_bf16.c"
+ABI_VERSION = 3
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-Wall")
 _BUILD_TIMEOUT_S = 120
 
@@ -79,6 +80,9 @@ class NativeKernels:
         self._q6k = lib.kvq_q6k_mm
         self._q6k.argtypes = [p, p, p, p, p, p, i, i, i, long, i]
         self._q6k.restype = None
+        self._q8 = lib.kvq_q8_mm
+        self._q8.argtypes = [p, p, p, p, i, i, i, long, i]
+        self._q8.restype = None
 
     def int4_matmul(self, xb: torch.Tensor, planes, acc: torch.Tensor) -> None:
         """``acc`` [M, N] float32 (rows may be strided, columns contiguous) =
@@ -103,6 +107,18 @@ class NativeKernels:
         (lo, hi, sc, d), = planes
         self._q6k(xb.data_ptr(), lo.data_ptr(), hi.data_ptr(), sc.data_ptr(), d.data_ptr(), acc.data_ptr(), m,
                   acc.shape[1], k, acc.stride(0), torch.get_num_threads())
+
+
+    def q8_matmul(self, xb: torch.Tensor, planes, acc: torch.Tensor) -> None:
+        """``acc`` [M, N] float32 (as above) = ``xb`` [M, K] bf16 @ W.T, W
+        the Q8_0 weight as ``planes`` = ((q int8 [N/64, K/2, 64, 2], d
+        float16 [K/32, N]),)."""
+        _check_planes(xb, planes, acc, 32, lambda n, k: {
+            "q": ((n // 64, k // 2, 64, 2), torch.int8), "d": ((k // 32, n), torch.float16)})
+        m, k = xb.shape
+        (q, d), = planes
+        self._q8(xb.data_ptr(), q.data_ptr(), d.data_ptr(), acc.data_ptr(), m, acc.shape[1], k, acc.stride(0),
+                 torch.get_num_threads())
 
 
 def _check_x_acc(xb, acc, k_multiple: int) -> tuple[int, int, int]:
@@ -137,11 +153,18 @@ def _check_int4(xb, planes, acc) -> None:
 
 
 def _check_q6k(xb, planes, acc) -> None:
-    m, k, n = _check_x_acc(xb, acc, 256)
-    want = {"lo": ((n // 64, k, 32), torch.uint8), "hi": ((n // 64, k, 16), torch.uint8),
-            "sc": ((k // 16, n), torch.int8), "d": ((k // 256, n), torch.float16)}
-    if len(planes) != 1 or len(planes[0]) != 4:
-        raise KernelArgumentError("planes must be ((lo, hi, sc, d),) for the q6k kernel")
+    _check_planes(xb, planes, acc, 256, lambda n, k: {
+        "lo": ((n // 64, k, 32), torch.uint8), "hi": ((n // 64, k, 16), torch.uint8),
+        "sc": ((k // 16, n), torch.int8), "d": ((k // 256, n), torch.float16)})
+
+
+def _check_planes(xb, planes, acc, k_multiple: int, layout) -> None:
+    """x and acc as the kernels need them, and ``planes`` one tuple of the
+    tensors ``layout(n, k)`` names, with those shapes and dtypes, contiguous."""
+    _, k, n = _check_x_acc(xb, acc, k_multiple)
+    want = layout(n, k)
+    if len(planes) != 1 or len(planes[0]) != len(want):
+        raise KernelArgumentError(f"planes must be (({', '.join(want)}),)")
     for (name, (shape, dtype)), t in zip(want.items(), planes[0]):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise KernelArgumentError(f"planes {name} must be contiguous {str(dtype).removeprefix('torch.')} "

@@ -1,9 +1,9 @@
-"""The native CPU kernels (kernels/csrc/int4_bf16.c via
+"""The native CPU kernels (kernels/csrc/lowbit_bf16.c via
 kernels/quant_native.py). int4: against the exact model of the int4 planes
 in float64, against torch's kernel on the same planes, its dispatch by
-token count and the threshold ``choose_cpu_path`` sets. q6 (Q6_K): against
-``dequantize`` in float64, its rows bit-equal to it, its place among the
-CPU paths. And the build cache.
+token count and the threshold ``choose_cpu_path`` sets. q6 (Q6_K) and q8
+(Q8_0): against ``dequantize`` in float64, their rows bit-equal to it, their
+place among the CPU paths. And the build cache.
 
 Runs where the kernel builds and runs (a C compiler with OpenMP, an x86-64
 CPU with AVX512_BF16: the CI host); elsewhere the kernel tests skip, naming
@@ -27,7 +27,15 @@ from kvstrata.kernels import (
     quant_matmul,
     with_cpu_path,
 )
-from kvstrata.kernels.quant_cpu import Int4Path, int4_rows, native_available, native_threshold, planes_rows, q6_rows
+from kvstrata.kernels.quant_cpu import (
+    Int4Path,
+    int4_rows,
+    native_available,
+    native_threshold,
+    planes_rows,
+    q6_rows,
+    q8_rows,
+)
 from kvstrata.kernels.quant_native import SOURCE, NativeUnavailable, build, native_kernels, native_status
 
 pytest.importorskip("gguf")
@@ -91,12 +99,12 @@ def test_native_gives_the_same_bits_on_one_thread_and_on_two():
 
 
 @native
-@pytest.mark.parametrize("qtype,path", [("Q4_1", "int4"), ("Q8_0", "int4"), ("Q6_K", "q6")])
+@pytest.mark.parametrize("qtype,path", [("Q4_1", "int4"), ("Q8_0", "int4"), ("Q6_K", "q6"), ("Q8_0", "q8")])
 def test_native_rows_do_not_depend_on_the_batch(qtype, path):
     """A row's sums are the same bits alone (1-3 rows: unpacked straight
     into registers) as in a batch of 7 (4-row tiles and a rest of 3)."""
     w = with_cpu_path(random_packed(qtype, 192, 256), path)
-    mm = native_kernels().int4_matmul if path == "int4" else native_kernels().q6k_matmul
+    mm = native_kernels().int4_matmul if path == "int4" else kernel_of(path)
     xb = torch.randn(7, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     batch = torch.empty(7, 192)
     mm(xb, w.planes, batch)
@@ -239,63 +247,91 @@ def test_the_switch_turns_the_native_kernel_off_and_says_so():
     assert "KVSTRATA_NATIVE_KERNELS=0" in done.stdout
 
 
-# ---- Q6_K: the q6 path ---------------------------------------------------------------------
+# ---- Q6_K and Q8_0: the q6 and q8 paths (the file's bytes re-laid, weights exact) -------------
+
+REPACKED = [("Q6_K", "q6"), ("Q8_0", "q8")]
 
 
-def exact_q6(x: torch.Tensor, w) -> torch.Tensor:
+def exact_blocks(x: torch.Tensor, w) -> torch.Tensor:
+    """x rounded to bf16 @ the dequantized weight, float64."""
     return x.to(torch.bfloat16).double() @ dequantize(w).double().T
 
 
+def kernel_of(path: str):
+    return native_kernels().q6k_matmul if path == "q6" else native_kernels().q8_matmul
+
+
 @native
+@pytest.mark.parametrize("qtype,path", REPACKED)
 @pytest.mark.parametrize("rows,cols", [(64, 256), (320, 512)])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 17])
-def test_q6_matches_dequantize_in_float64(rows, cols, tokens):
-    packed = random_packed("Q6_K", rows, cols, seed=tokens)
-    w = with_cpu_path(packed, "q6")
+def test_repacked_paths_match_dequantize_in_float64(qtype, path, rows, cols, tokens):
+    packed = random_packed(qtype, rows, cols, seed=tokens)
+    w = with_cpu_path(packed, path)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(rows + tokens))
     acc = torch.full((tokens, rows), float("nan"))
-    native_kernels().q6k_matmul(x.to(torch.bfloat16), w.planes, acc)
+    kernel_of(path)(x.to(torch.bfloat16), w.planes, acc)
     scale = x.to(torch.bfloat16).double().abs() @ dequantize(packed).double().abs().T
-    assert ((acc.double() - exact_q6(x, packed)).abs() <= 1e-5 * scale + 1e-30).all()
+    assert ((acc.double() - exact_blocks(x, packed)).abs() <= 1e-5 * scale + 1e-30).all()
 
 
 @native
-def test_q6_path_through_quant_matmul_with_bias_slices_and_bf16():
-    packed = random_packed("Q6_K", 128, 256, seed=4)
-    w = with_cpu_path(packed, "q6", keep_blocks=False)
+@pytest.mark.parametrize("qtype,path", REPACKED)
+def test_repacked_paths_through_quant_matmul_with_bias_slices_and_bf16(qtype, path):
+    packed = random_packed(qtype, 128, 256, seed=4)
+    w = with_cpu_path(packed, path, keep_blocks=False)
     assert w.data is None and w.nbytes == packed.nbytes  # the file's bytes, re-laid
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5))
     bias = torch.randn(128, generator=torch.Generator().manual_seed(6))
     wide = torch.full((6, 320), 3.0)
     quant_matmul(x, w, bias, out=wide[:, 64:192])
     scale = x.to(torch.bfloat16).double().abs() @ dequantize(packed).double().abs().T  # random scales: sums ~1e3
-    assert ((wide[:, 64:192].double() - exact_q6(x, packed) - bias.double()).abs() <= 1e-5 * scale).all()
+    assert ((wide[:, 64:192].double() - exact_blocks(x, packed) - bias.double()).abs() <= 1e-5 * scale).all()
     assert torch.equal(wide[:, :64], torch.full((6, 64), 3.0)) and torch.equal(wide[:, 192:], torch.full((6, 128), 3.0))
     got = quant_matmul(x.to(torch.bfloat16), w)
     assert got.dtype == torch.bfloat16
-    assert (got.double() - exact_q6(x, packed)).abs().max() <= 2.0**-7 * exact_q6(x, packed).abs().max()
+    assert (got.double() - exact_blocks(x, packed)).abs().max() <= 2.0**-7 * exact_blocks(x, packed).abs().max()
 
 
 @native
-def test_q6_rows_are_bit_equal_to_dequantize():
-    packed = random_packed("Q6_K", 192, 512, seed=7)
-    w = with_cpu_path(packed, "q6", keep_blocks=False)
+@pytest.mark.parametrize("qtype,path", REPACKED)
+def test_repacked_rows_are_bit_equal_to_dequantize(qtype, path):
+    packed = random_packed(qtype, 192, 512, seed=7)
+    w = with_cpu_path(packed, path, keep_blocks=False)
     ids = torch.tensor([0, 1, 15, 16, 31, 32, 47, 48, 63, 64, 100, 191, 5, 5])
-    assert torch.equal(q6_rows(w, ids, torch.float32), dequantize(packed)[ids])
+    rows = {"q6": q6_rows, "q8": q8_rows}[path]
+    assert torch.equal(rows(w, ids, torch.float32), dequantize(packed)[ids])
     assert torch.equal(planes_rows(w, ids, torch.bfloat16), dequantize(packed)[ids].to(torch.bfloat16))
-    with pytest.raises(KernelArgumentError, match="no q6 planes"):
-        q6_rows(with_cpu_path(random_packed("Q4_0", 64, 64), "int4"), ids[:1], torch.float32)
+    with pytest.raises(KernelArgumentError, match=f"no {path} planes"):
+        rows(with_cpu_path(random_packed("Q4_0", 64, 64), "int4"), ids[:1], torch.float32)
 
 
 @native
-def test_q6_is_a_candidate_only_for_inexact_activations_and_wins_over_dequant():
-    packed = random_packed("Q6_K", 256, 512, seed=8)
+@pytest.mark.parametrize("qtype,path", REPACKED)
+def test_repacked_paths_are_candidates_only_for_inexact_activations(qtype, path):
+    packed = random_packed(qtype, 256, 512, seed=8)
     exact_only = choose_cpu_path(packed, (1,), dtype=torch.float32, reps=1, ring_bytes=0)
-    assert "q6" not in exact_only.times_ms and exact_only.path == "dequant"
+    assert path not in exact_only.times_ms and exact_only.path == "dequant"
     fast = choose_cpu_path(packed, (1, 16), dtype=torch.float32, reps=2, ring_bytes=0, allow_inexact=True)
-    assert "q6" in fast.times_ms
-    if fast.path == "q6":
-        assert fast.weight.cpu_path == "q6" and fast.weight.planes is not None and fast.native_from is None
+    assert path in fast.times_ms
+    if fast.path == path:
+        assert fast.weight.cpu_path == path and fast.weight.planes is not None and fast.native_from is None
+
+
+@native
+@pytest.mark.parametrize("case", ["k", "planes", "q_shape", "d_dtype"])
+def test_q8_matmul_argument_errors(case):
+    w = with_cpu_path(random_packed("Q8_0", 64, 64), "q8")
+    xb, acc = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 64)
+    q, d = w.planes[0]
+    args, match = {
+        "k": ((torch.zeros(2, 48, dtype=torch.bfloat16), w.planes, acc), "K % 32"),
+        "planes": ((xb, ((q,),), acc), "\\(\\(q, d\\),\\)"),
+        "q_shape": ((xb, ((q[:, :1], d),), acc), "planes q must be contiguous int8"),
+        "d_dtype": ((xb, ((q, d.float()),), acc), "planes d must be contiguous float16"),
+    }[case]
+    with pytest.raises(KernelArgumentError, match=match):
+        native_kernels().q8_matmul(*args)
 
 
 @native
@@ -314,8 +350,9 @@ def test_q6_matmul_argument_errors(case):
         native_kernels().q6k_matmul(*args)
 
 
-def test_q6_path_needs_the_native_kernels_and_whole_row_blocks():
-    with pytest.raises(KernelArgumentError, match="q6 CPU path needs a Q6_K"):
-        with_cpu_path(random_packed("Q6_K", 16, 256), "q6")  # 16 rows: not a multiple of 64
-    with pytest.raises(KernelArgumentError, match="q6 CPU path needs a Q6_K"):
-        with_cpu_path(random_packed("Q4_0", 64, 256), "q6")
+@pytest.mark.parametrize("qtype,path", REPACKED)
+def test_repacked_paths_need_their_type_and_whole_row_blocks(qtype, path):
+    with pytest.raises(KernelArgumentError, match=f"{path} CPU path needs a {qtype}"):
+        with_cpu_path(random_packed(qtype, 16, 256), path)  # 16 rows: not a multiple of 64
+    with pytest.raises(KernelArgumentError, match=f"{path} CPU path needs a {qtype}"):
+        with_cpu_path(random_packed("Q4_0", 64, 256), path)
