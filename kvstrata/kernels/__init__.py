@@ -1,7 +1,7 @@
 """kvstrata.kernels: device-side KV cache operations and their stream handling.
 
-Every operation has a torch reference and a Triton kernel (the CPU int4
-matmul also a native C one, built at first load); which one runs is
+Every operation has a torch reference and a Triton kernel (the CPU packed
+matmul also native C ones, built at the first load); which one runs is
 decided per call (``dispatch.py``): CUDA tensors -> compiled Triton, CPU
 tensors -> the torch reference, or the Triton interpreter when
 ``TRITON_INTERPRET=1`` or ``impl="triton"``. Importing this package never
@@ -27,8 +27,8 @@ imports triton and never needs a GPU.
     quant_matmul(x, packed, bias=None, out=None, scratch=None) -> x @ W.T + bias   (quant_linear.py)
     packed_embedding(ids, packed, dtype) -> [T, in]        the rows ids, dequantized
     choose_cpu_path(packed, sample_tokens) -> CpuChoice    one-time CPU micro-benchmark at load (quant_cpu.py)
-    with_cpu_path(packed, "dequant" | "int4", keep_blocks=True, native_from=None) -> PackedWeight
-        (native_from: the token count from which the native C kernel, csrc/lowbit_bf16.c, runs: quant_native.py)
+    with_cpu_path(packed, "dequant" | "int4" | "native", keep_blocks=True) -> PackedWeight
+        ("native": our C kernels, csrc/lowbit_bf16.c via quant_native.py, on quant_relayout's planes)
 
 All kernel entry points also take ``impl="auto" | "torch" | "triton"``.
 """

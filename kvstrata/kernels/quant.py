@@ -45,8 +45,8 @@ import torch
 from kvstrata.kernels._checks import KV_DTYPES, KernelArgumentError, check_tensor
 
 # the CPU paths ``quant_cpu`` implements (a PackedWeight names the one it takes)
-CPU_PATH_NAMES = ("dequant", "int4", "q6", "q8")
-PLANE_PATHS = ("int4", "q6", "q8")  # the CPU paths that read repacked planes (the blocks may go)
+CPU_PATH_NAMES = ("dequant", "int4", "native")
+PLANE_PATHS = ("int4", "native")  # the CPU paths that read repacked planes (the blocks may go)
 
 class QuantType(NamedTuple):
     """One GGUF block format: ggml type id, weights per block, bytes per block."""
@@ -100,16 +100,13 @@ class PackedWeight:
 
     ``data``: uint8 [out_features, in_features // block * type_size], the
     GGUF bytes of each weight row (contiguous); None once dropped for the
-    int4, q6 or q8 path (``quant_cpu.with_cpu_path(w, "int4", keep_blocks=False)``:
+    int4 or native path (``quant_cpu.with_cpu_path(w, "native", keep_blocks=False)``:
     then only that path can run it). ``cpu_path``: the CPU path
-    ``quant_matmul`` takes ("dequant", "int4", "q6" or "q8"), set by
+    ``quant_matmul`` takes ("dequant", "int4" or "native"), set by
     ``quant_cpu.with_cpu_path`` (or ``choose_cpu_path``).
-    ``planes``: what the "int4" path reads ((nibbles, scales_and_zeros) per
-    plane), the "q6" path ((low nibbles, high bits, scales, d)) or the "q8"
-    path ((q, d)), else None.
-    ``int4_native_from``: on the "int4" path, the token count from which
-    the native kernel (``quant_native``) runs instead of torch's; None:
-    torch's always. Set by ``with_cpu_path`` from ``choose_cpu_path``.
+    ``planes``: what the "int4" path reads (((nibbles, scales_and_zeros),)
+    per plane) or the "native" path ((the tensors ``quant_native.LAYOUTS``
+    names for the type),), else None.
     """
 
     qtype: QuantType
@@ -117,7 +114,6 @@ class PackedWeight:
     data: torch.Tensor | None
     cpu_path: str = "dequant"
     planes: tuple[tuple[torch.Tensor, ...], ...] | None = None
-    int4_native_from: int | None = None
 
     @property
     def out_features(self) -> int:
@@ -209,8 +205,6 @@ def check_packed(packed: object, name: str = "packed", *, need_blocks: bool = Tr
     if packed.cpu_path not in CPU_PATH_NAMES or (packed.planes is not None) != (packed.cpu_path in PLANE_PATHS):
         raise KernelArgumentError(f"{name}.cpu_path {packed.cpu_path!r} does not match its planes "
                                   f"(set it with with_cpu_path)")
-    if packed.int4_native_from is not None and packed.cpu_path != "int4":
-        raise KernelArgumentError(f"{name}.int4_native_from needs the int4 path (set it with with_cpu_path)")
     if packed.data is None and not need_blocks:
         return packed
     check_tensor(f"{name}.data", _blocks(packed, name), 2, (torch.uint8,))

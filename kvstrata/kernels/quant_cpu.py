@@ -1,12 +1,10 @@
 """The CPU paths of ``quant_linear.quant_matmul`` over packed GGUF weights,
 and the one-time micro-benchmark that picks one per layer at load.
 
-    with_cpu_path(packed, path, *, keep_blocks=True, native_from=None) -> PackedWeight   (repacked for ``path``)
+    with_cpu_path(packed, path, *, keep_blocks=True) -> PackedWeight   (repacked for ``path``)
     choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None) -> CpuChoice
     int4_rows(packed, ids, dtype) -> [T, in]      rows rebuilt from the int4 planes
-    q6_rows(packed, ids, dtype) -> [T, in]        rows from the q6 planes (bit-equal to dequantize)
-    q8_rows(packed, ids, dtype) -> [T, in]        rows from the q8 planes (bit-equal to dequantize)
-    planes_rows(packed, ids, dtype)               either, by the weight's path
+    planes_rows(packed, ids, dtype) -> [T, in]    rows of an int4 or native weight whose blocks went
 
 Paths (``quant_matmul`` with impl "auto"/"torch" on CPU runs ``packed.cpu_path``):
 
@@ -23,12 +21,12 @@ Paths (``quant_matmul`` with impl "auto"/"torch" on CPU runs ``packed.cpu_path``
                Its fp32 variant is the op's slow reference (~10x dense): unused.
                ``with_cpu_path(w, "int4", keep_blocks=False)`` drops the blocks:
                resident = planes only (Q4_*: 1.0-1.1x the file's bytes).
-               Two kernels read the same planes: torch's, and from
-               ``int4_native_from`` tokens on our native one
-               (``quant_native``: bf16 dot products, the unpack paid once
-               per weight, not per 4 rows; ~1.7x torch's at 16 tokens, 2x
-               at 64+, ~15 % slower at 1; float32 out, exact but for x's
-               bf16 rounding).
+    "native"   our kernels (``quant_native``, C, built at the first load) on
+               the file's integers and scales re-laid (``quant_relayout``):
+               every packed type, Q6_K included; resident = the file's
+               bytes (K-quants +3 %); weights exact, x in bf16; 1.3-2x
+               torch's int4 kernel at every token count. Needs the native
+               kernels to load here and out_features % 64 == 0.
 
 Not candidates: ``_weight_int8pack_mm`` (one scale per output row: Q8_0's
 per-32 scales would have to be requantized, off by up to half a step of the
@@ -37,8 +35,9 @@ shape here, and still ~6x slower than the dense matmul it would feed).
 
 ``choose_cpu_path`` times the candidates (and "dense", the dequantize-at-load
 baseline) on the layer at load and returns the fastest; the inexact "int4"
-is offered for bf16 activations (or any, with ``allow_inexact=True``: the
-loader's packed mode) and must beat "dequant" by 10 %. Measured with
+and "native" are offered for bf16 activations (or any, with
+``allow_inexact=True``: the loader's packed mode), and a path must beat
+each more exact one by 10 % (dequant, then native, then int4). The table below predates "native" (see docs/quantization.md). Measured with
 ``tools/bench_quant.py --quick`` (1 thread of a shared, heavily loaded 2-core
 AMD EPYC with AVX512-bf16; two runs; ms for the SmolLM2 layer set
 qkv+o+gate_up+down in Q4_1, and for one 8B gate [14336, 4096] in Q4_K):
@@ -67,7 +66,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import time
 
 import torch
@@ -88,7 +86,8 @@ from kvstrata.kernels.quant import (
     dequantize,
     dequantize_rows_into,
 )
-from kvstrata.kernels.quant_native import native_kernels, native_status
+from kvstrata.kernels.quant_native import LAYOUTS, native_kernels, native_status
+from kvstrata.kernels.quant_relayout import native_planes, native_rows
 
 # weights dequantized per chunk of the "dequant" path: 4 MB of float32, still
 # in the last-level cache when F.linear reads it, and few enough chunks that
@@ -133,7 +132,7 @@ class DequantPath:
 
     @staticmethod
     def prepare(packed: PackedWeight) -> PackedWeight:
-        return dataclasses.replace(packed, cpu_path="dequant", planes=None, int4_native_from=None)
+        return dataclasses.replace(packed, cpu_path="dequant", planes=None)
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
@@ -220,180 +219,71 @@ class Int4Path:
         planes = packed.planes
         # the planes' sums and the bias in float32: in place in a float32 out, else rounded to out once
         acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        native_from = packed.int4_native_from
-        if native_from is not None and x.shape[0] >= native_from:
-            native_kernels().int4_matmul(xb, planes, acc)  # with_cpu_path made sure it loaded
-        else:
-            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-            acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
-            for w, sz in planes[1:]:
-                acc.add_(mm(xb, w, 32, sz))
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
+        for w, sz in planes[1:]:
+            acc.add_(mm(xb, w, 32, sz))
         if bias is not None:
             acc.add_(bias)
         if acc is not out:
             out.copy_(acc)
 
 
-class Q6Path:
-    """Q6_K, re-laid for the native kernel (``quant_native.q6k_matmul``; torch
-    has none: the scales cover 16 weights): the file's bytes exactly, moved.
-    Weights exact (d * sc formed in float32, as gguf does), x in bf16.
+class NativePath:
+    """Our AVX512_BF16 kernels (``quant_native``) on the blocks re-laid
+    (``quant_relayout.native_planes``): the file's integers and scales, no
+    rounding but x's to bf16. planes = ((the LAYOUTS tensors),)."""
 
-    Planes ((lo, hi, sc, d),): ``lo`` uint8 [N/64, K, 32], per block of 64
-    rows and column, byte j = row j's low nibble | row j+32's << 4 (the
-    int4 layout); ``hi`` uint8 [N/64, K, 16], byte i = the top two bits of
-    rows i, i+16, i+32, i+48 at bits 0, 2, 4, 6; ``sc`` int8 [K/16, N];
-    ``d`` float16 [K/256, N]."""
-
-    name = "q6"
+    name = "native"
     exact = False
 
     @staticmethod
     def available(packed: PackedWeight) -> bool:
-        return (packed.device.type == "cpu" and packed.qtype.name == "Q6_K" and packed.out_features % 64 == 0
+        return (packed.device.type == "cpu" and packed.qtype.name in LAYOUTS and packed.out_features % 64 == 0
                 and native_kernels() is not None)
 
     @staticmethod
     def prepare(packed: PackedWeight) -> PackedWeight:
-        if not Q6Path.available(packed):
+        if not NativePath.available(packed):
             raise KernelArgumentError(
-                f"packed: the q6 CPU path needs a Q6_K CPU weight with out_features % 64 == 0 and the native "
-                f"kernels (here: {native_status()}), got {packed.qtype.name} {packed.shape} on {packed.device}")
-        (n, k), nb = packed.shape, packed.out_features // 64
-        b = packed.data.view(n, -1, packed.qtype.type_size)
-        q = _q6_values(b).view(nb, 64, k)
-        lo = (q[:, :32] & 15) | ((q[:, 32:] & 15) << 4)  # [nb, 32, k]
-        h = (q >> 4).view(nb, 4, 16, k)
-        hi = h[:, 0] | (h[:, 1] << 2) | (h[:, 2] << 4) | (h[:, 3] << 6)  # [nb, 16, k]
-        sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16)
-        d = b[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256)
-        planes = ((lo.transpose(1, 2).contiguous(), hi.transpose(1, 2).contiguous(), sc.T.contiguous(),
-                   d.T.contiguous()),)
-        return dataclasses.replace(packed, cpu_path="q6", planes=planes, int4_native_from=None)
+                f"packed: the native CPU path needs a CPU weight of type {', '.join(LAYOUTS)} with out_features "
+                f"% 64 == 0 and the native kernels (here: {native_status()}), got {packed.qtype.name} "
+                f"{packed.shape} on {packed.device}")
+        return dataclasses.replace(packed, cpu_path="native", planes=(native_planes(packed),))
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
-        _native_matmul(native_kernels().q6k_matmul, x, packed, bias, out)  # available() made sure it loaded
+        xb = x.to(torch.bfloat16).contiguous()
+        acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        native_kernels().matmul(packed.qtype.name, xb, packed.planes[0], acc)  # available() made sure it loaded
+        if bias is not None:
+            acc.add_(bias)
+        if acc is not out:
+            out.copy_(acc)
 
 
-def _q6_values(b: torch.Tensor) -> torch.Tensor:
-    """Q6_K blocks [N, S, 210] -> uint8 [N, S * 256]: each weight's 6-bit q (0..63; w = d * sc * (q - 32))."""
-    n, nsb = b.shape[:2]
-    ql = b[..., 0:128].contiguous().unflatten(-1, (2, 2, 32))  # weight 128h + 32r + j: [h, r % 2, j]
-    qh = b[..., 128:192].contiguous().unflatten(-1, (2, 1, 32))
-    q = torch.empty(n, nsb, 2, 4, 32, dtype=torch.uint8, device=b.device)
-    q[..., 0:2, :] = ql & 15
-    q[..., 2:4, :] = ql >> 4
-    q += ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)) & 3) << 4
-    return q.view(n, -1)
-
-
-class Q8Path:
-    """Q8_0 re-laid for the native kernel (``quant_native.q8_matmul``): the
-    file's bytes exactly, one pass (the int4 path splits it in two planes,
-    1.18x the bytes, and rounds its scale to bf16). Weights exact, x in bf16.
-
-    Planes ((q, d),): ``q`` int8 [N/64, K/2, 64, 2], per block of 64 rows
-    and column pair, row r's two values at [.., r, 0:2]; ``d`` float16
-    [K/32, N]."""
-
-    name = "q8"
-    exact = False
-
-    @staticmethod
-    def available(packed: PackedWeight) -> bool:
-        return (packed.device.type == "cpu" and packed.qtype.name == "Q8_0" and packed.out_features % 64 == 0
-                and native_kernels() is not None)
-
-    @staticmethod
-    def prepare(packed: PackedWeight) -> PackedWeight:
-        if not Q8Path.available(packed):
-            raise KernelArgumentError(
-                f"packed: the q8 CPU path needs a Q8_0 CPU weight with out_features % 64 == 0 and the native "
-                f"kernels (here: {native_status()}), got {packed.qtype.name} {packed.shape} on {packed.device}")
-        (n, k), nb = packed.shape, packed.out_features // 64
-        b = packed.data.view(n, -1, packed.qtype.type_size)
-        q = b[..., 2:].contiguous().view(torch.int8).reshape(nb, 64, k // 2, 2).transpose(1, 2).contiguous()
-        d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, k // 32).T.contiguous()
-        return dataclasses.replace(packed, cpu_path="q8", planes=((q, d),), int4_native_from=None)
-
-    @staticmethod
-    def matmul(x, packed, bias, out, scratch) -> None:
-        _native_matmul(native_kernels().q8_matmul, x, packed, bias, out)
-
-
-def _native_matmul(kernel, x, packed, bias, out) -> None:
-    """``kernel`` (a NativeKernels matmul) into ``out`` via float32: x in bf16, bias added in float32."""
-    xb = x.to(torch.bfloat16).contiguous()
-    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    kernel(xb, packed.planes, acc)
-    if bias is not None:
-        acc.add_(bias)
-    if acc is not out:
-        out.copy_(acc)
-
-
-CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "q6": Q6Path, "q8": Q8Path}
+CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "native": NativePath}
 assert tuple(CPU_PATHS) == CPU_PATH_NAMES
 
 
-def with_cpu_path(packed: PackedWeight, path: str, *, keep_blocks: bool = True,
-                  native_from: int | None = None) -> PackedWeight:
-    """``packed`` with ``path`` ("dequant" or "int4") as its CPU path,
-    repacked for it (KernelArgumentError if the path cannot take it).
-    ``keep_blocks=False`` (int4 only) drops the GGUF blocks: resident
+def with_cpu_path(packed: PackedWeight, path: str, *, keep_blocks: bool = True) -> PackedWeight:
+    """``packed`` with ``path`` ("dequant", "int4" or "native") as its CPU
+    path, repacked for it (KernelArgumentError if the path cannot take it).
+    ``keep_blocks=False`` (int4, native) drops the GGUF blocks: resident
     memory is then the planes alone, but ``dequantize``, the Triton
-    kernel and ``rows`` / ``to`` / the other path no longer work (rows are
-    read back with ``int4_rows``). ``native_from`` (int4 only): from this
-    many tokens on, the native kernel runs instead of torch's (it must
-    load here, and out_features % 64 == 0); None: torch's always."""
+    kernel and ``rows`` / ``to`` / another path no longer work (rows are
+    read back with ``planes_rows``)."""
     if path not in CPU_PATHS:
         raise KernelArgumentError(f"path must be one of {', '.join(CPU_PATHS)}, got {path!r}")
     if not keep_blocks and path not in PLANE_PATHS:
-        raise KernelArgumentError(f"keep_blocks=False needs path 'int4' or 'q6' (the {path!r} path reads the blocks)")
-    if native_from is not None:
-        _check_native_from(packed, path, native_from)
+        raise KernelArgumentError(f"keep_blocks=False needs path {' or '.join(map(repr, PLANE_PATHS))} "
+                                  f"(the {path!r} path reads the blocks)")
     if packed.data is None:
         if path == packed.cpu_path and not keep_blocks:
-            return dataclasses.replace(packed, int4_native_from=native_from)
+            return packed
         raise KernelArgumentError(f"packed has no GGUF blocks left (dropped for the {packed.cpu_path} path)")
     weight = packed if path == packed.cpu_path and path in PLANE_PATHS else CPU_PATHS[path].prepare(packed)
-    if path == "int4":
-        weight = dataclasses.replace(weight, int4_native_from=native_from)
     return weight if keep_blocks else dataclasses.replace(weight, data=None)
-
-
-def native_available(packed: PackedWeight) -> bool:
-    """Whether the native int4 kernel can run ``packed`` (loads it: call at load)."""
-    return Int4Path.available(packed) and packed.out_features % 64 == 0 and native_kernels() is not None
-
-
-def _check_native_from(packed: PackedWeight, path: str, native_from: object) -> None:
-    if path != "int4":
-        raise KernelArgumentError(f"native_from needs path 'int4', got {path!r}")
-    if isinstance(native_from, bool) or not isinstance(native_from, int) or native_from < 1:
-        raise KernelArgumentError(f"native_from must be a token count >= 1 or None, got {native_from!r}")
-    if not native_available(packed):
-        raise KernelArgumentError(
-            f"native_from: the native int4 kernel cannot run {packed.qtype.name} {packed.shape} here "
-            f"(needs out_features % 64 == 0; kernel: {native_status()})")
-
-
-def native_threshold(sample_tokens, torch_ms: dict[int, float], native_ms: dict[int, float]) -> int | None:
-    """The token count from which the native kernel runs: the smallest
-    sampled count from which it is faster at every larger sample; between
-    that count and the next smaller sample (where it was slower) the
-    crossover is taken at their geometric mean. None: slower at the
-    largest sample."""
-    counts = sorted(sample_tokens)
-    first = len(counts)
-    while first > 0 and native_ms[counts[first - 1]] < torch_ms[counts[first - 1]]:
-        first -= 1
-    if first == len(counts):
-        return None
-    if first == 0:
-        return counts[0]
-    return math.ceil(math.sqrt(counts[first - 1] * counts[first]))
 
 
 # ---- choosing a CPU path at load ----------------------------------------------------------
@@ -404,18 +294,13 @@ class CpuChoice:
     """What ``choose_cpu_path`` measured. ``times_ms[path][tokens]``: the best
     of its runs, for every candidate and for "dense" (F.linear on the weight
     dequantized to ``dtype``: what dequantize-at-load would cost, for the
-    loader to weigh against memory). Where the native int4 kernel can run,
-    "int4/torch" and "int4/native" are its two kernels' times and "int4"
-    the one ``native_from`` picks at each count. ``weight``: the packed
-    weight prepared for ``path`` (repacked when "int4", with
-    ``native_from``: the token count from which the native kernel runs, or
-    None)."""
+    loader to weigh against memory). ``weight``: the packed weight
+    prepared for ``path`` (repacked when "int4" or "native")."""
 
     path: str
     dtype: torch.dtype
     times_ms: dict[str, dict[int, float]]
     weight: PackedWeight
-    native_from: int | None = None
 
 
 def choose_cpu_path(
@@ -434,8 +319,9 @@ def choose_cpu_path(
     token weighs as much as a batch's sixteen).
 
     The inexact "int4" path (bf16 compute) is a candidate when
-    ``allow_inexact`` (default: for bf16 activations only), and must beat
-    "dequant" by ``margin``. Each candidate
+    ``allow_inexact`` (default: for bf16 activations only), as is "native"
+    (x rounded to bf16, weights exact); a path must beat every more exact
+    one (dequant, then native, then int4) by ``margin``. Each candidate
     cycles through copies of the weight totalling ``ring_bytes`` (a cold
     cache, as in a forward pass whose weights exceed the last-level cache),
     and candidates take turns, so a burst of load from other processes
@@ -443,12 +329,7 @@ def choose_cpu_path(
     behind the leader after two runs gets no more). The result
     depends only on (qtype, shape, dtype): a loader measures each distinct
     one once and reuses the answer for the other layers.
-
-    Where the native int4 kernel runs (``native_available``), the int4
-    path's two kernels are timed apart ("int4/torch", "int4/native") and
-    ``native_threshold`` sets the token count from which the native one
-    runs (``CpuChoice.native_from``); "int4" is then the time of the kernel
-    that count picks. Loads the native kernel (building it the first time).
+    Loads the native kernels (building them the first time).
     """
     check_packed(packed)
     if packed.device.type != "cpu":
@@ -461,9 +342,6 @@ def choose_cpu_path(
     weights = {name: path.prepare(packed) for name, path in CPU_PATHS.items()
                if path.available(packed) and (path.exact or inexact)}
     runners = {name: _ring_runner(w, ring_bytes) for name, w in weights.items()}
-    native = "int4" in weights and native_available(packed)
-    if native:  # the int4 path's two kernels on the same planes
-        runners["int4/native"] = _ring_runner(dataclasses.replace(weights["int4"], int4_native_from=1), ring_bytes)
     runners["dense"] = _dense_runner(packed, dtype, ring_bytes)
     times: dict[str, dict[int, float]] = {name: {} for name in runners}
     gen = torch.Generator().manual_seed(0)
@@ -471,27 +349,27 @@ def choose_cpu_path(
         x = torch.randn(tokens, packed.in_features, generator=gen).to(dtype)
         best = {name: float("inf") for name in runners}
         for rep in range(reps + 1):  # the first turn warms up
-            leader = min(best[name] for name in runners if name != "dense")
+            leader = min(best[name] for name in weights)
             for name, run in runners.items():
                 # a path 3x behind after two runs is out of the race: no more of its (slow) runs
                 if rep < 2 or best[name] <= 3 * leader:
                     best[name] = min(best[name], run(x))
         for name in runners:
             times[name][tokens] = round(best[name] * 1e3, 4)
-    native_from = None
-    if native:
-        times["int4/torch"] = times.pop("int4")
-        native_from = native_threshold(sample_tokens, times["int4/torch"], times["int4/native"])
-        times["int4"] = {t: times["int4/native" if native_from is not None and t >= native_from else "int4/torch"][t]
-                         for t in sample_tokens}
     # each token count weighs alike: time relative to dense at that count, summed
     total = {name: sum(times[name][t] / max(times["dense"][t], 1e-6) for t in times[name]) for name in weights}
     path = min(total, key=total.__getitem__)
-    if not CPU_PATHS[path].exact and total[path] > (1 - margin) * total["dequant"]:
-        path = "dequant"
-    if path != "int4":
-        return CpuChoice(path, dtype, times, weights[path])
-    return CpuChoice(path, dtype, times, dataclasses.replace(weights[path], int4_native_from=native_from), native_from)
+    # a more exact path unless the fastest beats it by ``margin``: dequant, then native, then int4
+    for other in sorted(total, key=_INEXACTNESS.__getitem__):
+        if _INEXACTNESS[other] < _INEXACTNESS[path] and total[path] > (1 - margin) * total[other]:
+            path = other
+            break
+    return CpuChoice(path, dtype, times, weights[path])
+
+
+# how much each path rounds: dequant none, native x (to bf16), int4 x and each group's scale and zero
+_INEXACTNESS = {"dequant": 0, "native": 1, "int4": 2}
+assert set(_INEXACTNESS) == set(CPU_PATHS)
 
 
 def _ring_runner(weight: PackedWeight, ring_bytes: int):
@@ -533,40 +411,11 @@ def _clone(w: PackedWeight) -> PackedWeight:
 
 def planes_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` [T] of a weight whose blocks were dropped, from its path's
-    planes (``int4_rows`` / ``q6_rows`` / ``q8_rows``), in ``dtype``."""
-    if packed.cpu_path == "q6":
-        return q6_rows(packed, ids, dtype)
-    if packed.cpu_path == "q8":
-        return q8_rows(packed, ids, dtype)
+    planes (``int4_rows``, or ``quant_relayout.native_rows``: bit-equal to
+    ``dequantize``), in ``dtype``."""
+    if packed.cpu_path == "native":
+        return native_rows(packed, ids, dtype)
     return int4_rows(packed, ids, dtype)
-
-
-def q8_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` [T] of a q8-path weight: q * d in float32, bit-equal to
-    the blocks' ``dequantize``, in ``dtype``."""
-    if packed.cpu_path != "q8" or packed.planes is None:
-        raise KernelArgumentError(f"packed has no q8 planes (its CPU path is {packed.cpu_path!r})")
-    (q, d), = packed.planes
-    ids = ids.to(torch.int64)
-    rows = q[ids // 64, :, ids % 64, :].float()  # [T, K/2, 2]
-    return rows.view(ids.shape[0], -1, 32).mul_(d[:, ids].T.float().unsqueeze(-1)).view(ids.shape[0], -1).to(dtype)
-
-
-def q6_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` [T] of a q6-path weight: d * sc * (q - 32) as gguf forms
-    it (float32), so bit-equal to the blocks' ``dequantize``, in ``dtype``."""
-    if packed.cpu_path != "q6" or packed.planes is None:
-        raise KernelArgumentError(f"packed has no q6 planes (its CPU path is {packed.cpu_path!r})")
-    (lo, hi, sc, d), = packed.planes
-    n, k = packed.shape
-    ids = ids.to(torch.int64)
-    low = _int4_nibbles(lo, n, k, ids)  # the int4 layout, whole 64-row blocks
-    r = ids % 64
-    base = (ids // 64 * k * 16 + r % 16).unsqueeze(1) + torch.arange(k, dtype=torch.int64) * 16
-    high = (hi.reshape(-1)[base] >> (2 * (r // 16)).to(torch.uint8).unsqueeze(1)) & 3
-    q = (low | (high << 4)).view(-1, k // 16, 16).float().sub_(32)
-    scale = d[:, ids].float().repeat_interleave(16, 0) * sc[:, ids].float()  # [K/16, T]: (d * sc) first
-    return q.mul_(scale.T.unsqueeze(-1)).view(-1, k).to(dtype)
 
 
 def int4_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,9 +15,9 @@ Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms)
     CPU "dequant" path         bit-equal to quant_matmul_ref
     Triton kernel              fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
                                bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
-    CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S);
-                               its native kernel: x's bf16 rounding only (~1e-6 S from the planes)
-    CPU "q6" path              x's bf16 rounding only: <= 2^-8 * S (weights exact)
+    CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S)
+    CPU "native" path          x's bf16 rounding only: <= 2^-8 * S (weights exact; ~1e-7 S measured
+                               against dequantize with x in bf16, float64)
 
 The Triton kernel rebuilds each weight with ``dequantize``'s operations
 (fp-contraction off), so it multiplies by the very same fp32 weights and
@@ -26,7 +26,8 @@ when the weights and the sum round to bf16). ``packed_embedding`` is
 ``dequantize`` of the rows (exact) while the blocks are kept, and the int4
 planes' values (``quant_cpu.int4_rows``: scales in bf16, |err| <= 2^-8 of
 each row's group scale times 15) once they were dropped for the int4 path,
-or the q6 planes' (``q6_rows``: bit-equal to ``dequantize``).
+or the native planes' (``quant_relayout.native_rows``: bit-equal to
+``dequantize``).
 """
 
 from __future__ import annotations

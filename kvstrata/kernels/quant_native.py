@@ -1,41 +1,34 @@
-"""The native CPU kernels of the "int4", "q6" and "q8" paths (``csrc/lowbit_bf16.c``):
+"""The native CPU kernels of the "native" path (``csrc/lowbit_bf16.c``):
 built once per machine with the system C compiler, cached, loaded with ctypes.
 
-    native_kernels() -> NativeKernels | None   loaded (built first if needed); None: see native_status()
-    native_status() -> str                      "ok", or why there are no native kernels here
-    NativeKernels.int4_matmul(xb, planes, acc)  acc = xb @ W.T, W = the sum of the int4 planes
-    NativeKernels.q6k_matmul(xb, planes, acc)   acc = xb @ W.T, W = Q6_K re-laid (quant_cpu.Q6Path)
-    NativeKernels.q8_matmul(xb, planes, acc)    acc = xb @ W.T, W = Q8_0 re-laid (quant_cpu.Q8Path)
+    native_kernels() -> NativeKernels | None     loaded (built first if needed); None: see native_status()
+    native_status() -> str                        "ok", or why there are no native kernels here
+    NativeKernels.matmul(qtype, xb, planes, acc)  acc = xb @ W.T, W in LAYOUTS[qtype] (quant_relayout)
 
-int4: what it computes is what torch's ``_weight_int4pack_mm_for_cpu`` computes on
-the same planes (no repacking, no extra memory), in another order: each
-(64-row block, 32-column group) of nibbles becomes bf16 ``q - 8`` once, and
-every row of x reuses it with bf16 dot products (vdpbf16ps), scale and
-zero applied per group in float32. torch's kernel dequantizes per 4 rows of
-x and multiplies in float32 FMAs; at 16 tokens this one is ~1.7x faster
-(SmolLM2's shapes, 1 thread), at 1 token ~15 % slower (it pays the unpack
-for one row), so ``quant_cpu.choose_cpu_path`` measures both per layer and
-sets the token count from which a weight takes this one
-(``PackedWeight.int4_native_from``). Its error is smaller too: float32 out,
-only x rounded (to bf16, as both do).
-
-q6: Q6_K, which torch has no kernel for (its scales cover 16 weights), the
-same design with groups of 16: the file's bytes re-laid (0.82 B a weight),
-the 6-bit values as bf16 ``q - 32`` through a 64-entry table, the scale
-d * sc in float32. An 8B-shape [4096, 14336] down projection, 1 thread:
-4.8 ms at 1 token and 15 ms at 16, against 87 and 130 ms for the "dequant"
-path that was Q6_K's only one, and 10 and 41 ms for dense float32.
+One kernel design for every packed type (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K, Q8_0): the file's integers and scales, re-laid (``quant_relayout``;
+the file's bytes, 3 % more for the K-quants' unpacked 6-bit scales); per
+(block of 64 output rows, group of 32 columns) the integers become bf16 once
+(exact: small integers), every row of x reuses them with AVX512_BF16 dot
+products, and each group's scale and offset apply in float32, formed as
+gguf forms them, so x's rounding to bf16 is the only one (|err| ~1e-7 of S
+against ``dequantize`` in float64). Against torch's int4 kernel on its
+planes (the "int4" path, which splits Q5/Q8_0 in two planes, 1.2-1.8x the
+bytes, rounds scale and zero to bf16, and unpacks the weights again for
+every 4 rows of x): 1.3-1.5x at 1-4 tokens, ~1.7x at 16, 2x at 64 and more
+(SmolLM2's shapes, 1 thread). Q6_K has no int4 form at all (16-weight
+scales): before this, its only path dequantized per call (an 8B-shape
+[14336, 4096] weight: 176 ms at 1 token, now ~5).
 
 Needs x86-64 with AVX512F/BW/VL and AVX512_BF16 (checked at run time), a C
-compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0 (torch lays a
-last block of fewer rows out differently). Built into
+compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0. Built into
 ``$KVSTRATA_CACHE_DIR/native/`` (default ``~/.cache/kvstrata``) under a
 hash of the source, compiler and flags, by an atomic rename, so concurrent
 first loads are safe and a changed source rebuilds (old builds stay: a few
-tens of KB each, and another checkout may still load one). Anything missing: None,
-one log line (``quant_native_unavailable``) naming why, and the int4 path
-keeps torch's kernel. ``KVSTRATA_NATIVE_KERNELS=0`` turns it off (read at
-the first load in a process).
+tens of KB each, and another checkout may still load one). Anything
+missing: None, one log line (``quant_native_unavailable``) naming why, and
+the loader keeps the "int4" / "dequant" paths. ``KVSTRATA_NATIVE_KERNELS=0``
+turns it off (read at the first load in a process).
 """
 
 from __future__ import annotations
@@ -59,7 +52,7 @@ from kvstrata.paths import cache_root
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "lowbit_bf16.c"
-ABI_VERSION = 3
+ABI_VERSION = 4
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-Wall")
 _BUILD_TIMEOUT_S = 120
 
@@ -68,57 +61,71 @@ _loaded: NativeKernels | None = None
 _status: str | None = None  # None until the first native_kernels()
 
 
+# The layout of each type's planes (``quant_relayout`` makes them): the C kind
+# (csrc/lowbit_bf16.c's enum), the table offset, and the tensors in order, each
+# (name, shape as a function of (N, K), dtype). lo: the low nibbles [N/64, K, 32];
+# hi: the bits above [N/64, K, 8 per bit]; the scales per group of 32 columns
+# ([K/32, N]) or per 256 ([K/256, N]); Q6_K's sc per 16, Q8_0's q int8 pairs.
+KINDS = ("QD4", "QD5", "QK4", "QK5", "Q6K", "Q8")
+_NIB = ("lo", lambda n, k: (n // 64, k, 32), torch.uint8)
+_HI1 = ("hi", lambda n, k: (n // 64, k, 8), torch.uint8)
+_G32 = lambda n, k: (k // 32, n)  # noqa: E731
+_S256 = lambda n, k: (k // 256, n)  # noqa: E731
+LAYOUTS: dict[str, tuple[str, int, tuple]] = {
+    "Q4_0": ("QD4", 8, (_NIB, ("d", _G32, torch.float16))),
+    "Q4_1": ("QD4", 0, (_NIB, ("d", _G32, torch.float16), ("m", _G32, torch.float16))),
+    "Q5_0": ("QD5", 16, (_NIB, _HI1, ("d", _G32, torch.float16))),
+    "Q5_1": ("QD5", 0, (_NIB, _HI1, ("d", _G32, torch.float16), ("m", _G32, torch.float16))),
+    "Q4_K": ("QK4", 0, (_NIB, ("sc", _G32, torch.uint8), ("mn", _G32, torch.uint8), ("d", _S256, torch.float16),
+                        ("dmin", _S256, torch.float16))),
+    "Q5_K": ("QK5", 0, (_NIB, _HI1, ("sc", _G32, torch.uint8), ("mn", _G32, torch.uint8),
+                        ("d", _S256, torch.float16), ("dmin", _S256, torch.float16))),
+    "Q6_K": ("Q6K", 32, (_NIB, ("hi", lambda n, k: (n // 64, k, 16), torch.uint8),
+                         ("sc", lambda n, k: (k // 16, n), torch.int8), ("d", _S256, torch.float16))),
+    "Q8_0": ("Q8", 0, (("q", lambda n, k: (n // 64, k // 2, 64, 2), torch.int8), ("d", _G32, torch.float16))),
+}
+# the C call's pointer slots (q, hi, s1, s2, d, dmin) per kind, by field name
+_SLOTS = {
+    "QD4": ("lo", None, "d", "m", None, None), "QD5": ("lo", "hi", "d", "m", None, None),
+    "QK4": ("lo", None, "sc", "mn", "d", "dmin"), "QK5": ("lo", "hi", "sc", "mn", "d", "dmin"),
+    "Q6K": ("lo", "hi", "sc", None, "d", None), "Q8": ("q", None, "d", None, None, None),
+}
+_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # K must be a multiple of it (else 32)
+
+
 class NativeKernels:
-    """The loaded library. Each matmul checks its arguments; one per process."""
+    """The loaded library. ``matmul`` checks its arguments; one per process."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        p, i, long = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-        self._int4 = lib.kvq_int4_mm
-        self._int4.argtypes = [p, p, p, p, i, i, i, long, i, i, p]
-        self._int4.restype = None
-        self._q6k = lib.kvq_q6k_mm
-        self._q6k.argtypes = [p, p, p, p, p, p, i, i, i, long, i]
-        self._q6k.restype = None
-        self._q8 = lib.kvq_q8_mm
-        self._q8.argtypes = [p, p, p, p, i, i, i, long, i]
-        self._q8.restype = None
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._fn = lib.kvq_matmul
+        self._fn.argtypes = [i, i, p, p, p, p, p, p, p, p, i, i, i, ctypes.c_long, i, p]
+        self._fn.restype = ctypes.c_int
 
-    def int4_matmul(self, xb: torch.Tensor, planes, acc: torch.Tensor) -> None:
+    def matmul(self, qtype: str, xb: torch.Tensor, planes: tuple, acc: torch.Tensor) -> None:
         """``acc`` [M, N] float32 (rows may be strided, columns contiguous) =
-        ``xb`` [M, K] bf16 (contiguous) @ W.T, W = sum over ``planes``
-        ((nibbles, scales_and_zeros) of ``_convert_weight_to_int4pack_for_cpu``
-        with group 32) of (q - 8) * s + z."""
-        _check_int4(xb, planes, acc)
-        m, k = xb.shape
-        n = acc.shape[1]
+        ``xb`` [M, K] bf16 (contiguous) @ W.T, W the ``qtype`` weight as
+        ``planes`` = (the tensors LAYOUTS[qtype] names, in order)."""
+        if qtype not in LAYOUTS:
+            raise KernelArgumentError(f"the native kernels take {', '.join(LAYOUTS)}, got {qtype!r}")
+        kind, off, fields = LAYOUTS[qtype]
+        m, k, n = _check_x_acc(xb, acc, _BLOCK.get(qtype, 32))
+        if not isinstance(planes, tuple) or len(planes) != len(fields):
+            raise KernelArgumentError(f"planes for {qtype} must be ({', '.join(f[0] for f in fields)})")
+        named = {}
+        for (name, shape, dtype), t in zip(fields, planes):
+            want = shape(n, k)
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != want or not t.is_contiguous():
+                raise KernelArgumentError(
+                    f"planes {name} must be contiguous {str(dtype).removeprefix('torch.')} {list(want)}, got "
+                    f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', ()))}")
+            named[name] = t.data_ptr()
         xsum = torch.empty(m * (k // 32), dtype=torch.float32)
-        threads = torch.get_num_threads()
-        for i, (w, sz) in enumerate(planes):
-            self._int4(xb.data_ptr(), w.data_ptr(), sz.data_ptr(), acc.data_ptr(), m, n, k, acc.stride(0), int(i > 0),
-                       threads, xsum.data_ptr())
-
-    def q6k_matmul(self, xb: torch.Tensor, planes, acc: torch.Tensor) -> None:
-        """``acc`` [M, N] float32 (as above) = ``xb`` [M, K] bf16 @ W.T, W
-        the Q6_K weight as ``planes`` = ((lo uint8 [N/64, K, 32], hi uint8
-        [N/64, K, 16], sc int8 [K/16, N], d float16 [K/256, N]),)."""
-        _check_q6k(xb, planes, acc)
-        m, k = xb.shape
-        (lo, hi, sc, d), = planes
-        self._q6k(xb.data_ptr(), lo.data_ptr(), hi.data_ptr(), sc.data_ptr(), d.data_ptr(), acc.data_ptr(), m,
-                  acc.shape[1], k, acc.stride(0), torch.get_num_threads())
-
-
-    def q8_matmul(self, xb: torch.Tensor, planes, acc: torch.Tensor) -> None:
-        """``acc`` [M, N] float32 (as above) = ``xb`` [M, K] bf16 @ W.T, W
-        the Q8_0 weight as ``planes`` = ((q int8 [N/64, K/2, 64, 2], d
-        float16 [K/32, N]),)."""
-        _check_planes(xb, planes, acc, 32, lambda n, k: {
-            "q": ((n // 64, k // 2, 64, 2), torch.int8), "d": ((k // 32, n), torch.float16)})
-        m, k = xb.shape
-        (q, d), = planes
-        self._q8(xb.data_ptr(), q.data_ptr(), d.data_ptr(), acc.data_ptr(), m, acc.shape[1], k, acc.stride(0),
-                 torch.get_num_threads())
+        slots = [None if f is None else named.get(f) for f in _SLOTS[kind]]
+        rc = self._fn(KINDS.index(kind), off, xb.data_ptr(), *slots, acc.data_ptr(), m, n, k, acc.stride(0),
+                      torch.get_num_threads(), xsum.data_ptr())
+        assert rc == 0, f"kvq_matmul rejected kind {kind}"
 
 
 def _check_x_acc(xb, acc, k_multiple: int) -> tuple[int, int, int]:
@@ -137,38 +144,6 @@ def _check_x_acc(xb, acc, k_multiple: int) -> tuple[int, int, int]:
     if xb.device.type != "cpu" or acc.device.type != "cpu":
         raise KernelArgumentError("the native kernels run on CPU tensors")
     return m, k, n
-
-
-def _check_int4(xb, planes, acc) -> None:
-    m, k, n = _check_x_acc(xb, acc, 32)
-    if not planes:
-        raise KernelArgumentError("planes must hold at least one (nibbles, scales_and_zeros) pair")
-    for j, (w, sz) in enumerate(planes):
-        if w.dtype != torch.uint8 or not w.is_contiguous() or w.numel() != n * k // 2:
-            raise KernelArgumentError(f"planes[{j}] nibbles must be contiguous uint8 with {n} * {k} / 2 bytes, "
-                                      f"got {w.dtype} {tuple(w.shape)}")
-        if sz.dtype != torch.bfloat16 or not sz.is_contiguous() or tuple(sz.shape) != (k // 32, n, 2):
-            raise KernelArgumentError(f"planes[{j}] scales_and_zeros must be contiguous bfloat16 "
-                                      f"[{k // 32}, {n}, 2], got {sz.dtype} {tuple(sz.shape)}")
-
-
-def _check_q6k(xb, planes, acc) -> None:
-    _check_planes(xb, planes, acc, 256, lambda n, k: {
-        "lo": ((n // 64, k, 32), torch.uint8), "hi": ((n // 64, k, 16), torch.uint8),
-        "sc": ((k // 16, n), torch.int8), "d": ((k // 256, n), torch.float16)})
-
-
-def _check_planes(xb, planes, acc, k_multiple: int, layout) -> None:
-    """x and acc as the kernels need them, and ``planes`` one tuple of the
-    tensors ``layout(n, k)`` names, with those shapes and dtypes, contiguous."""
-    _, k, n = _check_x_acc(xb, acc, k_multiple)
-    want = layout(n, k)
-    if len(planes) != 1 or len(planes[0]) != len(want):
-        raise KernelArgumentError(f"planes must be (({', '.join(want)}),)")
-    for (name, (shape, dtype)), t in zip(want.items(), planes[0]):
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-            raise KernelArgumentError(f"planes {name} must be contiguous {str(dtype).removeprefix('torch.')} "
-                                      f"{list(shape)}, got {t.dtype} {list(t.shape)}")
 
 
 def native_kernels() -> NativeKernels | None:

@@ -1,30 +1,34 @@
-/* kvstrata: CPU matmuls over quantized weights, bf16 dot products (AVX512_BF16).
+/* kvstrata: CPU matmuls over GGUF weights re-laid for AVX512_BF16 dot products.
  *
  *   out[m][n] = sum_k x[m][k] * w[n][k]        x: bf16 [M][K] (row stride K), out: float32 (row stride ldo)
  *
- * Three kinds of weight, all cut in blocks of 64 output rows b and groups of columns g:
+ * Every kind keeps its file's integers and scales exactly (kvstrata.kernels.quant_cpu.NativePath
+ * re-lays them; the bytes are the file's, or 3 % more for the K-quants' unpacked 6-bit scales),
+ * cut in blocks of 64 output rows b and groups g of 32 columns (Q6_K: 16):
  *
- *   INT4  w = (q - 8) * s[g][n] + z[g][n], q 4 bits, groups of 32. q: the nibbles of torch's
- *         _convert_weight_to_int4pack_for_cpu(q, 1) for N % 64 == 0: per block and column k,
- *         32 bytes at (b * K + k) * 32, byte j = row 64b + j (low nibble) | row 64b + j + 32
- *         (high). sz: bf16 [K/32][N][2] (scale, zero), the same op's scales_and_zeros.
- *         Several planes (Q5, Q8_0 in two) add up: accumulate = 1 adds to out.
- *   Q6K   w = d[k/256][n] * sc[k/16][n] * (q - 32), q 6 bits, groups of 16: Q6_K's bytes
- *         re-laid. lo: the low nibbles as INT4's q; hi: the top two bits, per block and
- *         column 16 bytes at (b * K + k) * 16, byte i = rows 64b + i, +16, +32, +48 at bits
- *         0, 2, 4, 6; sc: int8 [K/16][N]; d: fp16 [K/256][N].
- *   Q8    w = d[k/32][n] * q, q int8, groups of 32: Q8_0's bytes re-laid. q: per block and
- *         column pair kp, 128 bytes at (b * K/2 + kp) * 128, bytes 2r, 2r+1 = row 64b + r at
- *         columns 2kp, 2kp+1; d: fp16 [K/32][N].
+ *   lo   the low nibbles: per block and column k, 32 bytes at (b * K + k) * 32, byte j = row
+ *        64b + j (low nibble) | row 64b + j + 32 (high nibble) (torch's CPU int4 layout)
+ *   hi   the bits above them: Q5 kinds 1 bit, per block and column 8 bytes at (b * K + k) * 8,
+ *        byte i = rows 64b + i + 8j at bit j; Q6K 2 bits, 16 bytes at (b * K + k) * 16, byte i
+ *        = rows 64b + i + 16j at bits 2j, 2j+1
+ *   Q8   int8 instead: per block and column pair kp, 128 bytes at (b * K/2 + kp) * 128, bytes
+ *        2r, 2r+1 = row 64b + r at columns 2kp, 2kp+1
  *
- * Per (block, group) the integers become bf16 once (exact: small integers), laid out as
- * vdpbf16ps wants them (16 rows x a column pair per 512-bit register): for 1-4 rows of x
- * straight into registers, for more into a 4 KB tile that every row of x reuses. Each row's
- * group sum sum_k x * q runs in float32 by vdpbf16ps, then takes the group's scale (and
- * INT4's zero: z * the group's sum of x) in float32. So the unpacking is paid once per
- * weight whatever M is, the multiply-adds run at the bf16 dot-product rate (2x float32
- * FMAs), and x is the only rounded operand (to bf16, by the caller). A row's result does
- * not depend on the other rows (the same sums in the same order on either way).
+ *   QD4, QD5   Q4_0, Q4_1, Q5_0, Q5_1: w = d[g][n] * (q - off) + m[g][n] (d, m fp16; m absent: 0)
+ *   QK4, QK5   Q4_K, Q5_K:  w = (d[k/256][n] * sc[g][n]) * q - dmin[k/256][n] * mn[g][n]
+ *              (sc, mn: the 6-bit scale and min as uint8; d, dmin fp16)
+ *   Q6K        Q6_K: w = (d[k/256][n] * sc[k/16][n]) * (q - 32), sc int8, groups of 16
+ *   Q8         Q8_0: w = d[g][n] * q
+ *
+ * Per (block, group) the integers become bf16 once (exact: small integers, through a table
+ * of q - off), laid out as vdpbf16ps wants them (16 rows x a column pair per 512-bit
+ * register): for 1-4 rows of x straight into registers, for more into a 4 KB tile that every
+ * row of x reuses. Each row's group sum sum_k x * (q - off) runs in float32 by vdpbf16ps, then
+ * takes the group's scale, and its offset times the group's sum of x, in float32, the scales
+ * formed as gguf forms them. So the unpacking is paid once per weight whatever M is, the
+ * multiply-adds run at the bf16 dot-product rate (2x float32 FMAs), and x is the only rounded
+ * operand (to bf16, by the caller). A row's result does not depend on the other rows (the same
+ * sums in the same order either way).
  *
  * Needs AVX512F/BW/VL and AVX512_BF16 (kvq_supported() says so at run time; only the
  * kernels are compiled for them). Parallel over blocks of 64 rows with OpenMP: with torch
@@ -38,9 +42,9 @@
 #define KVQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define INLINE static inline __attribute__((always_inline)) KVQ_TARGET
 
-enum { INT4, Q6K, Q8 };
+enum { QD4, QD5, QK4, QK5, Q6K, Q8 }; /* the order of quant_native.KINDS */
 
-int kvq_abi_version(void) { return 3; }
+int kvq_abi_version(void) { return 4; }
 
 int kvq_supported(void) {
     __builtin_cpu_init();
@@ -49,13 +53,18 @@ int kvq_supported(void) {
            __builtin_cpu_supports("fma");
 }
 
-/* What a kernel reads, per kind (unused fields NULL). */
+/* What a kernel reads (unused fields NULL). */
 typedef struct {
-    const uint8_t *q;   /* INT4: nibbles; Q6K: lo; Q8: the int8 values */
-    const uint8_t *hi;  /* Q6K: the top two bits */
-    const void *scale;  /* INT4: sz (bf16 pairs); Q6K: sc (int8); Q8: d (fp16) */
-    const uint16_t *d;  /* Q6K: d (fp16) */
+    const uint8_t *q;   /* lo (Q8: the int8 values) */
+    const uint8_t *hi;  /* QD5, QK5, Q6K */
+    const void *s1;     /* QD: d; QK: sc (uint8); Q6K: sc (int8); Q8: d */
+    const void *s2;     /* QD: m (or NULL); QK: mn (uint8) */
+    const uint16_t *d;  /* QK: d; Q6K: d (fp16, per 256 columns) */
+    const uint16_t *dmin; /* QK */
 } Weight;
+
+INLINE int hi_bits(const int kind) { return kind == QD5 || kind == QK5 ? 1 : kind == Q6K ? 2 : 0; }
+INLINE int has_offset(const int kind) { return kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5; }
 
 /* bf16 bit patterns of v - off for v = 0..63: the integers' values, exact */
 typedef struct {
@@ -89,7 +98,7 @@ INLINE void nibble_pair(const uint8_t *cols_at, __m512i *lo, __m512i *hi) {
 }
 
 /* Column pair kp of a (block, group) as four registers of 16 rows: w[t] lane r = the bf16
- * pair (w'[16t + r][2kp], w'[16t + r][2kp + 1]), w' the integer part (q - 8, q - 32, q). */
+ * pair (q[16t + r][2kp] - off, q[16t + r][2kp + 1] - off) (Q8: the int8 values). */
 INLINE void unpack_pair(const int kind, const uint8_t *q, const uint8_t *hi, int kp, Lut lut, __m512i w[4]) {
     if (kind == Q8) {
         const uint8_t *p = q + kp * 128;
@@ -102,7 +111,21 @@ INLINE void unpack_pair(const int kind, const uint8_t *q, const uint8_t *hi, int
     }
     __m512i v_lo, v_hi;
     nibble_pair(q + kp * 64, &v_lo, &v_hi);
-    if (kind == Q6K) {
+    if (hi_bits(kind) == 1) {
+        const __m128i one = _mm_set1_epi16(0x0101);
+        __m128i hcols = _mm_loadu_si128((const __m128i *)(hi + kp * 16)); /* 8 bytes of 2kp, of 2kp+1 */
+        __m128i hab = _mm_or_si128(_mm_cvtepu8_epi16(hcols), _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(hcols, 8)), 8));
+        __m512i h03 = _mm512_castsi128_si512(_mm_and_si128(hab, one)); /* rows 0..31: bits 0..3 */
+        h03 = _mm512_inserti32x4(h03, _mm_and_si128(_mm_srli_epi16(hab, 1), one), 1);
+        h03 = _mm512_inserti32x4(h03, _mm_and_si128(_mm_srli_epi16(hab, 2), one), 2);
+        h03 = _mm512_inserti32x4(h03, _mm_and_si128(_mm_srli_epi16(hab, 3), one), 3);
+        __m512i h47 = _mm512_castsi128_si512(_mm_and_si128(_mm_srli_epi16(hab, 4), one)); /* rows 32..63 */
+        h47 = _mm512_inserti32x4(h47, _mm_and_si128(_mm_srli_epi16(hab, 5), one), 1);
+        h47 = _mm512_inserti32x4(h47, _mm_and_si128(_mm_srli_epi16(hab, 6), one), 2);
+        h47 = _mm512_inserti32x4(h47, _mm_and_si128(_mm_srli_epi16(hab, 7), one), 3);
+        v_lo = _mm512_or_si512(v_lo, _mm512_slli_epi16(h03, 4));
+        v_hi = _mm512_or_si512(v_hi, _mm512_slli_epi16(h47, 4));
+    } else if (hi_bits(kind) == 2) {
         const __m256i low2 = _mm256_set1_epi16(0x0303);
         __m256i hcols = _mm256_loadu_si256((const __m256i *)(hi + kp * 32)); /* 16 bytes of 2kp, of 2kp+1 */
         __m256i ha = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hcols));
@@ -120,25 +143,30 @@ INLINE void unpack_pair(const int kind, const uint8_t *q, const uint8_t *hi, int
                             _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_lo, 1)),
                             _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v_hi)),
                             _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v_hi, 1))};
-    for (int t = 0; t < 4; t++) /* 16 values: one table register; Q6K's 64: two */
-        w[t] = kind == INT4 ? _mm512_permutexvar_epi16(idx[t], lut.lo) : _mm512_permutex2var_epi16(lut.lo, idx[t], lut.hi);
+    for (int t = 0; t < 4; t++) /* up to 32 values: one table register; Q6K's 64: two */
+        w[t] = kind == Q6K ? _mm512_permutex2var_epi16(lut.lo, idx[t], lut.hi) : _mm512_permutexvar_epi16(idx[t], lut.lo);
 }
 
-/* The group's scale (and INT4's zero) for rows 64b + 16t .. +15. */
+INLINE __m512 f16x16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+INLINE __m512 i8x16(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* The group's scale s and offset z (w = s * (q - off) + z) for rows 64b + 16t .. +15. */
 INLINE void group_scales(const int kind, const Weight *wt, int N, int b, int g, __m512 s[4], __m512 z[4]) {
     for (int t = 0; t < 4; t++) {
-        const size_t n0 = (size_t)b * 64 + 16 * t;
-        if (kind == INT4) { /* 16 (scale, zero) bf16 pairs; as float32: bits << 16 */
-            const __m512i v = _mm512_loadu_si512((const uint16_t *)wt->scale + ((size_t)g * N + n0) * 2);
-            s[t] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            z[t] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
-        } else if (kind == Q6K) { /* d * sc in float32, as gguf forms it */
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wt->d + (size_t)(g / 16) * N + n0)));
-            const __m128i c = _mm_loadu_si128((const __m128i *)((const int8_t *)wt->scale + (size_t)g * N + n0));
-            s[t] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+        const size_t n0 = (size_t)b * 64 + 16 * t, at = (size_t)g * N + n0;
+        if (kind == QD4 || kind == QD5) {
+            s[t] = f16x16((const uint16_t *)wt->s1 + at);
+            z[t] = wt->s2 != NULL ? f16x16((const uint16_t *)wt->s2 + at) : _mm512_setzero_ps();
+        } else if (kind == QK4 || kind == QK5) { /* d * sc and dmin * mn in float32, as gguf forms them */
+            const size_t sb = (size_t)(g / 8) * N + n0;
+            s[t] = _mm512_mul_ps(f16x16(wt->d + sb), u8x16((const uint8_t *)wt->s1 + at));
+            z[t] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(f16x16(wt->dmin + sb), u8x16((const uint8_t *)wt->s2 + at)));
+        } else if (kind == Q6K) {
+            s[t] = _mm512_mul_ps(f16x16(wt->d + (size_t)(g / 16) * N + n0), i8x16((const int8_t *)wt->s1 + at));
             z[t] = _mm512_setzero_ps();
         } else {
-            s[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)wt->scale + (size_t)g * N + n0)));
+            s[t] = f16x16((const uint16_t *)wt->s1 + at);
             z[t] = _mm512_setzero_ps();
         }
     }
@@ -165,18 +193,18 @@ INLINE void rows_dot(const int kind, const int MT, const int direct, const uint8
     }
     /* out[m][0..63] = (first ? 0 : out) + p * s (+ z * the group's sum of x) */
     for (int m = 0; m < MT; m++) {
-        const __m512 xs = kind == INT4 ? _mm512_set1_ps(xsum[m * xsum_stride]) : _mm512_setzero_ps();
+        const __m512 xs = has_offset(kind) ? _mm512_set1_ps(xsum[m * xsum_stride]) : _mm512_setzero_ps();
         for (int t = 0; t < 4; t++) {
             float *o = out + m * ldo + 16 * t;
             __m512 acc = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
             acc = _mm512_fmadd_ps(p[m][t], s[t], acc);
-            if (kind == INT4) acc = _mm512_fmadd_ps(z[t], xs, acc);
+            if (has_offset(kind)) acc = _mm512_fmadd_ps(z[t], xs, acc);
             _mm512_storeu_ps(o, acc);
         }
     }
 }
 
-/* xsum[m][g] = the sum of x[m][32g .. 32g + 31] (as bf16, in float32): INT4's zero term. */
+/* xsum[m][g] = the sum of x[m][32g .. 32g + 31] (as bf16, in float32): the offsets' term. */
 static void group_sums(const uint16_t *x, int M, int K, float *xsum) {
     const int G = K / 32;
     for (int m = 0; m < M; m++)
@@ -192,24 +220,24 @@ static void group_sums(const uint16_t *x, int M, int K, float *xsum) {
         }
 }
 
-INLINE void matmul(const int kind, const uint16_t *x, const Weight *wt, float *out, int M, int N, int K, long ldo,
-                   int accumulate, int nthreads, const float *xsum) {
-    const int GC = group_cols(kind), G = K / GC, NB = N / 64;
+INLINE void matmul(const int kind, int off, const uint16_t *x, const Weight *wt, float *out, int M, int N, int K,
+                   long ldo, int nthreads, const float *xsum) {
+    const int GC = group_cols(kind), G = K / GC, NB = N / 64, HB = hi_bits(kind);
     const size_t x_stride = (size_t)K / 2; /* bf16 pairs per row */
     const uint32_t *xpairs = (const uint32_t *)x;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int b = 0; b < NB; b++) {
         __attribute__((aligned(64))) uint32_t tile[16 * 64];
-        const Lut lut = make_lut(kind == INT4 ? 8 : 32);
+        const Lut lut = make_lut(off);
         for (int g = 0; g < G; g++) {
             const size_t col = (size_t)b * K + (size_t)g * GC; /* (block, first column of the group) */
-            const uint8_t *q = kind == Q8 ? wt->q + col * 64 : wt->q + col * 32;
-            const uint8_t *hi = kind == Q6K ? wt->hi + col * 16 : NULL;
+            const uint8_t *q = wt->q + col * (kind == Q8 ? 64 : 32);
+            const uint8_t *hi = HB ? wt->hi + col * 8 * HB : NULL;
             __m512 s[4], z[4];
             group_scales(kind, wt, N, b, g, s, z);
-            const int first = g == 0 && !accumulate;
+            const int first = g == 0;
             const uint32_t *xp = xpairs + (size_t)g * (GC / 2);
-            const float *xs = kind == INT4 ? xsum + g : NULL;
+            const float *xs = has_offset(kind) ? xsum + g : NULL;
             float *o = out + (size_t)b * 64;
             switch (M) { /* few rows: no tile, its stores and loads would cost more than they save */
             case 1: rows_dot(kind, 1, 1, q, hi, lut, NULL, xp, x_stride, xs, G, s, z, o, ldo, first); continue;
@@ -237,25 +265,23 @@ INLINE void matmul(const int kind, const uint16_t *x, const Weight *wt, float *o
     }
 }
 
-/* The entry points. M >= 1, N % 64 == 0, K a multiple of the kind's block (32; Q6K 256);
- * the caller checks shapes, strides and the CPU. */
-
-/* INT4, one plane: out (+)= x @ W^T (accumulate = 1 adds); xsum: M * K / 32 floats of scratch. */
-KVQ_TARGET void kvq_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, float *out, int M, int N, int K,
-                            long ldo, int accumulate, int nthreads, float *xsum) {
-    const Weight wt = {q, NULL, sz, NULL};
-    group_sums(x, M, K, xsum);
-    matmul(INT4, x, &wt, out, M, N, K, ldo, accumulate, nthreads, xsum);
-}
-
-KVQ_TARGET void kvq_q6k_mm(const uint16_t *x, const uint8_t *lo, const uint8_t *hi, const int8_t *sc,
-                           const uint16_t *d, float *out, int M, int N, int K, long ldo, int nthreads) {
-    const Weight wt = {lo, hi, sc, d};
-    matmul(Q6K, x, &wt, out, M, N, K, ldo, 0, nthreads, NULL);
-}
-
-KVQ_TARGET void kvq_q8_mm(const uint16_t *x, const int8_t *q, const uint16_t *d, float *out, int M, int N, int K,
-                          long ldo, int nthreads) {
-    const Weight wt = {(const uint8_t *)q, NULL, d, NULL};
-    matmul(Q8, x, &wt, out, M, N, K, ldo, 0, nthreads, NULL);
+/* The one entry point: out = x @ W^T for a weight of ``kind`` (the enum above) laid out as
+ * the header says; off: the table's offset (Q4_0 8, Q5_0 16, Q6_K 32, else 0); xsum: M * K / 32
+ * floats of scratch (the kinds with an offset). M >= 1, N % 64 == 0, K a multiple of the
+ * kind's block; the caller checks shapes, strides and the CPU. Returns 0, or -1 for an
+ * unknown kind. */
+KVQ_TARGET int kvq_matmul(int kind, int off, const uint16_t *x, const uint8_t *q, const uint8_t *hi, const void *s1,
+                          const void *s2, const uint16_t *d, const uint16_t *dmin, float *out, int M, int N, int K,
+                          long ldo, int nthreads, float *xsum) {
+    const Weight wt = {q, hi, s1, s2, d, dmin};
+    if (kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5) group_sums(x, M, K, xsum);
+    switch (kind) {
+    case QD4: matmul(QD4, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    case QD5: matmul(QD5, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    case QK4: matmul(QK4, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    case QK5: matmul(QK5, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    case Q6K: matmul(Q6K, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    case Q8: matmul(Q8, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    }
+    return -1;
 }

@@ -19,11 +19,12 @@ load into a dense part. Norms and biases are dense.
 
 CPU paths: ``choose_cpu_path`` runs once per distinct (type, shape) at load
 (SmolLM2: 5 of 151 weights) with ``allow_inexact=True``: the int4 path
-(bf16 matmul, |err| <= 2^-7 S, ``kernels/quant_linear.py``) and for Q6_K
-the q6 path (x in bf16) compete with the exact "dequant" path for float32
-activations too; a layer keeps the GGUF blocks only where they are still
-read: on the int4 and q6 paths the blocks are dropped, and a tied embedding
-then reads its rows from the lm_head's planes (``planes_rows``). "auto" dtype on a CPU: the chosen paths' summed time
+(bf16 matmul, |err| <= 2^-7 S, ``kernels/quant_linear.py``) and the native
+path (every packed type; weights exact, x in bf16) compete with the exact
+"dequant" path for float32 activations too; a layer keeps the GGUF blocks
+only where they are still read: on the int4 and native paths the blocks are
+dropped, and a tied embedding then reads its rows from the lm_head's planes
+(``planes_rows``: exact from the native planes). "auto" dtype on a CPU: the chosen paths' summed time
 (layers weighted by count, 1 and 16 tokens) at float32 and at bfloat16;
 bfloat16 when it is 10 % faster, which also runs attention and norms in
 bf16. On CUDA nothing is measured: the Triton kernel reads the blocks.
@@ -168,8 +169,7 @@ def choose_paths(plan: PackPlan, dtype: torch.dtype | None) -> tuple[torch.dtype
         picked = torch.bfloat16
     log.info("quant_cpu_paths_chosen", dtype=str(picked).removeprefix("torch."),
              measured_ms={str(dt).removeprefix("torch."): round(t, 2) for dt, t in total.items()},
-             paths={f"{k[0]}{list(k[1])}": c.path if c.native_from is None else f"{c.path}, native from {c.native_from}"
-                    for k, c in choices[picked].items()})
+             paths={f"{k[0]}{list(k[1])}": c.path for k, c in choices[picked].items()})
     return picked, choices[picked]
 
 
@@ -190,7 +190,7 @@ def install(model: LlamaForCausalLM, plan: PackPlan, paths: dict[tuple, CpuChoic
         # the blocks go where the planes hold the weight; a tied embedding then reads its rows from the
         # planes, which for int4 needs this torch build's layout to be the one int4_rows knows
         keep = choice.path not in PLANE_PATHS or (tied and choice.path == "int4" and not int4_layout_ok())
-        return with_cpu_path(w, choice.path, keep_blocks=keep, native_from=choice.native_from)
+        return with_cpu_path(w, choice.path, keep_blocks=keep)
 
     for name, parts in plan.linears.items():
         dense: list[Part] = [prepared(p) if isinstance(p, PackedWeight) else _dequantized(p, dtype, device)

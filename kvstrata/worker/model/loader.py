@@ -232,9 +232,7 @@ def _build_packed(ck: GGUFCheckpoint, raw: HFConfig, dtype: str,
     plan = pack_linears(sources, arch, device, ck.path.name)
     if torch.device(device).type == "cpu":
         torch_dtype, choices = choose_paths(plan, None if dtype == "auto" else _DTYPES[resolve_dtype(dtype, None)])
-        # "+native": the native int4 kernel runs from some token count on (not which: a near-tie, timed)
-        paths = "/packed:" + ",".join(sorted(f"{q}{list(shape)}={c.path}{'' if c.native_from is None else '+native'}"
-                                             for (q, shape), c in choices.items()))
+        paths = "/packed:" + ",".join(sorted(f"{q}{list(shape)}={c.path}" for (q, shape), c in choices.items()))
     else:
         torch_dtype, choices, paths = _DTYPES["bfloat16" if dtype == "auto" else resolve_dtype(dtype, None)], None, "/packed"
     model = LlamaForCausalLM(arch, torch_dtype, "meta")
