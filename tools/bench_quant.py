@@ -10,8 +10,8 @@ Two layer sets, every packed type (random blocks with sane fp16 scales):
 
 Per set and type:
 
-  resident_bytes   packed (the GGUF blocks; the q6 path's planes are these
-                   bytes re-laid), int4 (blocks + the int4 path's
+  resident_bytes   packed (the GGUF blocks; the native path's planes are
+                   these bytes re-laid), int4 (blocks + the int4 path's
                    repacked planes, where the type has them), fp32 / bf16
                    (the weights dequantized at load)
   cpu              per activation dtype, per token count (1 = single-stream
@@ -19,10 +19,8 @@ Per set and type:
                    "dense" (F.linear on the dequantized weights) and each packed
                    CPU path, as ``choose_cpu_path`` measured them (weights cycled
                    through ~64 MB of copies: a cold cache, as in a forward pass;
-                   best of --reps runs), and the path it picked per layer; where
-                   the native int4 kernel runs, "int4/torch" and "int4/native"
-                   are the int4 path's two kernels apart ("int4": the one the
-                   measured threshold picks at each count)
+                   best of --reps runs), and the path it picked per layer
+                   ("native" where our kernels build and run here)
   gpu              (CUDA only) Triton quant_matmul vs F.linear on bf16 weights,
                    ms per set, CUDA events, median of --reps after warm-up
 
