@@ -86,7 +86,7 @@ from kvstrata.kernels.quant import (
     dequantize,
     dequantize_rows_into,
 )
-from kvstrata.kernels.quant_native import LAYOUTS, native_kernels, native_status
+from kvstrata.kernels.quant_native import LAYOUTS, check_planes, native_kernels, native_status
 from kvstrata.kernels.quant_relayout import native_planes, native_rows
 
 # weights dequantized per chunk of the "dequant" path: 4 MB of float32, still
@@ -249,13 +249,16 @@ class NativePath:
                 f"packed: the native CPU path needs a CPU weight of type {', '.join(LAYOUTS)} with out_features "
                 f"% 64 == 0 and the native kernels (here: {native_status()}), got {packed.qtype.name} "
                 f"{packed.shape} on {packed.device}")
-        return dataclasses.replace(packed, cpu_path="native", planes=(native_planes(packed),))
+        planes = native_planes(packed)
+        check_planes(packed.qtype.name, planes, *packed.shape)  # once: each call skips it
+        return dataclasses.replace(packed, cpu_path="native", planes=(planes,))
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
         xb = x.to(torch.bfloat16).contiguous()
         acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        native_kernels().matmul(packed.qtype.name, xb, packed.planes[0], acc)  # available() made sure it loaded
+        # planes checked when made, x and out by quant_matmul / PackedLinear; available() loaded the kernels
+        native_kernels().matmul_unchecked(packed.qtype.name, xb, packed.planes[0], acc)
         if bias is not None:
             acc.add_(bias)
         if acc is not out:

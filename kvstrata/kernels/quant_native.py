@@ -4,6 +4,7 @@ built once per machine with the system C compiler, cached, loaded with ctypes.
     native_kernels() -> NativeKernels | None     loaded (built first if needed); None: see native_status()
     native_status() -> str                        "ok", or why there are no native kernels here
     NativeKernels.matmul(qtype, xb, planes, acc)  acc = xb @ W.T, W in LAYOUTS[qtype] (quant_relayout)
+    check_planes(qtype, planes, n, k)             what matmul checks of the planes (once per weight suffices)
 
 One kernel design for every packed type (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
 Q6_K, Q8_0): the file's integers and scales, re-laid (``quant_relayout``;
@@ -91,6 +92,11 @@ _SLOTS = {
     "Q6K": ("lo", "hi", "sc", None, "d", None), "Q8": ("q", None, "d", None, None, None),
 }
 _BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # K must be a multiple of it (else 32)
+_OFFSET_KINDS = (KINDS.index("QD4"), KINDS.index("QD5"), KINDS.index("QK4"), KINDS.index("QK5"))  # need x's group sums
+# per type: (kind number, table offset, the planes' index for each pointer slot or None)
+_CALLS = {qtype: (KINDS.index(kind), off, tuple(next((i for i, fl in enumerate(fields) if fl[0] == f), None)
+                                                for f in _SLOTS[kind]))  # Q4_0/Q5_0 have no m: None
+          for qtype, (kind, off, fields) in LAYOUTS.items()}
 
 
 class NativeKernels:
@@ -107,25 +113,38 @@ class NativeKernels:
         """``acc`` [M, N] float32 (rows may be strided, columns contiguous) =
         ``xb`` [M, K] bf16 (contiguous) @ W.T, W the ``qtype`` weight as
         ``planes`` = (the tensors LAYOUTS[qtype] names, in order)."""
-        if qtype not in LAYOUTS:
-            raise KernelArgumentError(f"the native kernels take {', '.join(LAYOUTS)}, got {qtype!r}")
-        kind, off, fields = LAYOUTS[qtype]
-        m, k, n = _check_x_acc(xb, acc, _BLOCK.get(qtype, 32))
-        if not isinstance(planes, tuple) or len(planes) != len(fields):
-            raise KernelArgumentError(f"planes for {qtype} must be ({', '.join(f[0] for f in fields)})")
-        named = {}
-        for (name, shape, dtype), t in zip(fields, planes):
-            want = shape(n, k)
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != want or not t.is_contiguous():
-                raise KernelArgumentError(
-                    f"planes {name} must be contiguous {str(dtype).removeprefix('torch.')} {list(want)}, got "
-                    f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', ()))}")
-            named[name] = t.data_ptr()
-        xsum = torch.empty(m * (k // 32), dtype=torch.float32)
-        slots = [None if f is None else named.get(f) for f in _SLOTS[kind]]
-        rc = self._fn(KINDS.index(kind), off, xb.data_ptr(), *slots, acc.data_ptr(), m, n, k, acc.stride(0),
-                      torch.get_num_threads(), xsum.data_ptr())
-        assert rc == 0, f"kvq_matmul rejected kind {kind}"
+        _, k, n = _check_x_acc(xb, acc, _BLOCK.get(qtype, 32))
+        check_planes(qtype, planes, n, k)
+        self.matmul_unchecked(qtype, xb, planes, acc)
+
+    def matmul_unchecked(self, qtype: str, xb: torch.Tensor, planes: tuple, acc: torch.Tensor) -> None:
+        """``matmul`` for planes already checked (``check_planes``, as
+        ``quant_cpu.NativePath`` does once when it makes them) and x, acc
+        as the caller makes them: the per-call checks cost more than a
+        small layer's matmul (~10 us)."""
+        kind, off, slots = _CALLS[qtype]
+        m, k = xb.shape
+        xsum = torch.empty(m * (k // 32), dtype=torch.float32) if kind in _OFFSET_KINDS else None
+        ptrs = [None if i is None else planes[i].data_ptr() for i in slots]
+        self._fn(kind, off, xb.data_ptr(), *ptrs, acc.data_ptr(), m, acc.shape[1], k, acc.stride(0),
+                 torch.get_num_threads(), None if xsum is None else xsum.data_ptr())
+
+
+def check_planes(qtype: str, planes: tuple, n: int, k: int) -> None:
+    """``planes`` are the tensors LAYOUTS[qtype] names for an [n, k] weight:
+    their count, shapes, dtypes, contiguity and device (KernelArgumentError)."""
+    if qtype not in LAYOUTS:
+        raise KernelArgumentError(f"the native kernels take {', '.join(LAYOUTS)}, got {qtype!r}")
+    fields = LAYOUTS[qtype][2]
+    if not isinstance(planes, tuple) or len(planes) != len(fields):
+        raise KernelArgumentError(f"planes for {qtype} must be ({', '.join(f[0] for f in fields)})")
+    for (name, shape, dtype), t in zip(fields, planes):
+        want = shape(n, k)
+        if (not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != want or not t.is_contiguous()
+                or t.device.type != "cpu"):
+            raise KernelArgumentError(
+                f"planes {name} must be contiguous {str(dtype).removeprefix('torch.')} {list(want)} on the CPU, "
+                f"got {getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', ()))}")
 
 
 def _check_x_acc(xb, acc, k_multiple: int) -> tuple[int, int, int]:
