@@ -34,10 +34,10 @@ row's largest block), and a torch.compile'd dequantize (75 s to compile one
 shape here, and still ~6x slower than the dense matmul it would feed).
 
 ``choose_cpu_path`` times the candidates (and "dense", the dequantize-at-load
-baseline) on the layer at load and returns the fastest; the inexact "int4"
-and "native" are offered for bf16 activations (or any, with
-``allow_inexact=True``: the loader's packed mode), and a path must beat
-each more exact one by 10 % (dequant, then native, then int4). The table below predates "native" (see docs/quantization.md). Measured with
+baseline) on the layer at load and returns the fastest; the inexact
+"native" (or, where it cannot run, "int4") is offered for bf16 activations
+(or any, with ``allow_inexact=True``: the loader's packed mode), and must
+beat "dequant" by 10 %. The table below predates "native" (see docs/quantization.md). Measured with
 ``tools/bench_quant.py --quick`` (1 thread of a shared, heavily loaded 2-core
 AMD EPYC with AVX512-bf16; two runs; ms for the SmolLM2 layer set
 qkv+o+gate_up+down in Q4_1, and for one 8B gate [14336, 4096] in Q4_K):
@@ -321,10 +321,13 @@ def choose_cpu_path(
     counts of its time relative to "dense" at that count (so decode's one
     token weighs as much as a batch's sixteen).
 
-    The inexact "int4" path (bf16 compute) is a candidate when
-    ``allow_inexact`` (default: for bf16 activations only), as is "native"
-    (x rounded to bf16, weights exact); a path must beat every more exact
-    one (dequant, then native, then int4) by ``margin``. Each candidate
+    The inexact "native" path (x rounded to bf16, weights exact) is a
+    candidate when ``allow_inexact`` (default: for bf16 activations only),
+    and "int4" (x, scales and zeros rounded to bf16) only where "native"
+    cannot run: with it, the choice does not hang on a near tie between
+    them (so neither do the checkpoint's fingerprint and its numerics from
+    one start to the next). A path must beat every more exact one
+    (dequant, then native, then int4) by ``margin``. Each candidate
     cycles through copies of the weight totalling ``ring_bytes`` (a cold
     cache, as in a forward pass whose weights exceed the last-level cache),
     and candidates take turns, so a burst of load from other processes
@@ -342,8 +345,10 @@ def choose_cpu_path(
     if not sample_tokens or any(not isinstance(t, int) or t <= 0 for t in sample_tokens):
         raise KernelArgumentError(f"sample_tokens must be positive token counts, got {sample_tokens!r}")
     inexact = dtype == torch.bfloat16 if allow_inexact is None else allow_inexact
-    weights = {name: path.prepare(packed) for name, path in CPU_PATHS.items()
-               if path.available(packed) and (path.exact or inexact)}
+    offered = [name for name, path in CPU_PATHS.items() if path.available(packed) and (path.exact or inexact)]
+    if "native" in offered and "int4" in offered:  # exact weights; faster but where a call's overhead decides
+        offered.remove("int4")
+    weights = {name: CPU_PATHS[name].prepare(packed) for name in offered}
     runners = {name: _ring_runner(w, ring_bytes) for name, w in weights.items()}
     runners["dense"] = _dense_runner(packed, dtype, ring_bytes)
     times: dict[str, dict[int, float]] = {name: {} for name in runners}
