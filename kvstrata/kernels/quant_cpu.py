@@ -215,18 +215,25 @@ class Int4Path:
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
-        xb = x.to(torch.bfloat16).contiguous()
-        planes = packed.planes
-        # the planes' sums and the bias in float32: in place in a float32 out, else rounded to out once
-        acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
-        for w, sz in planes[1:]:
-            acc.add_(mm(xb, w, 32, sz))
-        if bias is not None:
-            acc.add_(bias)
-        if acc is not out:
-            out.copy_(acc)
+        def planes_sum(xb, acc):
+            mm, planes = torch.ops.aten._weight_int4pack_mm_for_cpu, packed.planes
+            acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
+            for w, sz in planes[1:]:
+                acc.add_(mm(xb, w, 32, sz))
+
+        _bf16_x_float32_sum(x, bias, out, planes_sum)
+
+
+def _bf16_x_float32_sum(x, bias, out, fill) -> None:
+    """``fill(xb, acc)`` with x in bf16 into a float32 ``acc``, the bias added
+    there: in place in a float32 ``out``, else rounded to ``out`` once."""
+    xb = x.to(torch.bfloat16).contiguous()
+    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    fill(xb, acc)
+    if bias is not None:
+        acc.add_(bias)
+    if acc is not out:
+        out.copy_(acc)
 
 
 class NativePath:
@@ -255,14 +262,12 @@ class NativePath:
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
-        xb = x.to(torch.bfloat16).contiguous()
-        acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        # planes checked when made, x and out by quant_matmul / PackedLinear; available() loaded the kernels
-        native_kernels().matmul_unchecked(packed.qtype.name, xb, packed.planes[0], acc)
-        if bias is not None:
-            acc.add_(bias)
-        if acc is not out:
-            out.copy_(acc)
+        def fill(xb, acc):
+            # planes checked when made, x and out by quant_matmul / PackedLinear; available() loaded the kernels
+            sums = None if scratch is None else scratch.get(x.shape[0] * (x.shape[1] // 32), torch.float32, x.device)
+            native_kernels().matmul_unchecked(packed.qtype.name, xb, packed.planes[0], acc, sums)
+
+        _bf16_x_float32_sum(x, bias, out, fill)
 
 
 CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "native": NativePath}
@@ -326,8 +331,8 @@ def choose_cpu_path(
     and "int4" (x, scales and zeros rounded to bf16) only where "native"
     cannot run: with it, the choice does not hang on a near tie between
     them (so neither do the checkpoint's fingerprint and its numerics from
-    one start to the next). A path must beat every more exact one
-    (dequant, then native, then int4) by ``margin``. Each candidate
+    one start to the next). The inexact path must beat "dequant" by
+    ``margin``. Each candidate
     cycles through copies of the weight totalling ``ring_bytes`` (a cold
     cache, as in a forward pass whose weights exceed the last-level cache),
     and candidates take turns, so a burst of load from other processes
@@ -367,17 +372,9 @@ def choose_cpu_path(
     # each token count weighs alike: time relative to dense at that count, summed
     total = {name: sum(times[name][t] / max(times["dense"][t], 1e-6) for t in times[name]) for name in weights}
     path = min(total, key=total.__getitem__)
-    # a more exact path unless the fastest beats it by ``margin``: dequant, then native, then int4
-    for other in sorted(total, key=_INEXACTNESS.__getitem__):
-        if _INEXACTNESS[other] < _INEXACTNESS[path] and total[path] > (1 - margin) * total[other]:
-            path = other
-            break
+    if not CPU_PATHS[path].exact and total[path] > (1 - margin) * total["dequant"]:
+        path = "dequant"
     return CpuChoice(path, dtype, times, weights[path])
-
-
-# how much each path rounds: dequant none, native x (to bf16), int4 x and each group's scale and zero
-_INEXACTNESS = {"dequant": 0, "native": 1, "int4": 2}
-assert set(_INEXACTNESS) == set(CPU_PATHS)
 
 
 def _ring_runner(weight: PackedWeight, ring_bytes: int):

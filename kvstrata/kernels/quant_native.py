@@ -117,14 +117,18 @@ class NativeKernels:
         check_planes(qtype, planes, n, k)
         self.matmul_unchecked(qtype, xb, planes, acc)
 
-    def matmul_unchecked(self, qtype: str, xb: torch.Tensor, planes: tuple, acc: torch.Tensor) -> None:
+    def matmul_unchecked(self, qtype: str, xb: torch.Tensor, planes: tuple, acc: torch.Tensor,
+                         scratch: torch.Tensor | None = None) -> None:
         """``matmul`` for planes already checked (``check_planes``, as
         ``quant_cpu.NativePath`` does once when it makes them) and x, acc
         as the caller makes them: the per-call checks cost more than a
-        small layer's matmul (~10 us)."""
+        small layer's matmul (~10 us). ``scratch``: float32 of at least
+        M * K / 32 elements for x's group sums (else allocated)."""
         kind, off, slots = _CALLS[qtype]
         m, k = xb.shape
-        xsum = torch.empty(m * (k // 32), dtype=torch.float32) if kind in _OFFSET_KINDS else None
+        xsum = None
+        if kind in _OFFSET_KINDS:
+            xsum = scratch if scratch is not None else torch.empty(m * (k // 32), dtype=torch.float32)
         ptrs = [None if i is None else planes[i].data_ptr() for i in slots]
         self._fn(kind, off, xb.data_ptr(), *ptrs, acc.data_ptr(), m, acc.shape[1], k, acc.stride(0),
                  torch.get_num_threads(), None if xsum is None else xsum.data_ptr())
@@ -169,6 +173,8 @@ def native_kernels() -> NativeKernels | None:
     """The kernel, built and loaded on the first call (seconds at most; call
     it at load, never on the request path); None where it cannot run here."""
     global _loaded, _status
+    if _status is not None:  # settled: every matmul asks, no lock on that path
+        return _loaded
     with _lock:
         if _status is None:
             try:
