@@ -296,11 +296,16 @@ def _deq_q5_1(b: torch.Tensor, o: torch.Tensor) -> None:
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d * sc, dmin * m), float32 [..., 8, 1], of Q4_K/Q5_K blocks (gguf's get_scale_min)."""
+    sc, mn = _k_scale_bytes(b)
+    return (_f16(b, 0) * sc.float()).unsqueeze(-1), (_f16(b, 2) * mn.float()).unsqueeze(-1)
+
+
+def _k_scale_bytes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 6-bit scale and min of each 32-weight sub-block of Q4_K/Q5_K blocks,
+    uint8 [..., 8] each (gguf's get_scale_min, before d and dmin multiply them)."""
     s = b[..., 4:16]
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), -1)
-    mn = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), -1)
-    return (_f16(b, 0) * sc.float()).unsqueeze(-1), (_f16(b, 2) * mn.float()).unsqueeze(-1)
+    return torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), -1), torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), -1)
 
 
 def _k_nibbles(qs: torch.Tensor, o: torch.Tensor) -> None:

@@ -87,7 +87,7 @@ from kvstrata.kernels.quant import (
     dequantize_rows_into,
 )
 from kvstrata.kernels.quant_native import LAYOUTS, check_planes, native_kernels, native_status
-from kvstrata.kernels.quant_relayout import native_planes, native_rows
+from kvstrata.kernels.quant_relayout import int4_nibbles, native_planes, native_rows
 
 # weights dequantized per chunk of the "dequant" path: 4 MB of float32, still
 # in the last-level cache when F.linear reads it, and few enough chunks that
@@ -434,32 +434,18 @@ def int4_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> to
     ids = ids.to(torch.int64)
     out = torch.zeros(ids.shape[0], k // 32, 32, dtype=torch.float32)
     for w, sz in packed.planes:
-        q = _int4_nibbles(w, n, k, ids).view(-1, k // 32, 32).float()
+        q = int4_nibbles(w, n, k, ids).view(-1, k // 32, 32).float()
         scale, zero = sz[:, ids].float().unbind(-1)  # [K/32, T] each
         out += (q - 8) * scale.T.unsqueeze(-1) + zero.T.unsqueeze(-1)
     return out.view(-1, k).to(dtype)
 
 
-def _int4_nibbles(w: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-    """uint8 [T, K]: the 4-bit values of rows ``ids`` in torch's CPU int4 layout
-    (``_convert_weight_to_int4pack_for_cpu`` of an [n, k] weight)."""
-    full = n // 64 * 64  # rows in whole 64-row blocks; the rest form one last block
-    in_full = ids < full
-    r = torch.where(in_full, ids % 64, ids - full)
-    base = torch.where(in_full, ids // 64 * 64 * k // 2 + r % 32, full * k // 2 + r // 2)
-    stride = torch.where(in_full, 32, (n - full) // 2)
-    shift = torch.where(in_full, 4 * (r // 32), 4 * (r % 2)).to(torch.uint8)
-    cols = torch.arange(k, dtype=torch.int64)
-    raw = w.reshape(-1)[base.unsqueeze(1) + cols * stride.unsqueeze(1)]
-    return (raw >> shift.unsqueeze(1)) & 15
-
-
 @functools.cache
 def int4_layout_ok() -> bool:
-    """Whether ``_int4_nibbles`` reads this torch build's int4 layout (a
+    """Whether ``quant_relayout.int4_nibbles`` reads this torch build's int4 layout (a
     random [80, 64] round trip: one whole 64-row block and a last one)."""
     if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
         return False
     q = torch.randint(0, 16, (80, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return torch.equal(_int4_nibbles(w, 80, 64, torch.arange(80)).to(torch.int32), q)
+    return torch.equal(int4_nibbles(w, 80, 64, torch.arange(80)).to(torch.int32), q)

@@ -2,6 +2,7 @@
 
     native_planes(packed) -> tuple of tensors     the layout ``quant_native.LAYOUTS[qtype]`` names
     native_rows(packed, ids, dtype) -> [T, in]    rows from the planes, bit-equal to ``dequantize``
+    int4_nibbles(w, n, k, ids) -> uint8 [T, K]    the 4-bit values of rows in torch's CPU int4 layout
 
 The planes hold the file's integers and scales unchanged (no rounding): the
 4-bit low parts of every weight as 64-row blocks of nibbles (torch's CPU
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kernels._checks import KernelArgumentError
-from kvstrata.kernels.quant import PackedWeight, _bits, _k_nibbles, _nibbles, _q5_high
+from kvstrata.kernels.quant import PackedWeight, _bits, _k_nibbles, _k_scale_bytes, _nibbles, _q5_high
 from kvstrata.kernels.quant_native import LAYOUTS
 
 
@@ -77,14 +78,6 @@ def _values_and_scales(name: str, b: torch.Tensor) -> tuple[torch.Tensor, tuple[
     return q.view(n, -1), scales
 
 
-def _k_scale_bytes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 6-bit scale and min of each 32-weight sub-block of Q4_K/Q5_K blocks, uint8 [N, S, 8] each
-    (gguf's get_scale_min, unmultiplied: quant._k_scales multiplies them by d and dmin)."""
-    s = b[..., 4:16]
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    return torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), -1), torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), -1)
-
-
 def _q6_values(b: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks [N, S, 210] -> uint8 [N, S * 256]: each weight's 6-bit q (0..63; w = d * sc * (q - 32))."""
     n, nsb = b.shape[:2]
@@ -95,6 +88,21 @@ def _q6_values(b: torch.Tensor) -> torch.Tensor:
     q[..., 2:4, :] = ql >> 4
     q += ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)) & 3) << 4
     return q.view(n, -1)
+
+
+def int4_nibbles(w: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, K]: the 4-bit values of rows ``ids`` in torch's CPU int4 layout
+    (``_convert_weight_to_int4pack_for_cpu`` of an [n, k] weight; the native
+    planes' low nibbles are its whole 64-row blocks)."""
+    full = n // 64 * 64  # rows in whole 64-row blocks; the rest form one last block
+    in_full = ids < full
+    r = torch.where(in_full, ids % 64, ids - full)
+    base = torch.where(in_full, ids // 64 * 64 * k // 2 + r % 32, full * k // 2 + r // 2)
+    stride = torch.where(in_full, 32, (n - full) // 2)
+    shift = torch.where(in_full, 4 * (r // 32), 4 * (r % 2)).to(torch.uint8)
+    cols = torch.arange(k, dtype=torch.int64)
+    raw = w.reshape(-1)[base.unsqueeze(1) + cols * stride.unsqueeze(1)]
+    return (raw >> shift.unsqueeze(1)) & 15
 
 
 # ---- rows back ---------------------------------------------------------------------------------
@@ -113,9 +121,8 @@ def native_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> 
     if name == "Q8_0":
         q = planes["q"][ids // 64, :, ids % 64, :].reshape(t, -1).float()
         return q.view(t, -1, 32).mul_(_rows_of(planes["d"], ids).unsqueeze(-1)).view(t, k).to(dtype)
+    q = int4_nibbles(planes["lo"], packed.out_features, k, ids)
     r = ids % 64
-    lo = planes["lo"].reshape(-1)[(ids // 64 * k * 32 + r % 32).unsqueeze(1) + cols * 32]
-    q = (lo >> (4 * (r // 32)).to(torch.uint8).unsqueeze(1)) & 15
     if "hi" in planes:
         bits = 1 if name != "Q6_K" else 2
         per = 8 * bits  # bytes per column of a block; byte r % per, bit field r // per

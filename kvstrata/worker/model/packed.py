@@ -97,7 +97,7 @@ class PackedEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The packed storage (uint8 blocks, or the first int4 plane): here
+        """The packed storage (uint8 blocks, or the first plane tensor): here
         for code that asks an embedding for its device; not a dense weight."""
         return self.packed.data if self.packed.data is not None else self.packed.planes[0][0]
 
