@@ -2,7 +2,7 @@
 and the one-time micro-benchmark that picks one per layer at load.
 
     with_cpu_path(packed, path, *, keep_blocks=True) -> PackedWeight   (repacked for ``path``)
-    choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None) -> CpuChoice
+    choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None, measure=True) -> CpuChoice
     int4_rows(packed, ids, dtype) -> [T, in]      rows rebuilt from the int4 planes
     planes_rows(packed, ids, dtype) -> [T, in]    rows of an int4 or native weight whose blocks went
 
@@ -21,23 +21,25 @@ Paths (``quant_matmul`` with impl "auto"/"torch" on CPU runs ``packed.cpu_path``
                Its fp32 variant is the op's slow reference (~10x dense): unused.
                ``with_cpu_path(w, "int4", keep_blocks=False)`` drops the blocks:
                resident = planes only (Q4_*: 1.0-1.1x the file's bytes).
+               Inexact (bf16 x, scales, zeros): only where "native" cannot run.
     "native"   our kernels (``quant_native``, C, built at the first load) on
                the file's integers and scales re-laid (``quant_relayout``):
                every packed type, Q6_K included; resident = the file's
-               bytes (K-quants +3 %); weights exact, x in bf16; 1.3-2x
-               torch's int4 kernel at every token count. Needs the native
-               kernels to load here and out_features % 64 == 0.
+               bytes (K-quants +3 %); weights exact; a float32 x by float32
+               FMAs (as exact as the dense float32 matmul), a bf16 x by bf16
+               dot products. Needs the native kernels to load here and
+               out_features % 64 == 0; wherever it runs it is the path.
 
 Not candidates: ``_weight_int8pack_mm`` (one scale per output row: Q8_0's
 per-32 scales would have to be requantized, off by up to half a step of the
 row's largest block), and a torch.compile'd dequantize (75 s to compile one
 shape here, and still ~6x slower than the dense matmul it would feed).
 
-``choose_cpu_path`` times the candidates (and "dense", the dequantize-at-load
-baseline) on the layer at load and returns the fastest; the inexact
-"native" (or, where it cannot run, "int4") is offered for bf16 activations
-(or any, with ``allow_inexact=True``: the loader's packed mode), and must
-beat "dequant" by 10 %. The table below predates "native" (see docs/quantization.md). Measured with
+``choose_cpu_path`` returns "native" where it runs (timed against "dense"
+unless ``measure=False``); elsewhere it times "dequant" (and "int4" for bf16
+activations, or any with ``allow_inexact=True``: the loader's packed mode)
+against "dense", the dequantize-at-load baseline, and "int4" must beat
+"dequant" by 10 %. The table below predates "native" (see docs/quantization.md). Measured with
 ``tools/bench_quant.py --quick`` (1 thread of a shared, heavily loaded 2-core
 AMD EPYC with AVX512-bf16; two runs; ms for the SmolLM2 layer set
 qkv+o+gate_up+down in Q4_1, and for one 8B gate [14336, 4096] in Q4_K):
@@ -48,10 +50,10 @@ qkv+o+gate_up+down in Q4_1, and for one 8B gate [14336, 4096] in Q4_K):
     8B Q4_K      T=1     3.7-7.4      16-23        24-30        69-107
     8B Q4_K      T=16     40-57      124-140       36-40       137-190
 
-So on a CPU: bf16 activations with "int4" where the type has it (2.7-4.3x
-dense fp32 at decode; at 16 tokens 1.7-2.5x dense fp32, 0.7-1x dense bf16),
-dense weights where memory allows otherwise; "dequant" is the exact
-low-memory fallback.
+So without the native kernels: bf16 activations with "int4" where the type
+has it (2.7-4.3x dense fp32 at decode; at 16 tokens 1.7-2.5x dense fp32,
+0.7-1x dense bf16), dense weights where memory allows otherwise; "dequant"
+is the exact low-memory fallback.
 
 ``int4_rows`` reads rows back out of torch's int4 layout (an embedding tied
 to an lm_head whose blocks were dropped): per 64-row block, byte j of each
@@ -215,21 +217,22 @@ class Int4Path:
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
-        def planes_sum(xb, acc):
+        xb = x.to(torch.bfloat16).contiguous()
+
+        def planes_sum(acc):
             mm, planes = torch.ops.aten._weight_int4pack_mm_for_cpu, packed.planes
             acc.copy_(mm(xb, planes[0][0], 32, planes[0][1]))
             for w, sz in planes[1:]:
                 acc.add_(mm(xb, w, 32, sz))
 
-        _bf16_x_float32_sum(x, bias, out, planes_sum)
+        _float32_sum(bias, out, planes_sum)
 
 
-def _bf16_x_float32_sum(x, bias, out, fill) -> None:
-    """``fill(xb, acc)`` with x in bf16 into a float32 ``acc``, the bias added
-    there: in place in a float32 ``out``, else rounded to ``out`` once."""
-    xb = x.to(torch.bfloat16).contiguous()
+def _float32_sum(bias, out, fill) -> None:
+    """``fill(acc)`` into a float32 ``acc``, the bias added there: in place in
+    a float32 ``out``, else rounded to ``out`` once."""
     acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    fill(xb, acc)
+    fill(acc)
     if bias is not None:
         acc.add_(bias)
     if acc is not out:
@@ -239,10 +242,13 @@ def _bf16_x_float32_sum(x, bias, out, fill) -> None:
 class NativePath:
     """Our AVX512_BF16 kernels (``quant_native``) on the blocks re-laid
     (``quant_relayout.native_planes``): the file's integers and scales, no
-    rounding but x's to bf16. planes = ((the LAYOUTS tensors),)."""
+    rounding: a float32 x runs float32 FMAs (as F.linear on the dequantized
+    float32 weight, ~1e-7 of S), a bf16 x bf16 dot products (as the dense
+    bf16 matmul), a float16 x goes as float32. planes = ((the LAYOUTS
+    tensors),)."""
 
     name = "native"
-    exact = False
+    exact = True
 
     @staticmethod
     def available(packed: PackedWeight) -> bool:
@@ -262,12 +268,11 @@ class NativePath:
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
-        def fill(xb, acc):
-            # planes checked when made, x and out by quant_matmul / PackedLinear; available() loaded the kernels
-            sums = None if scratch is None else scratch.get(x.shape[0] * (x.shape[1] // 32), torch.float32, x.device)
-            native_kernels().matmul_unchecked(packed.qtype.name, xb, packed.planes[0], acc, sums)
-
-        _bf16_x_float32_sum(x, bias, out, fill)
+        # planes checked when made, x and out by quant_matmul / PackedLinear; available() loaded the kernels
+        x = (x if x.dtype == torch.bfloat16 else x.to(torch.float32)).contiguous()
+        sums = None if scratch is None else scratch.get(x.shape[0] * (x.shape[1] // 32), torch.float32, x.device)
+        _float32_sum(bias, out, lambda acc: native_kernels().matmul_unchecked(packed.qtype.name, x, packed.planes[0],
+                                                                              acc, sums))
 
 
 CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "native": NativePath}
@@ -320,27 +325,28 @@ def choose_cpu_path(
     ring_bytes: int = 64 << 20,
     margin: float = 0.1,
     allow_inexact: bool | None = None,
+    measure: bool = True,
 ) -> CpuChoice:
-    """Time each CPU path that can run ``packed`` for activations of ``dtype``
-    at each token count, and pick the fastest: the least sum over token
-    counts of its time relative to "dense" at that count (so decode's one
-    token weighs as much as a batch's sixteen).
+    """The CPU path for ``packed`` with activations of ``dtype``.
 
-    The inexact "native" path (x rounded to bf16, weights exact) is a
-    candidate when ``allow_inexact`` (default: for bf16 activations only),
-    and "int4" (x, scales and zeros rounded to bf16) only where "native"
-    cannot run: with it, the choice does not hang on a near tie between
-    them (so neither do the checkpoint's fingerprint and its numerics from
-    one start to the next). The inexact path must beat "dequant" by
-    ``margin``. Each candidate
-    cycles through copies of the weight totalling ``ring_bytes`` (a cold
-    cache, as in a forward pass whose weights exceed the last-level cache),
-    and candidates take turns, so a burst of load from other processes
-    lands on all of them; the best of ``reps`` runs counts (a candidate 3x
-    behind the leader after two runs gets no more). The result
-    depends only on (qtype, shape, dtype): a loader measures each distinct
-    one once and reuses the answer for the other layers.
-    Loads the native kernels (building them the first time).
+    "native" wherever it runs: exact at every dtype and 2-40x "dequant"
+    (so the choice, the checkpoint's fingerprint and its numerics never
+    hang on a timed near tie). Elsewhere the fastest of "dequant" and, when
+    ``allow_inexact`` (default: for bf16 activations only), torch's "int4"
+    (x, scales and zeros rounded to bf16), which must beat "dequant" by
+    ``margin``: the least sum over token counts of a path's time relative
+    to "dense" at that count (so decode's one token weighs as much as a
+    batch's sixteen).
+
+    Timing (``measure``; always when there is a race): each candidate and
+    "dense" at each token count, cycling through copies of the weight
+    totalling ``ring_bytes`` (a cold cache, as in a forward pass whose
+    weights exceed the last-level cache), taking turns, so a burst of load
+    from other processes lands on all of them; the best of ``reps`` runs
+    counts (a candidate 3x behind the leader after two runs gets no more).
+    ``measure=False`` with "native": no timing, ``times_ms`` empty. The
+    result depends only on (qtype, shape, dtype): a loader asks once per
+    distinct one. Loads the native kernels (building them the first time).
     """
     check_packed(packed)
     if packed.device.type != "cpu":
@@ -349,11 +355,26 @@ def choose_cpu_path(
         raise KernelArgumentError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
     if not sample_tokens or any(not isinstance(t, int) or t <= 0 for t in sample_tokens):
         raise KernelArgumentError(f"sample_tokens must be positive token counts, got {sample_tokens!r}")
-    inexact = dtype == torch.bfloat16 if allow_inexact is None else allow_inexact
-    offered = [name for name, path in CPU_PATHS.items() if path.available(packed) and (path.exact or inexact)]
-    if "native" in offered and "int4" in offered:  # exact weights; faster but where a call's overhead decides
-        offered.remove("int4")
+    if NativePath.available(packed):
+        offered = ["native"]
+    else:
+        inexact = dtype == torch.bfloat16 if allow_inexact is None else allow_inexact
+        offered = [name for name, path in CPU_PATHS.items() if path.available(packed) and (path.exact or inexact)]
     weights = {name: CPU_PATHS[name].prepare(packed) for name in offered}
+    if len(offered) == 1 and not measure:
+        return CpuChoice(offered[0], dtype, {}, weights[offered[0]])
+    times = _race(packed, weights, sample_tokens, dtype, reps, ring_bytes)
+    # each token count weighs alike: time relative to dense at that count, summed
+    total = {name: sum(times[name][t] / max(times["dense"][t], 1e-6) for t in times[name]) for name in weights}
+    path = min(total, key=total.__getitem__)
+    if not CPU_PATHS[path].exact and total[path] > (1 - margin) * total["dequant"]:
+        path = "dequant"
+    return CpuChoice(path, dtype, times, weights[path])
+
+
+def _race(packed: PackedWeight, weights: dict[str, PackedWeight], sample_tokens: tuple[int, ...],
+          dtype: torch.dtype, reps: int, ring_bytes: int) -> dict[str, dict[int, float]]:
+    """ms per path (and "dense") and token count: the best of ``reps`` turns."""
     runners = {name: _ring_runner(w, ring_bytes) for name, w in weights.items()}
     runners["dense"] = _dense_runner(packed, dtype, ring_bytes)
     times: dict[str, dict[int, float]] = {name: {} for name in runners}
@@ -369,12 +390,7 @@ def choose_cpu_path(
                     best[name] = min(best[name], run(x))
         for name in runners:
             times[name][tokens] = round(best[name] * 1e3, 4)
-    # each token count weighs alike: time relative to dense at that count, summed
-    total = {name: sum(times[name][t] / max(times["dense"][t], 1e-6) for t in times[name]) for name in weights}
-    path = min(total, key=total.__getitem__)
-    if not CPU_PATHS[path].exact and total[path] > (1 - margin) * total["dequant"]:
-        path = "dequant"
-    return CpuChoice(path, dtype, times, weights[path])
+    return times
 
 
 def _ring_runner(weight: PackedWeight, ring_bytes: int):

@@ -53,7 +53,7 @@ from kvstrata.paths import cache_root
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "lowbit_bf16.c"
-ABI_VERSION = 4
+ABI_VERSION = 5
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-Wall")
 _BUILD_TIMEOUT_S = 120
 
@@ -106,32 +106,33 @@ class NativeKernels:
         self.path = path
         p, i = ctypes.c_void_p, ctypes.c_int
         self._fn = lib.kvq_matmul
-        self._fn.argtypes = [i, i, p, p, p, p, p, p, p, p, i, i, i, ctypes.c_long, i, p]
+        self._fn.argtypes = [i, i, p, i, p, p, p, p, p, p, p, i, i, i, ctypes.c_long, i, p]
         self._fn.restype = ctypes.c_int
 
-    def matmul(self, qtype: str, xb: torch.Tensor, planes: tuple, acc: torch.Tensor) -> None:
+    def matmul(self, qtype: str, x: torch.Tensor, planes: tuple, acc: torch.Tensor) -> None:
         """``acc`` [M, N] float32 (rows may be strided, columns contiguous) =
-        ``xb`` [M, K] bf16 (contiguous) @ W.T, W the ``qtype`` weight as
-        ``planes`` = (the tensors LAYOUTS[qtype] names, in order)."""
-        _, k, n = _check_x_acc(xb, acc, _BLOCK.get(qtype, 32))
+        ``x`` [M, K] (contiguous) @ W.T, W the ``qtype`` weight as ``planes`` =
+        (the tensors LAYOUTS[qtype] names, in order). x bf16: bf16 dot
+        products; x float32: the weights as float32, float32 FMAs."""
+        _, k, n = _check_x_acc(x, acc, _BLOCK.get(qtype, 32))
         check_planes(qtype, planes, n, k)
-        self.matmul_unchecked(qtype, xb, planes, acc)
+        self.matmul_unchecked(qtype, x, planes, acc)
 
-    def matmul_unchecked(self, qtype: str, xb: torch.Tensor, planes: tuple, acc: torch.Tensor,
-                         scratch: torch.Tensor | None = None) -> None:
+    def matmul_unchecked(self, qtype: str, x: torch.Tensor, planes: tuple, acc: torch.Tensor,
+                         sums: torch.Tensor | None = None) -> None:
         """``matmul`` for planes already checked (``check_planes``, as
         ``quant_cpu.NativePath`` does once when it makes them) and x, acc
         as the caller makes them: the per-call checks cost more than a
-        small layer's matmul (~10 us). ``scratch``: float32 of at least
+        small layer's matmul (~10 us). ``sums``: float32 of at least
         M * K / 32 elements for x's group sums (else allocated)."""
         kind, off, slots = _CALLS[qtype]
-        m, k = xb.shape
+        m, k = x.shape
         xsum = None
         if kind in _OFFSET_KINDS:
-            xsum = scratch if scratch is not None else torch.empty(m * (k // 32), dtype=torch.float32)
+            xsum = sums if sums is not None else torch.empty(m * (k // 32), dtype=torch.float32)
         ptrs = [None if i is None else planes[i].data_ptr() for i in slots]
-        self._fn(kind, off, xb.data_ptr(), *ptrs, acc.data_ptr(), m, acc.shape[1], k, acc.stride(0),
-                 torch.get_num_threads(), None if xsum is None else xsum.data_ptr())
+        self._fn(kind, off, x.data_ptr(), x.dtype == torch.float32, *ptrs, acc.data_ptr(), m, acc.shape[1], k,
+                 acc.stride(0), torch.get_num_threads(), None if xsum is None else xsum.data_ptr())
 
 
 def check_planes(qtype: str, planes: tuple, n: int, k: int) -> None:
@@ -151,11 +152,12 @@ def check_planes(qtype: str, planes: tuple, n: int, k: int) -> None:
                 f"got {getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', ()))}")
 
 
-def _check_x_acc(xb, acc, k_multiple: int) -> tuple[int, int, int]:
-    if not (isinstance(xb, torch.Tensor) and xb.dtype == torch.bfloat16 and xb.dim() == 2 and xb.is_contiguous()):
-        raise KernelArgumentError(f"xb must be a contiguous 2-D bfloat16 CPU tensor, got "
-                                  f"{getattr(xb, 'dtype', type(xb).__name__)} {tuple(getattr(xb, 'shape', ()))}")
-    m, k = xb.shape
+def _check_x_acc(x, acc, k_multiple: int) -> tuple[int, int, int]:
+    if not (isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2
+            and x.is_contiguous()):
+        raise KernelArgumentError(f"x must be a contiguous 2-D bfloat16 or float32 CPU tensor, got "
+                                  f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    m, k = x.shape
     if not (isinstance(acc, torch.Tensor) and acc.dtype == torch.float32 and acc.dim() == 2
             and acc.shape[0] == m and acc.stride(1) == 1 and acc.stride(0) >= acc.shape[1]):
         raise KernelArgumentError(f"acc must be float32 [{m}, N] with contiguous rows, got "
@@ -164,7 +166,7 @@ def _check_x_acc(xb, acc, k_multiple: int) -> tuple[int, int, int]:
     if m == 0 or k % k_multiple or n % 64:
         raise KernelArgumentError(f"the native kernels need M >= 1, K % {k_multiple} == 0 and N % 64 == 0, "
                                   f"got M={m}, K={k}, N={n}")
-    if xb.device.type != "cpu" or acc.device.type != "cpu":
+    if x.device.type != "cpu" or acc.device.type != "cpu":
         raise KernelArgumentError("the native kernels run on CPU tensors")
     return m, k, n
 

@@ -1,12 +1,13 @@
 """The "native" CPU path: our kernels (kernels/csrc/lowbit_bf16.c via
 kernels/quant_native.py) on the blocks re-laid (kernels/quant_relayout.py).
 
-Every packed type against ``dequantize`` in float64 (x rounded to bf16, as
-the kernels take it), 1-17 rows (registers and tiles), a column slice of a
-wider output, bias and bf16 out; rows read back bit-equal to
-``dequantize``; resident bytes the file's; a row's bits independent of its
-batch and of the thread count; argument errors; its place among the CPU
-paths; the build cache and the off switch.
+Every packed type against ``dequantize`` in float64 for a bf16 x and a
+float32 x (used as given: no rounding of x), 1-17 rows (registers and
+tiles), a column slice of a wider output, bias and bf16 out; a float32 x
+through an identity-like weight comes back bit-equal; rows read back
+bit-equal to ``dequantize``; resident bytes the file's; a row's bits
+independent of its batch and of the thread count; argument errors; its
+place among the CPU paths; the build cache and the off switch.
 
 Runs where the kernels build and run (a C compiler with OpenMP, an x86-64
 CPU with AVX512_BF16: the CI host); elsewhere those tests skip, naming why,
@@ -20,10 +21,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from kvstrata.kernels import KernelArgumentError, choose_cpu_path, dequantize, quant_matmul, with_cpu_path
+from kvstrata.kernels import (KernelArgumentError, choose_cpu_path, dequantize, pack_weight, quant_matmul,
+                              with_cpu_path)
 from kvstrata.kernels.quant_cpu import planes_rows
 from kvstrata.kernels.quant_native import LAYOUTS, SOURCE, NativeUnavailable, build, native_kernels, native_status
 from kvstrata.kernels.quant_relayout import native_planes, native_rows
@@ -40,12 +43,18 @@ def cols_for(qtype: str, blocks: int = 2) -> int:
 
 
 def exact(x: torch.Tensor, packed) -> torch.Tensor:
-    """x rounded to bf16 @ the dequantized weight, float64."""
-    return x.to(torch.bfloat16).double() @ dequantize(packed).double().T
+    """x as given @ the dequantized weight, float64."""
+    return x.double() @ dequantize(packed).double().T
 
 
 def term_scale(x: torch.Tensor, packed) -> torch.Tensor:
-    return x.to(torch.bfloat16).double().abs() @ dequantize(packed).double().abs().T
+    return x.double().abs() @ dequantize(packed).double().abs().T
+
+
+# a float32 accumulation of exact products: F.linear on the dequantized float32 weight measures
+# 3e-8 - 1e-7 of S on these shapes; x rounded to bf16 anywhere would be ~1e-3
+TOL = 1e-6
+X_DTYPES = [torch.bfloat16, torch.float32]
 
 
 def test_every_packed_type_has_a_layout():
@@ -53,16 +62,54 @@ def test_every_packed_type_has_a_layout():
 
 
 @native
+@pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [64, 320])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 17])  # registers (1-4), tiles of 4 and a rest
-def test_native_matches_dequantize_in_float64(qtype, rows, tokens):
+def test_native_matches_dequantize_in_float64(qtype, rows, tokens, x_dtype):
     packed = random_packed(qtype, rows, cols_for(qtype), seed=tokens)
     w = with_cpu_path(packed, "native")
-    x = torch.randn(tokens, packed.in_features, generator=torch.Generator().manual_seed(rows + tokens))
+    x = torch.randn(tokens, packed.in_features, generator=torch.Generator().manual_seed(rows + tokens)).to(x_dtype)
     acc = torch.full((tokens, rows), float("nan"))  # every entry must be written
-    native_kernels().matmul(qtype, x.to(torch.bfloat16), w.planes[0], acc)
-    assert ((acc.double() - exact(x, packed)).abs() <= 1e-5 * term_scale(x, packed) + 1e-30).all()
+    native_kernels().matmul(qtype, x, w.planes[0], acc)
+    assert ((acc.double() - exact(x, packed)).abs() <= TOL * term_scale(x, packed) + 1e-30).all()
+
+
+def two_eye_blocks(qtype: str, n: int) -> torch.Tensor:
+    """The GGUF blocks of W = 2 I [n, n], written by hand: d = 1 (m = 0), q
+    (less Q4_0's 8) 2 on the diagonal, 0 elsewhere."""
+    one = np.float16(1.0).tobytes()
+    rows = []
+    for r in range(n):
+        row = b""
+        for b in range(n // 32):
+            q = [2 if 32 * b + j == r else 0 for j in range(32)]
+            if qtype == "Q8_0":
+                row += one + bytes(v & 0xFF for v in q)
+            else:
+                q = [v + 8 for v in q] if qtype == "Q4_0" else q
+                nib = bytes(q[i] | q[i + 16] << 4 for i in range(16))
+                row += one + (np.float16(0.0).tobytes() if qtype == "Q4_1" else b"") + nib
+        rows.append(np.frombuffer(row, dtype=np.uint8))
+    return torch.from_numpy(np.stack(rows))
+
+
+@native
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_a_float32_x_is_used_as_given(qtype, tokens):
+    """W = 2 I: out = 2 x exactly for a float32 x (one rounding-free FMA per
+    row: no bf16 anywhere), 2 bf16(x) for a bf16 x."""
+    n = k = 128
+    packed = pack_weight(two_eye_blocks(qtype, n), qtype, (n, k))
+    assert torch.equal(dequantize(packed), 2 * torch.eye(n, k))
+    w = with_cpu_path(packed, "native")
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1)) * 1e-3
+    out = torch.empty(tokens, n)
+    native_kernels().matmul(qtype, x, w.planes[0], out)
+    assert torch.equal(out, 2 * x)
+    native_kernels().matmul(qtype, x.to(torch.bfloat16), w.planes[0], out)
+    assert torch.equal(out, 2 * x.to(torch.bfloat16).float()) and not torch.equal(out, 2 * x)
 
 
 @native
@@ -76,7 +123,7 @@ def test_native_through_quant_matmul_with_bias_slices_and_bf16(qtype):
     wide = torch.full((6, 320), 3.0)
     quant_matmul(x, w, bias, out=wide[:, 64:192])
     got = wide[:, 64:192].double()
-    assert ((got - exact(x, packed) - bias.double()).abs() <= 1e-5 * term_scale(x, packed) + 1e-6).all()
+    assert ((got - exact(x, packed) - bias.double()).abs() <= TOL * term_scale(x, packed) + 1e-6).all()
     assert torch.equal(wide[:, :64], torch.full((6, 64), 3.0)) and torch.equal(wide[:, 192:], torch.full((6, 128), 3.0))
     low = quant_matmul(x.to(torch.bfloat16), w)
     assert low.dtype == torch.bfloat16
@@ -97,14 +144,15 @@ def test_rows_read_back_are_bit_equal_and_bytes_are_the_files(qtype):
 
 
 @native
+@pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"])
-def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype):
+def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype):
     """A row alone (registers) and in a batch of 7 (4-row tiles and a rest
     of 3) gives the same bits; so do one and two threads (the blocks of 64
     rows split over threads, each summed alike)."""
     w = with_cpu_path(random_packed(qtype, 192, cols_for(qtype)), "native")
     k = w.in_features
-    xb = torch.randn(7, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    xb = torch.randn(7, k, generator=torch.Generator().manual_seed(3)).to(x_dtype)
     batch = torch.empty(7, 192)
     native_kernels().matmul(qtype, xb, w.planes[0], batch)
     for lo, hi in ((0, 1), (1, 3), (4, 7), (6, 7)):
@@ -123,14 +171,21 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype):
 
 @native
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0"])
-def test_native_is_a_candidate_only_for_inexact_activations(qtype):
+def test_native_is_the_path_wherever_it_runs_at_every_dtype(qtype):
+    """Exact at every dtype, so no race: "native" for float32 and bf16
+    activations alike, untimed on request; a float32 choice's matmul is
+    float32-exact (x not rounded)."""
     packed = random_packed(qtype, 256, cols_for(qtype), seed=8)
-    exact_only = choose_cpu_path(packed, (1,), dtype=torch.float32, reps=1, ring_bytes=0)
-    assert "native" not in exact_only.times_ms and exact_only.path == "dequant"
-    fast = choose_cpu_path(packed, (1, 16), dtype=torch.float32, reps=2, ring_bytes=0, allow_inexact=True)
-    assert "native" in fast.times_ms
-    assert fast.weight.cpu_path == fast.path
-    assert (fast.weight.planes is not None) == (fast.path in ("int4", "native"))
+    for dtype in (torch.float32, torch.bfloat16):
+        timed = choose_cpu_path(packed, (1, 16), dtype=dtype, reps=1, ring_bytes=0)
+        assert timed.path == "native" and set(timed.times_ms) == {"native", "dense"}
+        assert set(timed.times_ms["native"]) == {1, 16}
+        assert timed.weight.cpu_path == "native" and timed.weight.planes is not None
+    untimed = choose_cpu_path(packed, (1,), reps=1, ring_bytes=0, measure=False)
+    assert untimed.path == "native" and untimed.times_ms == {}
+    x = torch.randn(3, packed.in_features, generator=torch.Generator().manual_seed(9))
+    got = quant_matmul(x, untimed.weight)
+    assert ((got.double() - exact(x, packed)).abs() <= TOL * term_scale(x, packed)).all()
 
 
 @native
@@ -146,7 +201,7 @@ def test_matmul_argument_errors_name_what_is_wrong(case):
         "shape": (("Q4_1", xb, (lo[:, :32], d, m), acc), "planes lo must be contiguous uint8 \\[1, 64, 32\\]"),
         "dtype": (("Q4_1", xb, (lo, d.float(), m), acc), "planes d must be contiguous float16"),
         "strided": (("Q4_1", xb, (lo, torch.zeros(64, 2, dtype=torch.float16).T, m), acc), "planes d must be"),
-        "x_dtype": (("Q4_1", xb.float(), w.planes[0], acc), "xb must be a contiguous 2-D bfloat16"),
+        "x_dtype": (("Q4_1", xb.half(), w.planes[0], acc), "x must be a contiguous 2-D bfloat16 or float32"),
         "acc_rows": (("Q4_1", xb, w.planes[0], torch.zeros(3, 64)), "acc must be float32 \\[2, N\\]"),
         "acc_cols": (("Q4_1", xb, w.planes[0], torch.zeros(2, 128)[:, ::2]), "contiguous rows"),
     }[case]
@@ -198,9 +253,22 @@ def test_the_switch_turns_the_native_kernels_off_and_the_loader_keeps_int4():
             "from test_quant_kernels import random_packed\n"
             "assert native_kernels() is None\nprint(native_status())\n"
             "c = choose_cpu_path(random_packed('Q4_0', 64, 64), (1,), reps=1, ring_bytes=0, allow_inexact=True)\n"
-            "print(sorted(c.times_ms))\n")
+            "print(sorted(c.times_ms))\n"
+            "from kvstrata.worker.model.loader import resolve_quantized\n"
+            "print([resolve_quantized('auto', 'cpu', d) for d in ('float32', 'bfloat16', 'auto')])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "KVSTRATA_NATIVE_KERNELS": "0"}, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
     assert "KVSTRATA_NATIVE_KERNELS=0" in done.stdout
     assert "['dense', 'dequant', 'int4']" in done.stdout
+    # without our kernels "auto" packs only where bf16 activations are allowed anyway
+    assert "['dequantize', 'packed', 'packed']" in done.stdout
+
+
+@native
+def test_auto_packs_a_gguf_on_this_cpu_at_every_dtype():
+    from kvstrata.worker.model.loader import resolve_quantized
+
+    assert [resolve_quantized("auto", "cpu", d) for d in ("float32", "float16", "bfloat16", "auto")] == ["packed"] * 4
+    assert resolve_quantized("auto", "cuda", "float32") == "dequantize"
+    assert resolve_quantized("dequantize", "cpu", "float32") == "dequantize"

@@ -1,6 +1,10 @@
 /* kvstrata: CPU matmuls over GGUF weights re-laid for AVX512_BF16 dot products.
  *
- *   out[m][n] = sum_k x[m][k] * w[n][k]        x: bf16 [M][K] (row stride K), out: float32 (row stride ldo)
+ *   out[m][n] = sum_k x[m][k] * w[n][k]        x: [M][K] (row stride K), out: float32 (row stride ldo)
+ *
+ * x is bf16, or float32: then the integers become float32 (exact) and float32 FMAs take x as
+ * it is: a float32 dot product with the file's exact weights, no bf16 rounding anywhere
+ * (~1e-7 of S, as F.linear on the dequantized float32 weight).
  *
  * Every kind keeps its file's integers and scales exactly (kvstrata.kernels.quant_cpu.NativePath
  * re-lays them; the bytes are the file's, or 3 % more for the K-quants' unpacked 6-bit scales),
@@ -23,12 +27,13 @@
  * Per (block, group) the integers become bf16 once (exact: small integers, through a table
  * of q - off), laid out as vdpbf16ps wants them (16 rows x a column pair per 512-bit
  * register): for 1-4 rows of x straight into registers, for more into a 4 KB tile that every
- * row of x reuses. Each row's group sum sum_k x * (q - off) runs in float32 by vdpbf16ps, then
- * takes the group's scale, and its offset times the group's sum of x, in float32, the scales
- * formed as gguf forms them. So the unpacking is paid once per weight whatever M is, the
- * multiply-adds run at the bf16 dot-product rate (2x float32 FMAs), and x is the only rounded
- * operand (to bf16, by the caller). A row's result does not depend on the other rows (the same
- * sums in the same order either way).
+ * row of x reuses (a float32 x: float32 values, an 8 KB tile). Each row's group sum
+ * sum_k x * (q - off) runs in float32 (vdpbf16ps; for a float32 x one FMA per column, in
+ * column order), then takes the group's scale, and its offset times the group's sum of x, in
+ * float32, the scales formed as gguf forms them. So the unpacking is paid once per weight
+ * whatever M is, the multiply-adds run at the bf16 dot-product rate (2x float32 FMAs) or at
+ * the FMA rate for a float32 x, and x is used as given. A row's result does not depend on the
+ * other rows (the same sums in the same order either way).
  *
  * Needs AVX512F/BW/VL and AVX512_BF16 (kvq_supported() says so at run time; only the
  * kernels are compiled for them). Parallel over blocks of 64 rows with OpenMP: with torch
@@ -44,7 +49,7 @@
 
 enum { QD4, QD5, QK4, QK5, Q6K, Q8 }; /* the order of quant_native.KINDS */
 
-int kvq_abi_version(void) { return 4; }
+int kvq_abi_version(void) { return 5; }
 
 int kvq_supported(void) {
     __builtin_cpu_init();
@@ -172,11 +177,15 @@ INLINE void group_scales(const int kind, const Weight *wt, int N, int b, int g, 
     }
 }
 
-/* MT (1..4) rows of x against one (block, group): the pairs from registers (direct) or the tile. */
-INLINE void rows_dot(const int kind, const int MT, const int direct, const uint8_t *q, const uint8_t *hi, Lut lut,
-                     const uint32_t *tile, const uint32_t *xpairs, size_t x_stride, const float *xsum,
-                     size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out, size_t ldo, int first) {
+/* MT (1..4) rows of x against one (block, group): the weight pairs from registers (direct) or
+ * the tile. x: the group's first column of row 0, x_stride elements a row (bf16, or float32
+ * when F32). */
+INLINE void rows_dot(const int kind, const int F32, const int MT, const int direct, const uint8_t *q,
+                     const uint8_t *hi, Lut lut, const uint32_t *tile, const void *x, size_t x_stride,
+                     const float *xsum, size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out,
+                     size_t ldo, int first) {
     const int KP = group_cols(kind) / 2;
+    const __m512i odd_half = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 p[4][4];
     for (int m = 0; m < MT; m++)
         for (int t = 0; t < 4; t++) p[m][t] = _mm512_setzero_ps();
@@ -184,11 +193,29 @@ INLINE void rows_dot(const int kind, const int MT, const int direct, const uint8
         __m512i w[4];
         if (direct)
             unpack_pair(kind, q, hi, kp, lut, w);
-        else
+        else if (!F32)
             for (int t = 0; t < 4; t++) w[t] = _mm512_load_si512(tile + kp * 64 + 16 * t);
+        if (!F32) {
+            const uint32_t *xp = (const uint32_t *)x;
+            for (int m = 0; m < MT; m++) {
+                const __m512i xv = _mm512_set1_epi32((int)xp[m * x_stride / 2 + kp]);
+                for (int t = 0; t < 4; t++) p[m][t] = _mm512_dpbf16_ps(p[m][t], (__m512bh)w[t], (__m512bh)xv);
+            }
+            continue;
+        }
+        __m512 we[4], wo[4]; /* columns 2kp and 2kp + 1 as float32 */
+        for (int t = 0; t < 4; t++)
+            if (direct) {
+                we[t] = _mm512_castsi512_ps(_mm512_slli_epi32(w[t], 16));
+                wo[t] = _mm512_castsi512_ps(_mm512_and_si512(w[t], odd_half));
+            } else {
+                we[t] = _mm512_load_ps((const float *)tile + kp * 128 + 16 * t);
+                wo[t] = _mm512_load_ps((const float *)tile + kp * 128 + 64 + 16 * t);
+            }
+        const float *xf = (const float *)x;
         for (int m = 0; m < MT; m++) {
-            const __m512i xv = _mm512_set1_epi32((int)xpairs[m * x_stride + kp]);
-            for (int t = 0; t < 4; t++) p[m][t] = _mm512_dpbf16_ps(p[m][t], (__m512bh)w[t], (__m512bh)xv);
+            const __m512 xe = _mm512_set1_ps(xf[m * x_stride + 2 * kp]), xo = _mm512_set1_ps(xf[m * x_stride + 2 * kp + 1]);
+            for (int t = 0; t < 4; t++) p[m][t] = _mm512_fmadd_ps(wo[t], xo, _mm512_fmadd_ps(we[t], xe, p[m][t]));
         }
     }
     /* out[m][0..63] = (first ? 0 : out) + p * s (+ z * the group's sum of x) */
@@ -220,14 +247,24 @@ static void group_sums(const uint16_t *x, int M, int K, float *xsum) {
         }
 }
 
-INLINE void matmul(const int kind, int off, const uint16_t *x, const Weight *wt, float *out, int M, int N, int K,
-                   long ldo, int nthreads, const float *xsum) {
+/* The same of a float32 x. */
+static void group_sums_f32(const float *x, int M, int K, float *xsum) {
+    const int G = K / 32;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            float acc = 0.f;
+            for (int i = 0; i < 32; i++) acc += x[(size_t)m * K + g * 32 + i];
+            xsum[(size_t)m * G + g] = acc;
+        }
+}
+
+INLINE void matmul(const int kind, const int F32, int off, const void *x, const Weight *wt, float *out, int M,
+                   int N, int K, long ldo, int nthreads, const float *xsum) {
     const int GC = group_cols(kind), G = K / GC, NB = N / 64, HB = hi_bits(kind);
-    const size_t x_stride = (size_t)K / 2; /* bf16 pairs per row */
-    const uint32_t *xpairs = (const uint32_t *)x;
+    const size_t esize = F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int b = 0; b < NB; b++) {
-        __attribute__((aligned(64))) uint32_t tile[16 * 64];
+        __attribute__((aligned(64))) uint32_t tile[16 * 64 * 2]; /* bf16 pairs: the first half; float32: all */
         const Lut lut = make_lut(off);
         for (int g = 0; g < G; g++) {
             const size_t col = (size_t)b * K + (size_t)g * GC; /* (block, first column of the group) */
@@ -236,29 +273,36 @@ INLINE void matmul(const int kind, int off, const uint16_t *x, const Weight *wt,
             __m512 s[4], z[4];
             group_scales(kind, wt, N, b, g, s, z);
             const int first = g == 0;
-            const uint32_t *xp = xpairs + (size_t)g * (GC / 2);
+            const char *xg = (const char *)x + (size_t)g * GC * esize;
             const float *xs = has_offset(kind) ? xsum + g : NULL;
             float *o = out + (size_t)b * 64;
             switch (M) { /* few rows: no tile, its stores and loads would cost more than they save */
-            case 1: rows_dot(kind, 1, 1, q, hi, lut, NULL, xp, x_stride, xs, G, s, z, o, ldo, first); continue;
-            case 2: rows_dot(kind, 2, 1, q, hi, lut, NULL, xp, x_stride, xs, G, s, z, o, ldo, first); continue;
-            case 3: rows_dot(kind, 3, 1, q, hi, lut, NULL, xp, x_stride, xs, G, s, z, o, ldo, first); continue;
-            case 4: rows_dot(kind, 4, 1, q, hi, lut, NULL, xp, x_stride, xs, G, s, z, o, ldo, first); continue;
+            case 1: rows_dot(kind, F32, 1, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
+            case 2: rows_dot(kind, F32, 2, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
+            case 3: rows_dot(kind, F32, 3, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
+            case 4: rows_dot(kind, F32, 4, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
             }
             for (int kp = 0; kp < GC / 2; kp++) {
                 __m512i w[4];
                 unpack_pair(kind, q, hi, kp, lut, w);
-                for (int t = 0; t < 4; t++) _mm512_store_si512(tile + kp * 64 + 16 * t, w[t]);
+                for (int t = 0; t < 4; t++)
+                    if (F32) { /* column 2kp's 64 rows, then 2kp + 1's */
+                        _mm512_store_si512(tile + kp * 128 + 16 * t, _mm512_slli_epi32(w[t], 16));
+                        _mm512_store_si512(tile + kp * 128 + 64 + 16 * t,
+                                           _mm512_and_si512(w[t], _mm512_set1_epi32((int)0xFFFF0000u)));
+                    } else {
+                        _mm512_store_si512(tile + kp * 64 + 16 * t, w[t]);
+                    }
             }
             for (int m0 = 0; m0 < M; m0 += 4) {
-                const uint32_t *xm = xp + (size_t)m0 * x_stride;
+                const char *xm = xg + (size_t)m0 * K * esize;
                 const float *xsm = xs == NULL ? NULL : xs + (size_t)m0 * G;
                 float *om = o + (size_t)m0 * ldo;
                 switch (M - m0 < 4 ? M - m0 : 4) {
-                case 4: rows_dot(kind, 4, 0, q, hi, lut, tile, xm, x_stride, xsm, G, s, z, om, ldo, first); break;
-                case 3: rows_dot(kind, 3, 0, q, hi, lut, tile, xm, x_stride, xsm, G, s, z, om, ldo, first); break;
-                case 2: rows_dot(kind, 2, 0, q, hi, lut, tile, xm, x_stride, xsm, G, s, z, om, ldo, first); break;
-                default: rows_dot(kind, 1, 0, q, hi, lut, tile, xm, x_stride, xsm, G, s, z, om, ldo, first); break;
+                case 4: rows_dot(kind, F32, 4, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+                case 3: rows_dot(kind, F32, 3, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+                case 2: rows_dot(kind, F32, 2, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+                default: rows_dot(kind, F32, 1, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
                 }
             }
         }
@@ -266,22 +310,25 @@ INLINE void matmul(const int kind, int off, const uint16_t *x, const Weight *wt,
 }
 
 /* The one entry point: out = x @ W^T for a weight of ``kind`` (the enum above) laid out as
- * the header says; off: the table's offset (Q4_0 8, Q5_0 16, Q6_K 32, else 0); xsum: M * K / 32
- * floats of scratch (the kinds with an offset). M >= 1, N % 64 == 0, K a multiple of the
- * kind's block; the caller checks shapes, strides and the CPU. Returns 0, or -1 for an
- * unknown kind. */
-KVQ_TARGET int kvq_matmul(int kind, int off, const uint16_t *x, const uint8_t *q, const uint8_t *hi, const void *s1,
-                          const void *s2, const uint16_t *d, const uint16_t *dmin, float *out, int M, int N, int K,
-                          long ldo, int nthreads, float *xsum) {
+ * the header says; off: the table's offset (Q4_0 8, Q5_0 16, Q6_K 32, else 0). x_f32 0: x is
+ * bf16; 1: float32. xsum: M * K / 32 floats of scratch (the kinds with an offset). M >= 1,
+ * N % 64 == 0, K a multiple of the kind's block; the caller checks shapes, strides and the CPU.
+ * Returns 0, or -1 for an unknown kind. */
+#define KVQ_CASE(K_, F_) \
+    case K_: matmul(K_, F_, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+KVQ_TARGET int kvq_matmul(int kind, int off, const void *x, int x_f32, const uint8_t *q, const uint8_t *hi,
+                          const void *s1, const void *s2, const uint16_t *d, const uint16_t *dmin, float *out, int M,
+                          int N, int K, long ldo, int nthreads, float *xsum) {
     const Weight wt = {q, hi, s1, s2, d, dmin};
-    if (kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5) group_sums(x, M, K, xsum);
-    switch (kind) {
-    case QD4: matmul(QD4, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
-    case QD5: matmul(QD5, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
-    case QK4: matmul(QK4, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
-    case QK5: matmul(QK5, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
-    case Q6K: matmul(Q6K, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
-    case Q8: matmul(Q8, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    if (kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5) {
+        if (x_f32)
+            group_sums_f32((const float *)x, M, K, xsum);
+        else
+            group_sums((const uint16_t *)x, M, K, xsum);
     }
+    if (x_f32)
+        switch (kind) { KVQ_CASE(QD4, 1) KVQ_CASE(QD5, 1) KVQ_CASE(QK4, 1) KVQ_CASE(QK5, 1) KVQ_CASE(Q6K, 1) KVQ_CASE(Q8, 1) }
+    else
+        switch (kind) { KVQ_CASE(QD4, 0) KVQ_CASE(QD5, 0) KVQ_CASE(QK4, 0) KVQ_CASE(QK5, 0) KVQ_CASE(Q6K, 0) KVQ_CASE(Q8, 0) }
     return -1;
 }

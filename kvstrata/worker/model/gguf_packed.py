@@ -17,17 +17,19 @@ row a K-quant block does not divide, as llama.cpp's own files have: one log
 line ``gguf_tensor_dequantized`` names it and its type) is dequantized at
 load into a dense part. Norms and biases are dense.
 
-CPU paths: ``choose_cpu_path`` runs once per distinct (type, shape) at load
-(SmolLM2: 5 of 151 weights) with ``allow_inexact=True``: the int4 path
-(bf16 matmul, |err| <= 2^-7 S, ``kernels/quant_linear.py``) and the native
-path (every packed type; weights exact, x in bf16) compete with the exact
-"dequant" path for float32 activations too; a layer keeps the GGUF blocks
-only where they are still read: on the int4 and native paths the blocks are
-dropped, and a tied embedding then reads its rows from the lm_head's planes
-(``planes_rows``: exact from the native planes). "auto" dtype on a CPU: the chosen paths' summed time
-(layers weighted by count, 1 and 16 tokens) at float32 and at bfloat16;
-bfloat16 when it is 10 % faster, which also runs attention and norms in
-bf16. On CUDA nothing is measured: the Triton kernel reads the blocks.
+CPU paths: ``choose_cpu_path`` once per distinct (type, shape) at load
+(SmolLM2: 5 of 151 weights): the native path (every packed type, weights
+exact, x at the activations' own precision) wherever its kernels run, with
+no timing for a given dtype; elsewhere, with ``allow_inexact=True``, torch's
+int4 path (bf16 matmul, |err| <= 2^-7 S, ``kernels/quant_linear.py``)
+races the exact "dequant" path for float32 activations too. A layer keeps
+the GGUF blocks only where they are still read: on the int4 and native
+paths the blocks are dropped, and a tied embedding then reads its rows from
+the lm_head's planes (``planes_rows``: exact from the native planes).
+"auto" dtype on a CPU: the chosen paths' summed time (layers weighted by
+count, 1 and 16 tokens) at float32 and at bfloat16; bfloat16 when it is
+10 % faster, which also runs attention and norms in bf16. On CUDA nothing
+is measured: the Triton kernel reads the blocks.
 """
 
 from __future__ import annotations
@@ -161,9 +163,11 @@ def choose_paths(plan: PackPlan, dtype: torch.dtype | None) -> tuple[torch.dtype
     choices: dict[torch.dtype, dict[tuple, CpuChoice]] = {}
     total: dict[torch.dtype, float] = {}
     for dt in candidates:
-        choices[dt] = {k: choose_cpu_path(w, (1, 16), dtype=dt, reps=3, ring_bytes=32 << 20, allow_inexact=True)
-                       for k, w in first.items()}
-        total[dt] = sum(counts[k] * sum(c.times_ms[c.path].values()) for k, c in choices[dt].items())
+        # a given dtype times only where paths race (no native kernels); "auto" compares the dtypes' times
+        choices[dt] = {k: choose_cpu_path(w, (1, 16), dtype=dt, reps=3, ring_bytes=32 << 20, allow_inexact=True,
+                                          measure=dtype is None) for k, w in first.items()}
+        if dtype is None:
+            total[dt] = sum(counts[k] * sum(c.times_ms[c.path].values()) for k, c in choices[dt].items())
     picked = candidates[0]
     if dtype is None and total[torch.bfloat16] < (1 - _AUTO_MARGIN) * total[torch.float32]:
         picked = torch.bfloat16

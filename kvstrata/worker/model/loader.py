@@ -36,6 +36,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from kvstrata.kernels.quant_native import native_kernels
 from kvstrata.text.gguf_tokenizer import GGUFMetadata
 from kvstrata.worker.model.config import (CheckpointError, HFConfig, LlamaArchConfig, parse_arch_config,
                                           with_generation_eos)
@@ -189,13 +190,16 @@ def build_model(
 
 
 def resolve_quantized(requested: str, device: str, dtype: str) -> str:
-    """"auto": packed on a CPU when the activations may be bf16 (dtype "auto"
-    or "bfloat16"); float32 / float16 keep the exact dequantize-at-load path
-    (the int4 matmuls' bf16 rounding flips a 0.08 logit margin on SmolLM2's
-    first chat answer); CUDA dequantizes until a GPU run verifies the kernel."""
+    """"auto": packed on a CPU where the native kernels run (exact at every
+    dtype: float32 activations by float32 FMAs), or where the activations
+    may be bf16 anyway (dtype "auto" or "bfloat16"); otherwise the exact
+    dequantize-at-load path (torch's int4 kernel, the packed path there,
+    rounds to bf16: it flips a 0.08 logit margin on SmolLM2's first chat
+    answer); CUDA dequantizes until a GPU run verifies the Triton kernel."""
     if requested == "auto":
-        cpu = torch.device(device).type == "cpu"
-        return "packed" if cpu and dtype in ("auto", "bfloat16") else "dequantize"
+        if torch.device(device).type != "cpu":
+            return "dequantize"
+        return "packed" if dtype in ("auto", "bfloat16") or native_kernels() is not None else "dequantize"
     if requested not in ("packed", "dequantize"):
         raise ValueError(f"model.quantized_weights must be 'auto', 'packed' or 'dequantize', got {requested!r}")
     return requested
