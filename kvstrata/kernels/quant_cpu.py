@@ -3,6 +3,7 @@ and the one-time micro-benchmark that picks one per layer at load.
 
     with_cpu_path(packed, path, *, keep_blocks=True) -> PackedWeight   (repacked for ``path``)
     choose_cpu_path(packed, sample_tokens=(1, 16), *, dtype, allow_inexact=None, measure=True) -> CpuChoice
+    time_paths(packed, {path: prepared}, sample_tokens, dtype) -> {path: {tokens: ms}}   (and "dense")
     int4_rows(packed, ids, dtype) -> [T, in]      rows rebuilt from the int4 planes
     planes_rows(packed, ids, dtype) -> [T, in]    rows of an int4 or native weight whose blocks went
 
@@ -363,7 +364,7 @@ def choose_cpu_path(
     weights = {name: CPU_PATHS[name].prepare(packed) for name in offered}
     if len(offered) == 1 and not measure:
         return CpuChoice(offered[0], dtype, {}, weights[offered[0]])
-    times = _race(packed, weights, sample_tokens, dtype, reps, ring_bytes)
+    times = time_paths(packed, weights, sample_tokens, dtype, reps, ring_bytes)
     # each token count weighs alike: time relative to dense at that count, summed
     total = {name: sum(times[name][t] / max(times["dense"][t], 1e-6) for t in times[name]) for name in weights}
     path = min(total, key=total.__getitem__)
@@ -372,9 +373,11 @@ def choose_cpu_path(
     return CpuChoice(path, dtype, times, weights[path])
 
 
-def _race(packed: PackedWeight, weights: dict[str, PackedWeight], sample_tokens: tuple[int, ...],
-          dtype: torch.dtype, reps: int, ring_bytes: int) -> dict[str, dict[int, float]]:
-    """ms per path (and "dense") and token count: the best of ``reps`` turns."""
+def time_paths(packed: PackedWeight, weights: dict[str, PackedWeight], sample_tokens: tuple[int, ...],
+               dtype: torch.dtype, reps: int = 5, ring_bytes: int = 64 << 20) -> dict[str, dict[int, float]]:
+    """ms per path of ``weights`` (``packed`` prepared for each) and "dense",
+    per token count, as ``choose_cpu_path`` races them: the best of ``reps``
+    turns (the first warms up; a path 3x behind after two gets no more)."""
     runners = {name: _ring_runner(w, ring_bytes) for name, w in weights.items()}
     runners["dense"] = _dense_runner(packed, dtype, ring_bytes)
     times: dict[str, dict[int, float]] = {name: {} for name in runners}

@@ -16,8 +16,10 @@ Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms)
     Triton kernel              fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
                                bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
     CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S)
-    CPU "native" path          x's bf16 rounding only: <= 2^-8 * S (weights exact; ~1e-7 S measured
-                               against dequantize with x in bf16, float64)
+    CPU "native" path          weights exact, x as given (float32 x: float32 FMAs; bf16 x: bf16 dot
+                               products), float32 sums: |err| <= K * 2^-24 * S (3e-8 - 7e-8 S measured
+                               against dequantize in float64, F.linear fp32 3e-8 - 1e-7 S); a float16
+                               x goes as float32
 
 The Triton kernel rebuilds each weight with ``dequantize``'s operations
 (fp-contraction off), so it multiplies by the very same fp32 weights and
