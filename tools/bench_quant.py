@@ -31,11 +31,14 @@ Per set and type:
                    dequantize/float32 (the baseline: every tensor dequantized at
                    load), packed/float32 (the default: exact, float32 FMAs),
                    packed/bfloat16 (what dtype "auto" takes where bf16 measures
-                   10 % faster at load; fixed here, so every run is alike); per setting the resident weight bytes (as loaded, and
-                   over the file's tensor bytes), load seconds, and greedy decode
-                   tok/s single-stream and at batch 16 (tokens after each
-                   request's first, over the time from the first first-token to
-                   the last token), and the speedups over the baseline
+                   10 % faster at load; fixed here, so every run is alike); per
+                   setting the resident weight bytes (as loaded, and over the
+                   file's tensor bytes), load seconds, greedy decode tok/s
+                   single-stream and at batch 16 (tokens after each request's
+                   first, over the time from the first first-token to the last
+                   token), the seconds to the first token of a 480-token prompt
+                   alone on the single-stream engine (its prefill), and each
+                   over the baseline
 
   engine_gpu       (--engine-gpu) decode of a Q4 model on the GPU (issue 26's GPU goal:
                    packed >= 1.5x its bf16-dequantized run at batch 1): a random
@@ -182,6 +185,7 @@ def bench_set(set_name: str, qtype: str, args) -> dict:
     return res
 
 
+TTFT_PROMPT = 480  # tokens: the prefill --engine times once per round and setting (max_model_len 512)
 ENGINE_SETTINGS = (("dequantize", "float32"), ("packed", "float32"), ("packed", "bfloat16"))
 
 
@@ -227,11 +231,23 @@ async def decode_tok_s(engine, batch: int, tokens: int, token_prompts: bool = Fa
     return decoded / (max(lasts) - min(firsts))
 
 
-async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: int, tokens: int) -> float:
-    """Greedy decode tok/s of ``batch`` concurrent chats on a fresh engine."""
+async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: int, tokens: int,
+                        ttft_prompt: int = 0) -> tuple[float, float | None]:
+    """Greedy decode tok/s of ``batch`` concurrent chats on a fresh engine,
+    and first (when ``ttft_prompt``) the seconds to the first token of one
+    ``ttft_prompt``-token prompt (its prefill, alone on the engine)."""
+    from kvstrata.types import SamplingParams
+
     engine = await start_engine(path, mode, dtype, threads, batch)
     try:
-        return await decode_tok_s(engine, batch, tokens)
+        ttft = None
+        if ttft_prompt:
+            start = time.perf_counter()
+            ids = [1 + (13 * j) % 2000 for j in range(ttft_prompt)]
+            async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
+                ttft = time.perf_counter() - start
+                break
+        return await decode_tok_s(engine, batch, tokens), ttft
     finally:
         await engine.aclose()
 
@@ -241,6 +257,8 @@ def _medians(entries) -> None:
     for entry in entries:
         entry["single_tok_s"] = float(np.median(entry["single_runs"]))
         entry["batch16_tok_s"] = float(np.median(entry["batch16_runs"]))
+        if entry.get("ttft_runs_s"):
+            entry["ttft_s"] = float(np.median(entry["ttft_runs_s"]))
 
 
 def bench_engine(args) -> dict:
@@ -263,20 +281,22 @@ def bench_engine(args) -> dict:
         res["settings"][f"{mode}/{dtype}"] = {
             "dtype": ckpt.dtype, "weight_bytes": ckpt.weight_bytes,
             "weight_over_file": round(ckpt.weight_bytes / file_bytes, 3), "load_s": round(load_s, 2),
-            "single_runs": [], "batch16_runs": []}
+            "single_runs": [], "batch16_runs": [], "ttft_runs_s": []}
         del ckpt
     for _ in range(repeats):  # in turn, so a burst of other load lands on every setting alike
         for mode, dtype in ENGINE_SETTINGS:
             entry = res["settings"][f"{mode}/{dtype}"]
-            entry["single_runs"].append(round(asyncio.run(
-                engine_decode(path, mode, dtype, args.threads, 1, tokens[0])), 2))
+            tok_s, ttft = asyncio.run(engine_decode(path, mode, dtype, args.threads, 1, tokens[0], TTFT_PROMPT))
+            entry["single_runs"].append(round(tok_s, 2))
+            entry["ttft_runs_s"].append(round(ttft, 3))
             entry["batch16_runs"].append(round(asyncio.run(
-                engine_decode(path, mode, dtype, args.threads, 16, tokens[1])), 2))
+                engine_decode(path, mode, dtype, args.threads, 16, tokens[1]))[0], 2))
     _medians(res["settings"].values())
     base = res["settings"]["dequantize/float32"]
     for entry in res["settings"].values():
         entry["speedup_single"] = round(entry["single_tok_s"] / base["single_tok_s"], 2)
         entry["speedup_batch16"] = round(entry["batch16_tok_s"] / base["batch16_tok_s"], 2)
+        entry["ttft_over_baseline"] = round(entry["ttft_s"] / base["ttft_s"], 2)
     return res
 
 
