@@ -27,7 +27,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # matmuls dequantize on the fly: docs/quantization.md), "dequantize"
     # (every tensor dequantized to ``dtype`` at load: exact, ~4-7x the
     # memory), or "auto": packed on a CPU where our native kernels run
-    # (x86-64 with AVX512_BF16 and a C compiler: exact at every dtype), else
+    # (x86-64 with AVX2 or AVX512_BF16 and a C compiler: exact at every dtype), else
     # only when ``dtype`` is "auto" or "bfloat16" (torch's int4 kernel rounds
     # to bf16); dequantize on CUDA (the Triton GEMV/GEMM over packed blocks
     # has not been run on a GPU yet). Ignored for Hugging Face checkpoints.

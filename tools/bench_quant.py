@@ -77,6 +77,7 @@ import torch.nn.functional as F
 from kvstrata.kernels import PackedWeight, choose_cpu_path, dequantize, pack_weight, quant_matmul, with_cpu_path
 from kvstrata.kernels.quant import QUANT_TYPES
 from kvstrata.kernels.quant_cpu import CPU_PATHS, Int4Path, time_paths
+from kvstrata.kernels.quant_native import native_kernels, native_status
 
 from bench_timing import cuda_eager_time  # tools/
 
@@ -99,6 +100,12 @@ def random_packed(qtype: str, rows: int, cols: int, seed: int, device: str = "cp
         d = (rng.uniform(1e-3, 1e-2, nblocks) * rng.choice([-1.0, 1.0], nblocks)).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(nblocks, 2)
     return pack_weight(torch.from_numpy(blocks), qtype, (rows, cols), device)
+
+
+def native_isa() -> str:
+    """Which native kernel set runs here (KVSTRATA_NATIVE_ISA picks), or why none."""
+    kernels = native_kernels()
+    return kernels.isa if kernels is not None else f"none: {native_status()}"
 
 
 def bench_cpu(layers: dict[str, PackedWeight], reps: int) -> dict:
@@ -389,7 +396,7 @@ def main() -> None:
     start = time.perf_counter()
     result: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__,
+                    "torch": torch.__version__, "native_kernels": native_isa(),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "quick": args.quick,
         "sets": {},

@@ -241,7 +241,7 @@ def _float32_sum(bias, out, fill) -> None:
 
 
 class NativePath:
-    """Our AVX512_BF16 kernels (``quant_native``) on the blocks re-laid
+    """Our kernels (``quant_native``: AVX512_BF16, or AVX2) on the blocks re-laid
     (``quant_relayout.native_planes``): the file's integers and scales, no
     rounding: a float32 x runs float32 FMAs (as F.linear on the dequantized
     float32 weight, ~1e-7 of S), a bf16 x bf16 dot products (as the dense

@@ -24,7 +24,10 @@ every 4 rows of x): 1.3-1.5x at 1-4 tokens, ~1.7x at 16, 2x at 64 and more
 scales): before this, its only path dequantized per call (an 8B-shape
 [14336, 4096] weight: 176 ms at 1 token, now ~5).
 
-Needs x86-64 with AVX512F/BW/VL and AVX512_BF16 (checked at run time), a C
+Needs x86-64 with AVX512F/BW/VL and AVX512_BF16, or else AVX2, FMA and F16C
+(the AVX2 kernel: float32 FMAs only, a bf16 x widened; bit-equal to the
+AVX512 kernel for a float32 x; ~2x its time at 1 token, 1.2x at 16; ``isa``
+says which runs, ``KVSTRATA_NATIVE_ISA=avx2`` picks it) (checked at run time), a C
 compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0. Built into
 ``$KVSTRATA_CACHE_DIR/native/`` (default ``~/.cache/kvstrata``) under a
 hash of the source, compiler and flags, by an atomic rename, so concurrent
@@ -56,7 +59,7 @@ from kvstrata.paths import cache_root
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "lowbit_bf16.c"
-ABI_VERSION = 5
+ABI_VERSION = 6
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-Wall")
 _BUILD_TIMEOUT_S = 120
 
@@ -102,21 +105,30 @@ _CALLS = {qtype: (KINDS.index(kind), off, tuple(next((i for i, fl in enumerate(f
           for qtype, (kind, off, fields) in LAYOUTS.items()}
 
 
-class NativeKernels:
-    """The loaded library. ``matmul`` checks its arguments; one per process."""
+# the kernel sets (kvq_isa's numbers): AVX512F/BW/VL + AVX512_BF16 (bf16 dot products, and
+# float32 FMAs for a float32 x), or AVX2 + FMA + F16C (float32 FMAs only: a bf16 x is widened)
+ISAS = {"avx512_bf16": 2, "avx2": 1}
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+
+class NativeKernels:
+    """The loaded library, running the kernels of ``isa`` (ISAS).
+    ``matmul`` checks its arguments; one per process."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str) -> None:
+        if isa not in ISAS:
+            raise KernelArgumentError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
+        self.path, self.isa, self._isa = path, isa, ISAS[isa]
         p, i = ctypes.c_void_p, ctypes.c_int
         self._fn = lib.kvq_matmul
-        self._fn.argtypes = [i, i, p, i, p, p, p, p, p, p, p, i, i, i, ctypes.c_long, i, p]
+        self._fn.argtypes = [i, i, i, p, i, p, p, p, p, p, p, p, i, i, i, ctypes.c_long, i, p]
         self._fn.restype = ctypes.c_int
 
     def matmul(self, qtype: str, x: torch.Tensor, planes: tuple, acc: torch.Tensor) -> None:
         """``acc`` [M, N] float32 (rows may be strided, columns contiguous) =
         ``x`` [M, K] (contiguous) @ W.T, W the ``qtype`` weight as ``planes`` =
         (the tensors LAYOUTS[qtype] names, in order). x bf16: bf16 dot
-        products; x float32: the weights as float32, float32 FMAs."""
+        products (AVX2: x widened to float32); x float32: the weights as
+        float32, float32 FMAs (bit-equal on either isa)."""
         _, k, n = _check_x_acc(x, acc, _BLOCK.get(qtype, 32))
         check_planes(qtype, planes, n, k)
         self.matmul_unchecked(qtype, x, planes, acc)
@@ -129,12 +141,14 @@ class NativeKernels:
         small layer's matmul (~10 us). ``sums``: float32 of at least
         M * K / 32 elements for x's group sums (else allocated)."""
         kind, off, slots = _CALLS[qtype]
+        if self._isa == 1 and x.dtype != torch.float32:
+            x = x.float()  # exact
         m, k = x.shape
         xsum = None
         if kind in _OFFSET_KINDS:
             xsum = sums if sums is not None else torch.empty(m * (k // 32), dtype=torch.float32)
         ptrs = [None if i is None else planes[i].data_ptr() for i in slots]
-        self._fn(kind, off, x.data_ptr(), x.dtype == torch.float32, *ptrs, acc.data_ptr(), m, acc.shape[1], k,
+        self._fn(self._isa, kind, off, x.data_ptr(), x.dtype == torch.float32, *ptrs, acc.data_ptr(), m, acc.shape[1], k,
                  acc.stride(0), torch.get_num_threads(), None if xsum is None else xsum.data_ptr())
 
 
@@ -203,7 +217,7 @@ def _load() -> NativeKernels:
     if os.environ.get("KVSTRATA_NATIVE_KERNELS", "1") == "0":
         raise NativeUnavailable("turned off by KVSTRATA_NATIVE_KERNELS=0")
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise NativeUnavailable(f"x86-64 only (AVX512_BF16), this is {platform.machine()}")
+        raise NativeUnavailable(f"x86-64 only (AVX512_BF16 or AVX2), this is {platform.machine()}")
     path = build(SOURCE)
     try:
         lib = ctypes.CDLL(str(path))
@@ -211,9 +225,18 @@ def _load() -> NativeKernels:
         raise NativeUnavailable(f"loading {path} failed: {e}") from e
     if lib.kvq_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"{path} has ABI {lib.kvq_abi_version()}, expected {ABI_VERSION}")
-    if not lib.kvq_supported():
-        raise NativeUnavailable("this CPU lacks AVX512F/BW/VL or AVX512_BF16")
-    return NativeKernels(lib, path)
+    level = lib.kvq_isa()
+    if level == 0:
+        raise NativeUnavailable("this CPU lacks AVX2, FMA or F16C")
+    isa = next(name for name, n in ISAS.items() if n == level)
+    forced = os.environ.get("KVSTRATA_NATIVE_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise NativeUnavailable(f"KVSTRATA_NATIVE_ISA must be one of {', '.join(ISAS)}, got {forced!r}")
+        if ISAS[forced] > level:
+            raise NativeUnavailable(f"KVSTRATA_NATIVE_ISA={forced}, but this CPU runs {isa} at most")
+        isa = forced
+    return NativeKernels(lib, path, isa)
 
 
 def build(source: Path, out_dir: Path | None = None) -> Path:

@@ -3,18 +3,20 @@ kernels/quant_native.py) on the blocks re-laid (kernels/quant_relayout.py).
 
 Every packed type against ``dequantize`` in float64 for a bf16 x and a
 float32 x (used as given: no rounding of x), 1-17 rows (registers and
-tiles), a column slice of a wider output, bias and bf16 out; a float32 x
+tiles), the AVX2 kernel bit-equal to the AVX512 one for a float32 x, a column slice of a wider output, bias and bf16 out; a float32 x
 through an identity-like weight comes back bit-equal; rows read back
 bit-equal to ``dequantize``; resident bytes the file's; a row's bits
 independent of its batch and of the thread count; argument errors; its
 place among the CPU paths; the build cache and the off switch.
 
 Runs where the kernels build and run (a C compiler with OpenMP, an x86-64
-CPU with AVX512_BF16: the CI host); elsewhere those tests skip, naming why,
+CPU with AVX2 + FMA + F16C; the AVX512 comparisons where it has AVX512_BF16,
+as the CI host does); elsewhere those tests skip, naming why,
 and the build errors are still tested."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -28,7 +30,8 @@ import torch
 from kvstrata.kernels import (KernelArgumentError, choose_cpu_path, dequantize, pack_weight, quant_matmul,
                               with_cpu_path)
 from kvstrata.kernels.quant_cpu import planes_rows
-from kvstrata.kernels.quant_native import LAYOUTS, SOURCE, NativeUnavailable, build, native_kernels, native_status
+from kvstrata.kernels.quant_native import (LAYOUTS, SOURCE, NativeKernels, NativeUnavailable, build, native_kernels,
+                                          native_status)
 from kvstrata.kernels.quant_relayout import native_planes, native_rows
 
 pytest.importorskip("gguf")
@@ -110,6 +113,42 @@ def test_a_float32_x_is_used_as_given(qtype, tokens):
     assert torch.equal(out, 2 * x)
     native_kernels().matmul(qtype, x.to(torch.bfloat16), w.planes[0], out)
     assert torch.equal(out, 2 * x.to(torch.bfloat16).float()) and not torch.equal(out, 2 * x)
+
+
+def avx2_kernels() -> NativeKernels:
+    """The loaded library again, running its AVX2 kernel (any CPU that runs the native kernels runs it)."""
+    k = native_kernels()
+    return NativeKernels(ctypes.CDLL(str(k.path)), k.path, "avx2")
+
+
+@native
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 17])  # registers (1-2), tiles of 2 and a rest
+def test_the_avx2_kernel_is_bit_equal_to_the_avx512_one_for_a_float32_x(qtype, tokens):
+    """The AVX2 kernel (CPUs without AVX512_BF16) does the float32 kernel's
+    arithmetic term for term on half the width: the same bits, and
+    within TOL of dequantize in float64; a bf16 x is widened (exact)."""
+    rows = 192
+    packed = random_packed(qtype, rows, cols_for(qtype), seed=tokens + 20)
+    w = with_cpu_path(packed, "native")
+    x = torch.randn(tokens, packed.in_features, generator=torch.Generator().manual_seed(tokens))
+    two = torch.full((tokens, rows), float("nan"))
+    avx2_kernels().matmul(qtype, x, w.planes[0], two)
+    assert ((two.double() - exact(x, packed)).abs() <= TOL * term_scale(x, packed) + 1e-30).all()
+    if native_kernels().isa == "avx512_bf16":
+        wide = torch.full((tokens, rows), float("nan"))
+        native_kernels().matmul(qtype, x, w.planes[0], wide)
+        assert torch.equal(two, wide)
+    xb = x.to(torch.bfloat16)
+    from_bf16, from_f32 = torch.empty(tokens, rows), torch.empty(tokens, rows)
+    avx2_kernels().matmul(qtype, xb, w.planes[0], from_bf16)
+    avx2_kernels().matmul(qtype, xb.float(), w.planes[0], from_f32)
+    assert torch.equal(from_bf16, from_f32)
+
+
+def test_an_unknown_isa_is_refused():
+    with pytest.raises(KernelArgumentError, match="isa must be one of avx512_bf16, avx2, got 'sse2'"):
+        NativeKernels(None, Path("x.so"), "sse2")
 
 
 @native
@@ -263,6 +302,19 @@ def test_the_switch_turns_the_native_kernels_off_and_the_loader_keeps_int4():
     assert "['dense', 'dequant', 'int4']" in done.stdout
     # without our kernels "auto" packs only where bf16 activations are allowed anyway
     assert "['dequantize', 'packed', 'packed']" in done.stdout
+
+
+@native
+def test_the_isa_switch_picks_the_avx2_kernel_or_names_what_is_wrong():
+    code = ("from kvstrata.kernels.quant_native import native_kernels, native_status\n"
+            "k = native_kernels()\nprint(None if k is None else k.isa, native_status())\n")
+    run = lambda isa: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                     env={**os.environ, "KVSTRATA_NATIVE_ISA": isa}, cwd=Path(__file__).parents[2])
+    done = run("avx2")
+    assert done.returncode == 0 and done.stdout.split() == ["avx2", "ok"], done.stderr
+    done = run("neon")
+    assert done.returncode == 0, done.stderr
+    assert "None KVSTRATA_NATIVE_ISA must be one of avx512_bf16, avx2, got 'neon'" in done.stdout
 
 
 @native

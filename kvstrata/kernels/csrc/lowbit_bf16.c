@@ -35,9 +35,10 @@
  * the FMA rate for a float32 x, and x is used as given. A row's result does not depend on the
  * other rows (the same sums in the same order either way).
  *
- * Needs AVX512F/BW/VL and AVX512_BF16 (kvq_supported() says so at run time; only the
- * kernels are compiled for them). Parallel over blocks of 64 rows with OpenMP: with torch
- * imported first, its libgomp serves both.
+ * Needs AVX512F/BW/VL and AVX512_BF16; on a CPU with AVX2, FMA and F16C only, the AVX2 kernel
+ * below runs a float32 x (bit-equal to this one's float32 results). kvq_isa() says which at run
+ * time; only the kernels are compiled for their instruction sets. Parallel over blocks of 64
+ * rows (AVX2: halves of 32) with OpenMP: with torch imported first, its libgomp serves both.
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -46,16 +47,24 @@
 
 #define KVQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define INLINE static inline __attribute__((always_inline)) KVQ_TARGET
+#define KVQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE2 static inline __attribute__((always_inline)) KVQ_AVX2
+#define PURE static inline __attribute__((always_inline))
 
 enum { QD4, QD5, QK4, QK5, Q6K, Q8 }; /* the order of quant_native.KINDS */
 
-int kvq_abi_version(void) { return 5; }
+int kvq_abi_version(void) { return 6; }
 
-int kvq_supported(void) {
+/* The kernels this CPU runs: 2 both (AVX512F/BW/VL + AVX512_BF16), 1 the AVX2 float32 one
+ * (AVX2, FMA, F16C), 0 none. */
+int kvq_isa(void) {
     __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (!avx2) return 0;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
-           __builtin_cpu_supports("fma");
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")
+               ? 2
+               : 1;
 }
 
 /* What a kernel reads (unused fields NULL). */
@@ -68,8 +77,8 @@ typedef struct {
     const uint16_t *dmin; /* QK */
 } Weight;
 
-INLINE int hi_bits(const int kind) { return kind == QD5 || kind == QK5 ? 1 : kind == Q6K ? 2 : 0; }
-INLINE int has_offset(const int kind) { return kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5; }
+PURE int hi_bits(const int kind) { return kind == QD5 || kind == QK5 ? 1 : kind == Q6K ? 2 : 0; }
+PURE int has_offset(const int kind) { return kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5; }
 
 /* bf16 bit patterns of v - off for v = 0..63: the integers' values, exact */
 typedef struct {
@@ -88,7 +97,7 @@ INLINE Lut make_lut(int off) {
     return l;
 }
 
-INLINE int group_cols(const int kind) { return kind == Q6K ? 16 : 32; }
+PURE int group_cols(const int kind) { return kind == Q6K ? 16 : 32; }
 
 /* The low nibbles of column pair (2kp, 2kp+1), 64 rows: lo = rows 0..31, hi = rows 32..63,
  * each 32 words of (byte of column 2kp, byte of column 2kp+1). */
@@ -309,26 +318,181 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
     }
 }
 
+
+/* ---- AVX2 + FMA: the float32 kernel for CPUs without AVX512_BF16 ----------------------------
+ *
+ * Same planes, same arithmetic as the AVX512 kernel's float32 x, term for term: the integers
+ * become float32 q - off (exact), each row's group sum runs one FMA per column in column order,
+ * the scales and the epilogue are the same float32 operations. So its results are bit-equal to
+ * the AVX512 kernel's for a float32 x (tested), on half the vector width: a block's 64 rows go
+ * as two halves of 32 (four registers of 8), 1-2 rows of x at a time from registers, more from a
+ * 4 KB tile of the half-group. */
+
+/* Rows 32h + 8t .. + 7 of column k (of its group) as float32 q - off, t = 0..3. */
+INLINE2 void unpack_col8(const int kind, const uint8_t *q, const uint8_t *hi, int k, int h, float off, __m256 w[4]) {
+    if (kind == Q8) { /* column pair k / 2: bytes 2r, 2r + 1 = row r at columns 2kp, 2kp + 1 */
+        const uint8_t *p = q + (size_t)(k / 2) * 128 + 64 * h;
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * t)));
+            const __m256i c = k % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16) : _mm256_srai_epi32(v, 16);
+            w[t] = _mm256_cvtepi32_ps(c);
+        }
+        return;
+    }
+    const uint8_t *col = q + (size_t)k * 32; /* byte j = row j | row j + 32 << 4 */
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    __m256i hb[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* Q5: byte i = rows i + 8j at bit j; Q6_K: byte i = rows i + 16j at bits 2j, 2j + 1 */
+    if (hi_bits(kind) == 1) {
+        hb[0] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hi + (size_t)k * 8)));
+    } else if (hi_bits(kind) == 2) {
+        hb[0] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hi + (size_t)k * 16)));
+        hb[1] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(hi + (size_t)k * 16 + 8)));
+    }
+    for (int t = 0; t < 4; t++) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 8 * t)));
+        v = _mm256_and_si256(h ? _mm256_srli_epi32(v, 4) : v, low4);
+        if (hi_bits(kind) == 1) /* row 32h + 8t + i: bit 4h + t of byte i */
+            v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb[0], 4 * h + t), _mm256_set1_epi32(1)), 4));
+        else if (hi_bits(kind) == 2) /* row 32h + 8t + i: byte 8 (t % 2) + i, bits 2 (2h + t / 2) */
+            v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb[t % 2], 2 * (2 * h + t / 2)), _mm256_set1_epi32(3)), 4));
+        /* 2^23 + v as float bits, less 2^23 + off: v - off, exact (v < 64), one op cheaper than a conversion */
+        w[t] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(v, _mm256_set1_epi32(0x4B000000))),
+                             _mm256_set1_ps(8388608.0f + off));
+    }
+}
+
+INLINE2 __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE2 __m256 u8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+INLINE2 __m256 i8x8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+
+/* group_scales for rows n0 + 8t .. + 7 (n0: the half's first row). */
+INLINE2 void group_scales8(const int kind, const Weight *wt, int N, size_t n0, int g, __m256 s[4], __m256 z[4]) {
+    for (int t = 0; t < 4; t++) {
+        const size_t n = n0 + 8 * t, at = (size_t)g * N + n;
+        if (kind == QD4 || kind == QD5) {
+            s[t] = f16x8((const uint16_t *)wt->s1 + at);
+            z[t] = wt->s2 != NULL ? f16x8((const uint16_t *)wt->s2 + at) : _mm256_setzero_ps();
+        } else if (kind == QK4 || kind == QK5) {
+            const size_t sb = (size_t)(g / 8) * N + n;
+            s[t] = _mm256_mul_ps(f16x8(wt->d + sb), u8x8((const uint8_t *)wt->s1 + at));
+            z[t] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(f16x8(wt->dmin + sb), u8x8((const uint8_t *)wt->s2 + at)));
+        } else if (kind == Q6K) {
+            s[t] = _mm256_mul_ps(f16x8(wt->d + (size_t)(g / 16) * N + n), i8x8((const int8_t *)wt->s1 + at));
+            z[t] = _mm256_setzero_ps();
+        } else {
+            s[t] = f16x8((const uint16_t *)wt->s1 + at);
+            z[t] = _mm256_setzero_ps();
+        }
+    }
+}
+
+/* MT (1, 2) rows of x against one (half-block, group), columns from registers or the tile. */
+INLINE2 void rows_dot8(const int kind, const int MT, const int direct, const uint8_t *q, const uint8_t *hi, int h,
+                       float off, const float *tile, const float *x, size_t K, const float *xsum, size_t G,
+                       const __m256 s[4], const __m256 z[4], float *out, size_t ldo, int first) {
+    __m256 p[2][4];
+    for (int m = 0; m < MT; m++)
+        for (int t = 0; t < 4; t++) p[m][t] = _mm256_setzero_ps();
+    for (int k = 0; k < group_cols(kind); k++) {
+        __m256 w[4];
+        if (direct)
+            unpack_col8(kind, q, hi, k, h, off, w);
+        else
+            for (int t = 0; t < 4; t++) w[t] = _mm256_load_ps(tile + k * 32 + 8 * t);
+        for (int m = 0; m < MT; m++) {
+            const __m256 xv = _mm256_set1_ps(x[m * K + k]);
+            for (int t = 0; t < 4; t++) p[m][t] = _mm256_fmadd_ps(w[t], xv, p[m][t]);
+        }
+    }
+    for (int m = 0; m < MT; m++) {
+        const __m256 xs = has_offset(kind) ? _mm256_set1_ps(xsum[m * G]) : _mm256_setzero_ps();
+        for (int t = 0; t < 4; t++) {
+            float *o = out + m * ldo + 8 * t;
+            __m256 acc = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+            acc = _mm256_fmadd_ps(p[m][t], s[t], acc);
+            if (has_offset(kind)) acc = _mm256_fmadd_ps(z[t], xs, acc);
+            _mm256_storeu_ps(o, acc);
+        }
+    }
+}
+
+INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, float *out, int M, int N, int K,
+                     long ldo, int nthreads, const float *xsum) {
+    const int GC = group_cols(kind), G = K / GC, NH = N / 32, HB = hi_bits(kind);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int bh = 0; bh < NH; bh++) {
+        const int b = bh / 2, h = bh % 2;
+        __attribute__((aligned(32))) float tile[32 * 32];
+        for (int g = 0; g < G; g++) {
+            const size_t col = (size_t)b * K + (size_t)g * GC;
+            const uint8_t *q = wt->q + col * (kind == Q8 ? 64 : 32);
+            const uint8_t *hi = HB ? wt->hi + col * 8 * HB : NULL;
+            __m256 s[4], z[4];
+            group_scales8(kind, wt, N, (size_t)bh * 32, g, s, z);
+            const int first = g == 0;
+            const float *xg = x + (size_t)g * GC;
+            const float *xs = has_offset(kind) ? xsum + g : NULL;
+            float *o = out + (size_t)bh * 32;
+            if (M <= 2) {
+                if (M == 1) rows_dot8(kind, 1, 1, q, hi, h, (float)off, NULL, xg, K, xs, G, s, z, o, ldo, first);
+                else rows_dot8(kind, 2, 1, q, hi, h, (float)off, NULL, xg, K, xs, G, s, z, o, ldo, first);
+                continue;
+            }
+            for (int k = 0; k < GC; k++) {
+                __m256 w[4];
+                unpack_col8(kind, q, hi, k, h, (float)off, w);
+                for (int t = 0; t < 4; t++) _mm256_store_ps(tile + k * 32 + 8 * t, w[t]);
+            }
+            for (int m0 = 0; m0 < M; m0 += 2) {
+                const float *xm = xg + (size_t)m0 * K;
+                const float *xsm = xs == NULL ? NULL : xs + (size_t)m0 * G;
+                float *om = o + (size_t)m0 * ldo;
+                if (M - m0 >= 2) rows_dot8(kind, 2, 0, q, hi, h, (float)off, tile, xm, K, xsm, G, s, z, om, ldo, first);
+                else rows_dot8(kind, 1, 0, q, hi, h, (float)off, tile, xm, K, xsm, G, s, z, om, ldo, first);
+            }
+        }
+    }
+}
+
 /* The one entry point: out = x @ W^T for a weight of ``kind`` (the enum above) laid out as
  * the header says; off: the table's offset (Q4_0 8, Q5_0 16, Q6_K 32, else 0). x_f32 0: x is
- * bf16; 1: float32. xsum: M * K / 32 floats of scratch (the kinds with an offset). M >= 1,
- * N % 64 == 0, K a multiple of the kind's block; the caller checks shapes, strides and the CPU.
- * Returns 0, or -1 for an unknown kind. */
+ * bf16; 1: float32. isa 2: the AVX512 kernels; 1: the AVX2 one (float32 x only). xsum:
+ * M * K / 32 floats of scratch (the kinds with an offset). M >= 1, N % 64 == 0, K a multiple
+ * of the kind's block; the caller checks shapes, strides and the CPU (kvq_isa). Returns 0, or
+ * -1 for an unknown kind or an isa / x pairing there is no kernel for. */
 #define KVQ_CASE(K_, F_) \
     case K_: matmul(K_, F_, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
-KVQ_TARGET int kvq_matmul(int kind, int off, const void *x, int x_f32, const uint8_t *q, const uint8_t *hi,
-                          const void *s1, const void *s2, const uint16_t *d, const uint16_t *dmin, float *out, int M,
-                          int N, int K, long ldo, int nthreads, float *xsum) {
+#define KVQ_CASE8(K_) \
+    case K_: matmul8(K_, off, (const float *)x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+
+KVQ_AVX2 static int matmul_avx2(int kind, int off, const void *x, const Weight *wt_, float *out, int M, int N, int K,
+                                long ldo, int nthreads, float *xsum) {
+    const Weight wt = *wt_;
+    switch (kind) { KVQ_CASE8(QD4) KVQ_CASE8(QD5) KVQ_CASE8(QK4) KVQ_CASE8(QK5) KVQ_CASE8(Q6K) KVQ_CASE8(Q8) }
+    return -1;
+}
+
+KVQ_TARGET static int matmul_avx512(int kind, int off, const void *x, int x_f32, const Weight *wt_, float *out, int M,
+                                    int N, int K, long ldo, int nthreads, float *xsum) {
+    const Weight wt = *wt_;
+    if (x_f32)
+        switch (kind) { KVQ_CASE(QD4, 1) KVQ_CASE(QD5, 1) KVQ_CASE(QK4, 1) KVQ_CASE(QK5, 1) KVQ_CASE(Q6K, 1) KVQ_CASE(Q8, 1) }
+    else
+        switch (kind) { KVQ_CASE(QD4, 0) KVQ_CASE(QD5, 0) KVQ_CASE(QK4, 0) KVQ_CASE(QK5, 0) KVQ_CASE(Q6K, 0) KVQ_CASE(Q8, 0) }
+    return -1;
+}
+
+int kvq_matmul(int isa, int kind, int off, const void *x, int x_f32, const uint8_t *q, const uint8_t *hi,
+               const void *s1, const void *s2, const uint16_t *d, const uint16_t *dmin, float *out, int M, int N, int K,
+               long ldo, int nthreads, float *xsum) {
     const Weight wt = {q, hi, s1, s2, d, dmin};
+    if ((isa != 1 && isa != 2) || (isa == 1 && !x_f32) || kind < QD4 || kind > Q8) return -1;
     if (kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5) {
         if (x_f32)
             group_sums_f32((const float *)x, M, K, xsum);
         else
             group_sums((const uint16_t *)x, M, K, xsum);
     }
-    if (x_f32)
-        switch (kind) { KVQ_CASE(QD4, 1) KVQ_CASE(QD5, 1) KVQ_CASE(QK4, 1) KVQ_CASE(QK5, 1) KVQ_CASE(Q6K, 1) KVQ_CASE(Q8, 1) }
-    else
-        switch (kind) { KVQ_CASE(QD4, 0) KVQ_CASE(QD5, 0) KVQ_CASE(QK4, 0) KVQ_CASE(QK5, 0) KVQ_CASE(Q6K, 0) KVQ_CASE(Q8, 0) }
-    return -1;
+    return isa == 2 ? matmul_avx512(kind, off, x, x_f32, &wt, out, M, N, K, ldo, nthreads, xsum)
+                    : matmul_avx2(kind, off, x, &wt, out, M, N, K, ldo, nthreads, xsum);
 }
