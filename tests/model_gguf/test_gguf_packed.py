@@ -4,11 +4,13 @@ packed type, on random GGUFs written here (K-quant blocks built by hand):
 
 - every packed layer's output is within its CPU path's stated tolerance of
   the dense layer (``kvstrata/kernels/quant_linear.py``: "dequant" bit-equal,
-  "int4" |err| <= 2^-7 * S, S = |x| @ |W|.T), the embedding rows exact (or
-  within the int4 planes' scale rounding when tied to an int4 lm_head);
-- the logits of a prompt stay within 2^-4 of their largest (each layer's
-  2^-7 * S carried through two random layers: measured up to 2^-4.9) and
-  mostly pick the same tokens;
+  "native" a float32 sum's, 1e-6 * S, "int4" |err| <= 2^-7 * S, S = |x| @
+  |W|.T), the embedding rows exact (or within the int4 planes' scale
+  rounding when tied to an int4 lm_head);
+- the logits of a prompt: on the native path (float32, exact weights)
+  within 2^-14 of their largest (measured 6e-7 - 4e-6) and the same tokens
+  everywhere; on the int4 path within 2^-4 (each layer's 2^-7 * S carried
+  through two random layers: measured up to 2^-4.9), mostly the same tokens;
 - resident memory is the packed parts' bytes, far below the dense model's;
 - a type that does not pack is dequantized at load, with one log line
   naming the tensor and its type.
@@ -63,10 +65,12 @@ def _check_layer(packed: PackedLinear, weight: torch.Tensor, bias: torch.Tensor 
     x = torch.randn(5, packed.in_features, generator=torch.Generator().manual_seed(0))
     got, want = packed(x), F.linear(x, weight, bias)
     paths = {p.cpu_path for p in packed.parts if isinstance(p, PackedWeight)}
+    scale = x.abs() @ weight.abs().T
     if paths <= {"dequant"}:
         assert torch.equal(got, want), name
+    elif paths <= {"dequant", "native"}:  # weights exact, float32 FMAs: as F.linear up to the sum's order
+        assert ((got - want).abs() <= 1e-6 * scale).all(), name
     else:
-        scale = x.abs() @ weight.abs().T
         assert ((got - want).abs() <= 2.0**-7 * scale).all(), name
 
 
@@ -99,9 +103,10 @@ def test_packed_layers_and_logits_match_the_dequantized_model(tmp_path, qtype, t
         planes = prompt_logits(_as_planes_model(packed), PROMPT)
         assert (got - planes).abs().max() <= 2.0**-4 * planes.abs().max()
         assert (got - ref).abs().max() <= 2.0**-3 * ref.abs().max()
-    else:
-        assert (got - ref).abs().max() <= 2.0**-4 * ref.abs().max()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    else:  # native (or dequant): float32 exact
+        assert (got - ref).abs().max() <= 2.0**-14 * ref.abs().max()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
     parts = {id(p): p.nbytes for m in layers.values() for p in m.parts} | {id(emb.packed): emb.packed.nbytes}
     norms = sum(p.numel() * 4 for p in packed.model.parameters())
     assert packed.weight_bytes == sum(parts.values()) + norms
@@ -197,5 +202,7 @@ def test_a_q4_k_m_mix_takes_the_native_path_everywhere(tmp_path):
         _check_layer(mod, *_dense_weight(dense.model, name), name)
     assert file_bytes <= packed.weight_bytes <= 1.03 * file_bytes
     got, ref = prompt_logits(packed, PROMPT), prompt_logits(dense, PROMPT)
-    assert (got - ref).abs().max() <= 2.0**-4 * ref.abs().max()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    # measured 7e-5 of the largest: this random model is touchy (weights times 1 + 1e-7 noise move its
+    # dense logits 4e-5), while the layers above are within a float32 sum's 1e-6 * S
+    assert (got - ref).abs().max() <= 2.0**-10 * ref.abs().max()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
