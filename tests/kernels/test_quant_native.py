@@ -183,26 +183,28 @@ def test_rows_read_back_are_bit_equal_and_bytes_are_the_files(qtype):
 
 
 @native
+@pytest.mark.parametrize("isa", ["default", "avx2"])
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"])
-def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype):
-    """A row alone (registers) and in a batch of 7 (4-row tiles and a rest
-    of 3) gives the same bits; so do one and two threads (the blocks of 64
-    rows split over threads, each summed alike)."""
+def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype, isa):
+    """A row alone (registers) and in a batch of 7 (tiles of 4 or 2 rows and
+    a rest) gives the same bits; so do one and two threads (the blocks of 64
+    rows, AVX2 halves of 32, split over threads, each summed alike)."""
+    kernels = avx2_kernels() if isa == "avx2" else native_kernels()
     w = with_cpu_path(random_packed(qtype, 192, cols_for(qtype)), "native")
     k = w.in_features
     xb = torch.randn(7, k, generator=torch.Generator().manual_seed(3)).to(x_dtype)
     batch = torch.empty(7, 192)
-    native_kernels().matmul(qtype, xb, w.planes[0], batch)
+    kernels.matmul(qtype, xb, w.planes[0], batch)
     for lo, hi in ((0, 1), (1, 3), (4, 7), (6, 7)):
         part = torch.empty(hi - lo, 192)
-        native_kernels().matmul(qtype, xb[lo:hi].contiguous(), w.planes[0], part)
+        kernels.matmul(qtype, xb[lo:hi].contiguous(), w.planes[0], part)
         assert torch.equal(part, batch[lo:hi]), (lo, hi)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         two = torch.empty(7, 192)
-        native_kernels().matmul(qtype, xb, w.planes[0], two)
+        kernels.matmul(qtype, xb, w.planes[0], two)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(two, batch)

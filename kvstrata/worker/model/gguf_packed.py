@@ -1,5 +1,5 @@
 """A GGUF's linear layers kept quantized (``model.quantized_weights =
-"packed"``): which tensors pack, the CPU path of each layer, the activation
+"packed"``, and "auto" on a CPU where the native kernels run): which tensors pack, the CPU path of each layer, the activation
 dtype "auto" picks on a CPU, and the modules put in the model.
 
     plan = pack_linears(sources, arch, device)          the blocks, read once

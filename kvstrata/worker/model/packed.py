@@ -1,6 +1,7 @@
 """Layers whose weights stay quantized (a GGUF's blocks, ``kvstrata.kernels.
 PackedWeight``): the loader puts them in place of ``Linear`` / ``Embedding``
-when ``model.quantized_weights`` is "packed" (``gguf_packed.py``).
+when ``model.quantized_weights`` resolves to "packed" (``gguf_packed.py``;
+"auto" does on a CPU where the native kernels run).
 
     PackedLinear(parts, bias, dtype, device, scratch)   y = x @ W.T + b, W = the parts' rows stacked
     PackedEmbedding(packed, dtype)                       rows of W, dequantized per lookup
