@@ -69,6 +69,37 @@ log = structlog.get_logger(__name__)
 # Called on the loop, synchronously, once per output: it must not block.
 OutputSink = Callable[[RequestOutput | BaseException], None]
 
+
+class _Stream:
+    """One ``generate`` call's outputs, put by the engine loop: what arrived
+    since the consumer last took, and the future it waits on. Lighter than
+    an asyncio.Queue on the per-token path (no task-done bookkeeping, no
+    future per get when items are waiting), and a consumer that fell behind
+    takes everything pending in one wake-up."""
+
+    __slots__ = ("_items", "_waiter", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._items: list[RequestOutput | BaseException] = []
+        self._waiter: asyncio.Future | None = None
+        self._loop = loop
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput | BaseException]:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 _T = TypeVar("_T")
 
@@ -272,18 +303,18 @@ class AsyncEngine:
                                          cache_salt=cache_salt, lora_name=lora_name)
         rid = req.request_id
         outputs = OutputProcessor(self._core.tokenizer, req)
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        sink = stream.put_nowait
+        stream = _Stream(asyncio.get_running_loop())
+        sink = stream.put
         self.submit(req, sink)
         try:
             while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                out = outputs.process(item)
-                yield out
-                if out.finished:
-                    return
+                for item in await stream.take():
+                    if isinstance(item, BaseException):
+                        raise item
+                    out = outputs.process(item)
+                    yield out
+                    if out.finished:
+                        return
         finally:
             # Still live in the engine: the consumer left, or a stop string ended the stream.
             if self._sinks.get(rid) is sink:
