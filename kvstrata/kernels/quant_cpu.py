@@ -308,7 +308,8 @@ class CpuChoice:
     """What ``choose_cpu_path`` measured. ``times_ms[path][tokens]``: the best
     of its runs, for every candidate and for "dense" (F.linear on the weight
     dequantized to ``dtype``: what dequantize-at-load would cost, for the
-    loader to weigh against memory). ``weight``: the packed weight
+    loader to weigh against memory); empty when nothing was timed
+    (``measure=False`` and one candidate). ``weight``: the packed weight
     prepared for ``path`` (repacked when "int4" or "native")."""
 
     path: str

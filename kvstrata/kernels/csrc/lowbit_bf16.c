@@ -161,6 +161,11 @@ INLINE void unpack_pair(const int kind, const uint8_t *q, const uint8_t *hi, int
         w[t] = kind == Q6K ? _mm512_permutex2var_epi16(lut.lo, idx[t], lut.hi) : _mm512_permutexvar_epi16(idx[t], lut.lo);
 }
 
+/* The even (e = 0) or odd (e = 1) column of 16 bf16 pairs, as float32 (exact). */
+INLINE __m512 pair_column(__m512i w, int e) {
+    return _mm512_castsi512_ps(e == 0 ? _mm512_slli_epi32(w, 16) : _mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 INLINE __m512 f16x16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 INLINE __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 INLINE __m512 i8x16(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -194,7 +199,6 @@ INLINE void rows_dot(const int kind, const int F32, const int MT, const int dire
                      const float *xsum, size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out,
                      size_t ldo, int first) {
     const int KP = group_cols(kind) / 2;
-    const __m512i odd_half = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 p[4][4];
     for (int m = 0; m < MT; m++)
         for (int t = 0; t < 4; t++) p[m][t] = _mm512_setzero_ps();
@@ -215,8 +219,8 @@ INLINE void rows_dot(const int kind, const int F32, const int MT, const int dire
         __m512 we[4], wo[4]; /* columns 2kp and 2kp + 1 as float32 */
         for (int t = 0; t < 4; t++)
             if (direct) {
-                we[t] = _mm512_castsi512_ps(_mm512_slli_epi32(w[t], 16));
-                wo[t] = _mm512_castsi512_ps(_mm512_and_si512(w[t], odd_half));
+                we[t] = pair_column(w[t], 0);
+                wo[t] = pair_column(w[t], 1);
             } else {
                 we[t] = _mm512_load_ps((const float *)tile + kp * 128 + 16 * t);
                 wo[t] = _mm512_load_ps((const float *)tile + kp * 128 + 64 + 16 * t);
@@ -240,29 +244,24 @@ INLINE void rows_dot(const int kind, const int F32, const int MT, const int dire
     }
 }
 
-/* xsum[m][g] = the sum of x[m][32g .. 32g + 31] (as bf16, in float32): the offsets' term. */
-static void group_sums(const uint16_t *x, int M, int K, float *xsum) {
+/* xsum[m][g] = the sum of x[m][32g .. 32g + 31] in float32 (x bf16, or float32 when x_f32):
+ * the offsets' term. */
+static void group_sums(const void *x, int x_f32, int M, int K, float *xsum) {
     const int G = K / 32;
     for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             float acc = 0.f;
             for (int i = 0; i < 32; i++) {
-                uint32_t bits = (uint32_t)x[(size_t)m * K + g * 32 + i] << 16;
+                const size_t at = (size_t)m * K + g * 32 + i;
                 float f;
-                memcpy(&f, &bits, sizeof f);
+                if (x_f32) {
+                    f = ((const float *)x)[at];
+                } else {
+                    const uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
+                    memcpy(&f, &bits, sizeof f);
+                }
                 acc += f;
             }
-            xsum[(size_t)m * G + g] = acc;
-        }
-}
-
-/* The same of a float32 x. */
-static void group_sums_f32(const float *x, int M, int K, float *xsum) {
-    const int G = K / 32;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            float acc = 0.f;
-            for (int i = 0; i < 32; i++) acc += x[(size_t)m * K + g * 32 + i];
             xsum[(size_t)m * G + g] = acc;
         }
 }
@@ -296,9 +295,8 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
                 unpack_pair(kind, q, hi, kp, lut, w);
                 for (int t = 0; t < 4; t++)
                     if (F32) { /* column 2kp's 64 rows, then 2kp + 1's */
-                        _mm512_store_si512(tile + kp * 128 + 16 * t, _mm512_slli_epi32(w[t], 16));
-                        _mm512_store_si512(tile + kp * 128 + 64 + 16 * t,
-                                           _mm512_and_si512(w[t], _mm512_set1_epi32((int)0xFFFF0000u)));
+                        _mm512_store_ps((float *)tile + kp * 128 + 16 * t, pair_column(w[t], 0));
+                        _mm512_store_ps((float *)tile + kp * 128 + 64 + 16 * t, pair_column(w[t], 1));
                     } else {
                         _mm512_store_si512(tile + kp * 64 + 16 * t, w[t]);
                     }
@@ -461,20 +459,18 @@ INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, 
  * of the kind's block; the caller checks shapes, strides and the CPU (kvq_isa). Returns 0, or
  * -1 for an unknown kind or an isa / x pairing there is no kernel for. */
 #define KVQ_CASE(K_, F_) \
-    case K_: matmul(K_, F_, off, x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    case K_: matmul(K_, F_, off, x, wt, out, M, N, K, ldo, nthreads, xsum); return 0;
 #define KVQ_CASE8(K_) \
-    case K_: matmul8(K_, off, (const float *)x, &wt, out, M, N, K, ldo, nthreads, xsum); return 0;
+    case K_: matmul8(K_, off, (const float *)x, wt, out, M, N, K, ldo, nthreads, xsum); return 0;
 
-KVQ_AVX2 static int matmul_avx2(int kind, int off, const void *x, const Weight *wt_, float *out, int M, int N, int K,
+KVQ_AVX2 static int matmul_avx2(int kind, int off, const void *x, const Weight *wt, float *out, int M, int N, int K,
                                 long ldo, int nthreads, float *xsum) {
-    const Weight wt = *wt_;
     switch (kind) { KVQ_CASE8(QD4) KVQ_CASE8(QD5) KVQ_CASE8(QK4) KVQ_CASE8(QK5) KVQ_CASE8(Q6K) KVQ_CASE8(Q8) }
     return -1;
 }
 
-KVQ_TARGET static int matmul_avx512(int kind, int off, const void *x, int x_f32, const Weight *wt_, float *out, int M,
+KVQ_TARGET static int matmul_avx512(int kind, int off, const void *x, int x_f32, const Weight *wt, float *out, int M,
                                     int N, int K, long ldo, int nthreads, float *xsum) {
-    const Weight wt = *wt_;
     if (x_f32)
         switch (kind) { KVQ_CASE(QD4, 1) KVQ_CASE(QD5, 1) KVQ_CASE(QK4, 1) KVQ_CASE(QK5, 1) KVQ_CASE(Q6K, 1) KVQ_CASE(Q8, 1) }
     else
@@ -487,12 +483,7 @@ int kvq_matmul(int isa, int kind, int off, const void *x, int x_f32, const uint8
                long ldo, int nthreads, float *xsum) {
     const Weight wt = {q, hi, s1, s2, d, dmin};
     if ((isa != 1 && isa != 2) || (isa == 1 && !x_f32) || kind < QD4 || kind > Q8) return -1;
-    if (kind == QD4 || kind == QD5 || kind == QK4 || kind == QK5) {
-        if (x_f32)
-            group_sums_f32((const float *)x, M, K, xsum);
-        else
-            group_sums((const uint16_t *)x, M, K, xsum);
-    }
+    if (has_offset(kind)) group_sums(x, x_f32, M, K, xsum);
     return isa == 2 ? matmul_avx512(kind, off, x, x_f32, &wt, out, M, N, K, ldo, nthreads, xsum)
                     : matmul_avx2(kind, off, x, &wt, out, M, N, K, ldo, nthreads, xsum);
 }

@@ -1,6 +1,7 @@
 """A GGUF's linear layers kept quantized (``model.quantized_weights =
-"packed"``, and "auto" on a CPU where the native kernels run): which tensors pack, the CPU path of each layer, the activation
-dtype "auto" picks on a CPU, and the modules put in the model.
+"packed"``, and "auto" on a CPU where the native kernels run): which
+tensors pack, the CPU path of each layer, the activation dtype "auto" picks
+on a CPU, and the modules put in the model.
 
     plan = pack_linears(sources, arch, device)          the blocks, read once
     dtype, paths = choose_paths(plan, dtype | None)     CPU only; None: "auto"
