@@ -11,15 +11,18 @@ Timing: CUDA events, median. ``us`` is GPU time per call, from replays of a
 CUDA graph of several calls (how decode runs in the engine); ``eager_us``
 times single eager calls, host overhead included.
 
-CPU: one tiny decode and one tiny prefill case (the torch reference path vs
-SDPA), labelled as such.
+CPU: decode, SmolLM2's heads (Hq 9, Hkv 3, D 64) and Hq 32, Hkv 8, D 128,
+fp32 and bf16, batch 1 x 512 / 2048 and 16, 64 x 512: the C kernel
+(``attention_native``, impl "auto") vs the SDPA path it replaced (impl
+"torch") vs SDPA on dense K/V, the K/V read from DRAM (copies cycled);
+``--threads N`` sets torch's threads (default: torch's). One prefill case.
 
 --tune (GPU, a few minutes more): decode at context 4096, ratio to SDPA for
 every KV tile / warps / stages choice at batch 8, 64, 256, and for every
 split count at batch 1 to 256 with the default tiles: what ``decode_plan``
 and ``PROGRAMS_PER_SM`` in kvstrata/kernels/_triton_attention.py should say.
 
-Usage: python tools/bench_attention.py [--quick] [--tune]
+Usage: python tools/bench_attention.py [--quick] [--tune] [--threads N]
 Never asserts timings.
 """
 
@@ -78,7 +81,8 @@ def ours(c: dict, num_splits: int | None = None, split_decode: bool = True) -> C
     args = (c["query"], c["key_cache"], c["value_cache"], c["block_tables"], c["query_start_loc"], c["seq_lens"],
             c["scale"])
     if num_splits is None:
-        return lambda: paged_attention(*args, out=out, split_decode=split_decode)
+        plans: dict = {}  # one step's metadata (CPU): planned by the first call, as by a model's first layer
+        return lambda: paged_attention(*args, out=out, split_decode=split_decode, plans=plans)
     from kvstrata.kernels._triton_attention import paged_attention_triton
 
     return lambda: paged_attention_triton(*args, None, out, num_splits=num_splits)
@@ -170,21 +174,60 @@ def tune_section(repeat: int = 10) -> dict:
     return res
 
 
-def cpu_section() -> dict:
-    """One tiny case each: no GPU here, so 'ours' is the torch reference path."""
-    res: dict = {}
-    for kind, batch, q_len, ctx in (("decode", 4, 1, 256), ("prefill", 1, 128, 128)):
-        c = make_case(batch, ctx, q_len, 4, 2, 64, torch.float32, "cpu")
-        t_ours, t_sdpa = cpu_time(ours(c), 10), cpu_time(sdpa(c, q_len > 1), 10)
-        res[f"{kind}_b{batch}_ctx{ctx}"] = {"us": t_ours * 1e6, "sdpa_us": t_sdpa * 1e6, "ratio": t_ours / t_sdpa}
+CPU_MODELS = {"smollm2_hq9_hkv3_d64": (9, 3, 64), "hq32_hkv8_d128": (32, 8, 128)}
+CPU_DECODE = ((1, 512), (1, 2048), (16, 512), (64, 512))
+COLD_BYTES = 96 << 20  # cycle enough copies of a case that its K/V comes from DRAM, as a model's layers do
+
+
+def cpu_section(quick: bool) -> dict:
+    """Decode on the CPU: the C kernel (``attention_native``, what impl "auto"
+    runs) vs the SDPA path it replaced (impl "torch": gathers each sequence's
+    blocks, then SDPA) vs SDPA on the same K/V laid out densely (no gather:
+    a floor for any SDPA path). Copies of each case are cycled so the K/V is
+    read from DRAM, as in a model (one copy per layer). One prefill case."""
+    from kvstrata.kernels.attention_native import attention_kernels, attention_status
+
+    attention_kernels()  # built and loaded before anything is timed
+    res: dict = {"decode_kernel": attention_status(), "threads": torch.get_num_threads()}
+    repeat = 3 if quick else 7
+    for model, (hq, hkv, d) in CPU_MODELS.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch, ctx in CPU_DECODE[:3] if quick else CPU_DECODE:
+                kv_bytes = 2 * batch * ctx * hkv * d * dtype.itemsize
+                copies = max(1, min(8, -(-COLD_BYTES // kv_bytes)))
+                cases = [make_case(batch, ctx, 1, hq, hkv, d, dtype, "cpu", seed=i) for i in range(copies)]
+                row = {}
+                for name, make in (("native_us", lambda c: ours(c)), ("sdpa_path_us", lambda c: ours_torch(c)),
+                                   ("sdpa_dense_us", lambda c: sdpa(c, False))):
+                    fns = [make(c) for c in cases]
+                    row[name] = cpu_time(lambda: [f() for f in fns], repeat) / copies * 1e6
+                row["vs_sdpa_path"] = row["native_us"] / row["sdpa_path_us"]
+                row["vs_sdpa_dense"] = row["native_us"] / row["sdpa_dense_us"]
+                row["GBps"] = kv_bytes / row["native_us"] / 1e3
+                res[f"decode_{model}_{str(dtype).removeprefix('torch.')}_b{batch}_ctx{ctx}"] = row
+    c = make_case(1, 128, 128, 4, 2, 64, torch.float32, "cpu")
+    t_ours, t_sdpa = cpu_time(ours(c), 10), cpu_time(sdpa(c, True), 10)
+    res["prefill_b1_ctx128"] = {"us": t_ours * 1e6, "sdpa_us": t_sdpa * 1e6, "ratio": t_ours / t_sdpa}
     return res
+
+
+def ours_torch(c: dict) -> Callable[[], object]:
+    """The SDPA path of our CPU decode (the torch reference: gather, then SDPA per chunk)."""
+    out = torch.empty_like(c["query"])
+    args = (c["query"], c["key_cache"], c["value_cache"], c["block_tables"], c["query_start_loc"], c["seq_lens"],
+            c["scale"])
+    plans: dict = {}
+    return lambda: paged_attention(*args, out=out, impl="torch", plans=plans)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--tune", action="store_true", help="also sweep decode tiles and split counts (GPU)")
+    parser.add_argument("--threads", type=int, help="torch threads (CPU)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report: dict = {"torch": torch.__version__, "machine": platform.machine()}
     if torch.cuda.is_available():
         import triton
@@ -194,9 +237,9 @@ def main() -> None:
         if args.tune:
             report["tune"] = tune_section()
     else:
-        report["note"] = ("no CUDA device: one tiny decode and one tiny prefill case on CPU, the torch reference "
-                          "path vs SDPA; the decode-vs-SDPA goal is measured on a GPU")
-        report["cpu"] = cpu_section()
+        report["note"] = ("no CUDA device: CPU decode (the C kernel vs the SDPA path and dense SDPA) and one tiny "
+                          "prefill; the GPU decode-vs-SDPA goal is measured on a GPU")
+        report["cpu"] = cpu_section(args.quick)
     print(json.dumps(report, indent=2))
 
 

@@ -36,6 +36,7 @@ from kvstrata.kernels._checks import (
     check_shape,
     check_tensor,
 )
+from kvstrata.kernels.attention_native import AttentionKernels, attention_kernels
 from kvstrata.kernels.dispatch import use_triton
 
 
@@ -68,7 +69,9 @@ def paged_attention(
     them (flash-decoding), which fills the GPU at small batches. Off by
     default until a GPU run has checked it against the oracle (its
     interpreter tests pass); the torch reference ignores it."""
-    _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out)
+    # the step's lengths are checked by its first call (``plans`` empty): later layers share them
+    _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
+                lengths=not plans)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if query.shape[0] == 0:
@@ -83,9 +86,17 @@ def paged_attention(
     else:
         paged_attention_ref(
             query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, float(scale), sliding_window, out,
-            plans=plans,
+            plans=plans, native=_native_decode(impl, query, key_cache),
         )
     return out
+
+
+def _native_decode(impl: str, query: torch.Tensor, key_cache: torch.Tensor) -> AttentionKernels | None:
+    """The C decode kernel where impl "auto" runs on the CPU and it takes these shapes (else None: SDPA)."""
+    if impl != "auto" or query.device.type != "cpu":
+        return None
+    kernels = attention_kernels()
+    return kernels if kernels is not None and kernels.supports(query, key_cache) else None
 
 
 def paged_attention_ref(
@@ -100,24 +111,32 @@ def paged_attention_ref(
     out: torch.Tensor,
     *,
     plans: dict | None = None,
+    native: AttentionKernels | None = None,
 ) -> torch.Tensor:
     """Torch reference of :func:`paged_attention` (no argument checks).
 
     Sequences with one new token (decode) run in length-sorted chunks (one
-    padded SDPA call per chunk, see ``_decode_plan``); longer ones
+    padded SDPA call per chunk, see ``_decode_plan``), or, given ``native``
+    (``attention_native``, which must support these shapes), in one call of
+    the C kernel reading the cache where it lies; longer ones
     (prefill/extend) run one SDPA call each over the blocks they can see.
     No Python work per token. ``plans``: see :func:`paged_attention` (the
-    plan depends on the window and the cache's block shape, dtype and
-    device besides the step's tensors: each is a key of its own).
+    plan depends on the window, the cache's block shape, dtype and device
+    and the decode kernel besides the step's tensors: each is a key of its
+    own).
     """
-    key = (sliding_window, tuple(key_cache.shape[1:]), key_cache.dtype, key_cache.device)
+    key = (sliding_window, tuple(key_cache.shape[1:]), key_cache.dtype, key_cache.device, native is not None)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
-        plan = _Plan(query.device, key_cache, block_tables, query_start_loc, seq_lens, sliding_window)
+        plan = _Plan(query.device, key_cache, block_tables, query_start_loc, seq_lens, sliding_window, native)
         if plans is not None:
             plans[key] = plan
     qsl, lens = plan.qsl, plan.lens
-    _decode(plan, query, key_cache, value_cache, scale, out)
+    if plan.native is not None:
+        tables, seqs, rows, lo, hi = plan.native
+        native.decode(query, key_cache, value_cache, tables, seqs, rows, lo, hi, scale, out)
+    else:
+        _decode(plan, query, key_cache, value_cache, scale, out)
     for b in range(len(lens)):
         q_len = qsl[b + 1] - qsl[b]
         if q_len > 1:
@@ -181,14 +200,22 @@ _DECODE_CHUNK_BYTES = 1 << 20
 class _Plan:
     """What one step's metadata tells the torch reference, for every layer:
     the host copies of ``query_start_loc`` / ``seq_lens`` and the decode
-    chunks (``_decode_plan``), with the gather buffer they share."""
+    chunks (``_decode_plan``), with the gather buffer they share; or, for
+    the native decode kernel, its int32 arguments (``native``: the table,
+    and per decode sequence its table row, query row and visible span)."""
 
-    __slots__ = ("qsl", "lens", "chunks", "buf")
+    __slots__ = ("qsl", "lens", "chunks", "buf", "native")
 
-    def __init__(self, device, key_cache, block_tables, query_start_loc, seq_lens, window) -> None:
+    def __init__(self, device, key_cache, block_tables, query_start_loc, seq_lens, window, native) -> None:
         self.qsl = query_start_loc.tolist()
         self.lens = lens = seq_lens.tolist()
         decode = [b for b in range(len(lens)) if self.qsl[b + 1] - self.qsl[b] == 1]
+        self.native = None
+        if native is not None and decode:
+            spans = [(b, self.qsl[b], _first_visible(lens[b] - 1, window), lens[b]) for b in decode]
+            meta = torch.tensor(spans, dtype=torch.int32).t().contiguous()
+            self.native = (block_tables.to(torch.int32), *meta)
+            decode = []
         self.chunks, rows = _decode_plan(device, key_cache, block_tables, self.qsl, lens, decode, window)
         # One gather buffer for every chunk's K and V (and every layer's):
         # index_select into warm, reused memory is much faster than into a
@@ -306,7 +333,8 @@ def _decode_chunk(query, key_cache, value_cache, c: _Chunk, scale, out, buf) -> 
     out.index_copy_(0, c.rows, o.squeeze(2).to(out.dtype))
 
 
-def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window, out) -> None:
+def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window, out,
+                lengths: bool = True) -> None:
     check_tensor("query", query, 3, KV_DTYPES)
     _, block_size, kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
     check_same_dtype("query", query, key_cache=key_cache)
@@ -338,7 +366,7 @@ def _check_args(query, key_cache, value_cache, block_tables, query_start_loc, se
         check_inner_contiguous("out", out, 2)
         tensors["out"] = out
     check_same_device(**tensors)
-    if query.device.type == "cpu":
+    if lengths and query.device.type == "cpu":
         _check_lengths(query_start_loc, seq_lens, num_tokens, block_size, block_tables.shape[1])
 
 

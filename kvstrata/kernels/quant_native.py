@@ -28,11 +28,8 @@ Needs x86-64 with AVX512F/BW/VL and AVX512_BF16, or else AVX2, FMA and F16C
 (the AVX2 kernel: float32 FMAs only, a bf16 x widened; bit-equal to the
 AVX512 kernel for a float32 x; ~2x its time at 1 token, 1.2x at 16; ``isa``
 says which runs, ``KVSTRATA_NATIVE_ISA=avx2`` picks it) (checked at run time), a C
-compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0. Built into
-``$KVSTRATA_CACHE_DIR/native/`` (default ``~/.cache/kvstrata``) under a
-hash of the source, compiler and flags, by an atomic rename, so concurrent
-first loads are safe and a changed source rebuilds (old builds stay: a few
-tens of KB each, and another checkout may still load one). Anything
+compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0. Built by
+``native_build.build`` (cached per source, compiler and flags). Anything
 missing: None, one log line (``quant_native_unavailable``) naming why, and
 the loader keeps the "int4" / "dequant" paths. ``KVSTRATA_NATIVE_KERNELS=0``
 turns it off (read at the first load in a process).
@@ -41,27 +38,21 @@ turns it off (read at the first load in a process).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
 import threading
-import uuid
 from pathlib import Path
 
 import structlog
 import torch
 
 from kvstrata.kernels._checks import KernelArgumentError
-from kvstrata.paths import cache_root
+from kvstrata.kernels.native_build import NativeUnavailable, build
 
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "lowbit_bf16.c"
 ABI_VERSION = 6
-_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-Wall")
-_BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _loaded: NativeKernels | None = None
@@ -209,10 +200,6 @@ def native_status() -> str:
     return "not tried" if _status is None else _status
 
 
-class NativeUnavailable(Exception):
-    """The native kernel cannot be built or run here (the message says why)."""
-
-
 def _load() -> NativeKernels:
     if os.environ.get("KVSTRATA_NATIVE_KERNELS", "1") == "0":
         raise NativeUnavailable("turned off by KVSTRATA_NATIVE_KERNELS=0")
@@ -237,38 +224,3 @@ def _load() -> NativeKernels:
             raise NativeUnavailable(f"KVSTRATA_NATIVE_ISA={forced}, but this CPU runs {isa} at most")
         isa = forced
     return NativeKernels(lib, path, isa)
-
-
-def build(source: Path, out_dir: Path | None = None) -> Path:
-    """The shared library of ``source``, compiled unless a build of the same
-    source, compiler and flags is cached already. Raises NativeUnavailable."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise NativeUnavailable("no C compiler (set CC, or install cc)")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"C compiler {cc!r} does not run: {e}") from e
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), cc.encode(), version.encode(), " ".join(_FLAGS).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    out_dir = (cache_root() / "native") if out_dir is None else out_dir
-    final = out_dir / f"{source.stem}-{key}.so"
-    if final.is_file():
-        return final
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise NativeUnavailable(f"cannot create {out_dir}: {e}") from e
-    tmp = out_dir / f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        done = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(source)], capture_output=True, text=True,
-                              timeout=_BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise NativeUnavailable(f"{cc} failed on {source.name} (exit {done.returncode}): {done.stderr.strip()[-400:]}")
-        os.replace(tmp, final)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"building {source.name} with {cc} failed: {e}") from e
-    finally:
-        tmp.unlink(missing_ok=True)
-    log.info("quant_native_built", path=str(final))
-    return final

@@ -33,6 +33,7 @@ import torch
 from kvstrata.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvstrata.connector.base import KVConnectorWorker
 from kvstrata.kernels import use_triton
+from kvstrata.kernels.attention_native import attention_kernels
 from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
 from kvstrata.worker.pending_step import Failed, Launched, PendingStep, Ready
@@ -166,6 +167,8 @@ class ModelRunner:
         if isinstance(self.model, LlamaForCausalLM):
             self.model.use_fused_kernels(self.fused_kernels)
             self.model.use_split_decode(model_config.split_decode)
+        if self.device.type == "cpu":
+            attention_kernels()  # the CPU decode attention kernel: built (once per machine) and loaded now, not mid-step
         self.graphs: DecodeGraphs | None = None
         self._launched: deque[Launched] = deque()  # launched steps not yet collected, oldest first
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
