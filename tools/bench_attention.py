@@ -16,13 +16,16 @@ fp32 and bf16, batch 1 x 512 / 2048 and 16, 64 x 512: the C kernel
 (``attention_native``, impl "auto") vs the SDPA path it replaced (impl
 "torch") vs SDPA on dense K/V, the K/V read from DRAM (copies cycled);
 ``--threads N`` sets torch's threads (default: torch's). One prefill case.
+``--engine``: SmolLM2's engine (the GGUF, packed float32) at batch 1, 16,
+64 after 512-token prompts, decode steps with the C kernel and with the SDPA
+path alternating in one process (ms per step, median round).
 
 --tune (GPU, a few minutes more): decode at context 4096, ratio to SDPA for
 every KV tile / warps / stages choice at batch 8, 64, 256, and for every
 split count at batch 1 to 256 with the default tiles: what ``decode_plan``
 and ``PROGRAMS_PER_SM`` in kvstrata/kernels/_triton_attention.py should say.
 
-Usage: python tools/bench_attention.py [--quick] [--tune] [--threads N]
+Usage: python tools/bench_attention.py [--quick] [--tune] [--threads N] [--engine]
 Never asserts timings.
 """
 
@@ -31,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -211,6 +216,56 @@ def cpu_section(quick: bool) -> dict:
     return res
 
 
+def engine_section(batches: tuple[int, ...], prompt: int, steps: int, rounds: int) -> dict:
+    """SmolLM2 (the GGUF, packed float32) decode steps with the C decode kernel
+    and with the SDPA path, alternating in one process on the same running
+    requests (``rounds`` x ``steps`` steps each; ms/step = the median round).
+    The SDPA path is what ``attention._native_decode`` returning None runs:
+    everything else in the step is the same code."""
+    import kvstrata.kernels.attention as attention_module
+    from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
+    from kvstrata.enginecore.builder import build_engine_core, build_runner
+    from kvstrata.enginecore.request import EngineRequest
+    from kvstrata.types import SamplingParams
+    from kvstrata.logs import configure_logging
+    from kvstrata.worker.model.smollm2 import locate_smollm2
+
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
+    try:
+        path = str(locate_smollm2(download=False))
+    except Exception as e:  # noqa: BLE001 - a bench reports what it could not run
+        return {"skipped": f"SmolLM2 GGUF not here: {e}"}
+    res: dict = {"model": path.rsplit("/", 1)[-1], "prompt_tokens": prompt, "threads": torch.get_num_threads()}
+    native = attention_module._native_decode
+    for batch in batches:
+        cfg = EngineConfig(model=ModelConfig(model=path, max_model_len=prompt + rounds * steps * 2 + 64,
+                                             num_threads=torch.get_num_threads()),
+                           device="cpu", cache=CacheConfig(num_blocks=16 + batch * ((prompt + 2 * rounds * steps) // 16 + 4)),
+                           log_level="WARNING")
+        core = build_engine_core(cfg, build_runner(cfg))
+        params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            core.add_request(EngineRequest(request_id=f"r{i}", sampling_params=params,
+                                           prompt_token_ids=[1 + (i * 7 + j) % 2000 for j in range(prompt)]))
+        while core.scheduler.waiting or any(r.num_computed_tokens < prompt for r in core.scheduler.running):
+            core.step()
+        times: dict[str, list[float]] = {"native": [], "sdpa_path": []}
+        try:
+            for _ in range(rounds):
+                for name in times:
+                    attention_module._native_decode = native if name == "native" else (lambda *a: None)
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        core.step()
+                    times[name].append((time.perf_counter() - t0) / steps * 1e3)
+        finally:
+            attention_module._native_decode = native
+        row = {f"{k}_ms_per_step": statistics.median(v) for k, v in times.items()}
+        row["speedup"] = row["sdpa_path_ms_per_step"] / row["native_ms_per_step"]
+        res[f"b{batch}"] = row
+    return res
+
+
 def ours_torch(c: dict) -> Callable[[], object]:
     """The SDPA path of our CPU decode (the torch reference: gather, then SDPA per chunk)."""
     out = torch.empty_like(c["query"])
@@ -225,6 +280,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--tune", action="store_true", help="also sweep decode tiles and split counts (GPU)")
     parser.add_argument("--threads", type=int, help="torch threads (CPU)")
+    parser.add_argument("--engine", action="store_true",
+                        help="CPU: also SmolLM2 engine decode steps, the C kernel vs the SDPA path")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,6 +297,8 @@ def main() -> None:
         report["note"] = ("no CUDA device: CPU decode (the C kernel vs the SDPA path and dense SDPA) and one tiny "
                           "prefill; the GPU decode-vs-SDPA goal is measured on a GPU")
         report["cpu"] = cpu_section(args.quick)
+        if args.engine:
+            report["engine"] = engine_section((1, 16, 64), 512, 4 if args.quick else 8, 3 if args.quick else 5)
     print(json.dumps(report, indent=2))
 
 
