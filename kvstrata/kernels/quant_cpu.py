@@ -70,6 +70,7 @@ import dataclasses
 import functools
 import itertools
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +117,14 @@ class QuantScratch:
             buf = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[(dtype, device)] = buf
         return buf[:numel]
+
+    def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``get`` without the slice: the whole buffer, at least ``numel`` long
+        (for a kernel that takes a pointer and its own length)."""
+        buf = self._buffers.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = self.get(numel, dtype, device)
+        return buf
 
     @property
     def nbytes(self) -> int:
@@ -270,10 +279,21 @@ class NativePath:
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
         # planes checked when made, x and out by quant_matmul / PackedLinear; available() loaded the kernels
-        x = (x if x.dtype == torch.bfloat16 else x.to(torch.float32)).contiguous()
-        sums = None if scratch is None else scratch.get(x.shape[0] * (x.shape[1] // 32), torch.float32, x.device)
-        _float32_sum(bias, out, lambda acc: native_kernels().matmul_unchecked(packed.qtype.name, x, packed.planes[0],
-                                                                              acc, sums))
+        call = _BOUND.get(packed)
+        if call is None:
+            call = _BOUND[packed] = native_kernels().bind(packed.qtype.name, packed.planes[0])
+        if x.dtype is not torch.bfloat16 and x.dtype is not torch.float32:
+            x = x.float()
+        x = x.contiguous()
+        sums = None if scratch is None else scratch.flat(x.shape[0] * (x.shape[1] // 32), torch.float32, x.device)
+        if bias is None and out.dtype is torch.float32:
+            call(x, out, sums)  # the decode case of a float32 model: straight into out
+        else:
+            _float32_sum(bias, out, lambda acc: call(x, acc, sums))
+
+
+# each native weight's bound kernel call, made at its first matmul; gone with the weight
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 CPU_PATHS: dict[str, type] = {"dequant": DequantPath, "int4": Int4Path, "native": NativePath}

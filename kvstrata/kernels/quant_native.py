@@ -4,6 +4,7 @@ built once per machine with the system C compiler, cached, loaded with ctypes.
     native_kernels() -> NativeKernels | None     loaded (built first if needed); None: see native_status()
     native_status() -> str                        "ok", or why there are no native kernels here
     NativeKernels.matmul(qtype, x, planes, acc)   acc = x @ W.T (x bf16 or float32), W in LAYOUTS[qtype]
+    NativeKernels.bind(qtype, planes)            the unchecked matmul of one weight, set up once
     check_planes(qtype, planes, n, k)             what matmul checks of the planes (once per weight suffices)
 
 One kernel design for every packed type (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
@@ -124,6 +125,15 @@ class NativeKernels:
         check_planes(qtype, planes, n, k)
         self.matmul_unchecked(qtype, x, planes, acc)
 
+    def bind(self, qtype: str, planes: tuple) -> BoundMatmul:
+        """``matmul_unchecked`` for one weight, its planes' pointers and the
+        call's constants worked out once (a third of the per-call Python
+        cost, which is most of a small layer's decode matmul). The planes
+        must be checked (``check_planes``) and must outlive the result."""
+        kind, off, slots = _CALLS[qtype]
+        ptrs = tuple(None if i is None else planes[i].data_ptr() for i in slots)
+        return BoundMatmul(self._fn, self._isa, kind, off, ptrs, kind in _OFFSET_KINDS, planes)
+
     def matmul_unchecked(self, qtype: str, x: torch.Tensor, planes: tuple, acc: torch.Tensor,
                          sums: torch.Tensor | None = None) -> None:
         """``matmul`` for planes already checked (``check_planes``, as
@@ -131,16 +141,29 @@ class NativeKernels:
         as the caller makes them: the per-call checks cost more than a
         small layer's matmul (~10 us). ``sums``: float32 of at least
         M * K / 32 elements for x's group sums (else allocated)."""
-        kind, off, slots = _CALLS[qtype]
-        if self._isa == 1 and x.dtype != torch.float32:
-            x = x.float()  # exact
+        self.bind(qtype, planes)(x, acc, sums)
+
+
+class BoundMatmul:
+    """One weight's ``NativeKernels.matmul_unchecked`` (``NativeKernels.bind``):
+    ``call(x, acc, sums=None)``, the same arguments and contract. Holds the
+    planes it points into."""
+
+    __slots__ = ("_fn", "_isa", "_kind", "_off", "_ptrs", "_offset", "_planes")
+
+    def __init__(self, fn, isa: int, kind: int, off: int, ptrs: tuple, offset: bool, planes: tuple) -> None:
+        self._fn, self._isa, self._kind, self._off, self._ptrs = fn, isa, kind, off, ptrs
+        self._offset, self._planes = offset, planes
+
+    def __call__(self, x: torch.Tensor, acc: torch.Tensor, sums: torch.Tensor | None = None) -> None:
+        f32 = x.dtype == torch.float32
+        if self._isa == 1 and not f32:
+            x, f32 = x.float(), True  # exact
         m, k = x.shape
-        xsum = None
-        if kind in _OFFSET_KINDS:
-            xsum = sums if sums is not None else torch.empty(m * (k // 32), dtype=torch.float32)
-        ptrs = [None if i is None else planes[i].data_ptr() for i in slots]
-        self._fn(self._isa, kind, off, x.data_ptr(), x.dtype == torch.float32, *ptrs, acc.data_ptr(), m, acc.shape[1], k,
-                 acc.stride(0), torch.get_num_threads(), None if xsum is None else xsum.data_ptr())
+        if self._offset and sums is None:
+            sums = torch.empty(m * (k // 32), dtype=torch.float32)  # held here until the call returns
+        self._fn(self._isa, self._kind, self._off, x.data_ptr(), f32, *self._ptrs, acc.data_ptr(), m, acc.shape[1], k,
+                 acc.stride(0), torch.get_num_threads(), sums.data_ptr() if self._offset else None)
 
 
 def check_planes(qtype: str, planes: tuple, n: int, k: int) -> None:

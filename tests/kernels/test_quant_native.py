@@ -326,3 +326,24 @@ def test_auto_packs_a_gguf_on_this_cpu_at_every_dtype():
     assert [resolve_quantized("auto", "cpu", d) for d in ("float32", "float16", "bfloat16", "auto")] == ["packed"] * 4
     assert resolve_quantized("auto", "cuda", "float32") == "dequantize"
     assert resolve_quantized("dequantize", "cpu", "float32") == "dequantize"
+
+
+@native
+def test_a_weight_binds_its_kernel_call_once_and_drops_it_with_the_weight():
+    import gc
+
+    from kvstrata.kernels import quant_cpu
+
+    packed = random_packed("Q4_1", 128, 64, seed=8)
+    w = with_cpu_path(packed, "native", keep_blocks=False)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    first = quant_matmul(x, w)
+    bound = quant_cpu._BOUND[w]
+    assert torch.equal(quant_matmul(x, w), first) and quant_cpu._BOUND[w] is bound  # reused, same bits
+    checked = torch.empty(3, 128)
+    native_kernels().matmul("Q4_1", x, w.planes[0], checked)  # the checked call, bound afresh
+    assert torch.equal(checked, first)
+    before = len(quant_cpu._BOUND)
+    del w, bound
+    gc.collect()
+    assert len(quant_cpu._BOUND) == before - 1
