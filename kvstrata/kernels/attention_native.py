@@ -27,17 +27,11 @@ process).
 from __future__ import annotations
 
 import ctypes
-import os
-import platform
-import threading
 from pathlib import Path
 
-import structlog
 import torch
 
-from kvstrata.kernels.native_build import NativeUnavailable, build
-
-log = structlog.get_logger(__name__)
+from kvstrata.kernels.native_build import NativeUnavailable, OnceLoader, load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.c"
 ABI_VERSION = 1
@@ -45,9 +39,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the C enum's order
 MAX_GROUP = 16  # query heads per KV head
 MAX_GROUP_DIM = 8192  # query heads per KV head x head_dim
 
-_lock = threading.Lock()
-_loaded: AttentionKernels | None = None
-_status: str | None = None
 
 
 class AttentionKernels:
@@ -96,36 +87,19 @@ class AttentionKernels:
 def attention_kernels() -> AttentionKernels | None:
     """The kernels, built and loaded on the first call (seconds at most: the
     model runner calls it at load); None where they cannot run here."""
-    global _loaded, _status
-    if _status is not None:
-        return _loaded
-    with _lock:
-        if _status is None:
-            try:
-                _loaded, _status = _load(), "ok"
-            except NativeUnavailable as e:
-                _status = str(e)
-                log.info("attention_native_unavailable", kernel=SOURCE.name, reason=_status)
-        return _loaded
+    return _once.get()
 
 
 def attention_status() -> str:
     """"ok", why ``attention_kernels()`` returned None, or "not tried" before it ran."""
-    return "not tried" if _status is None else _status
+    return _once.status()
 
 
 def _load() -> AttentionKernels:
-    if os.environ.get("KVSTRATA_NATIVE_KERNELS", "1") == "0":
-        raise NativeUnavailable("turned off by KVSTRATA_NATIVE_KERNELS=0")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise NativeUnavailable(f"x86-64 only (AVX2, FMA, F16C), this is {platform.machine()}")
-    path = build(SOURCE)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise NativeUnavailable(f"loading {path} failed: {e}") from e
-    if lib.kva_abi_version() != ABI_VERSION:
-        raise NativeUnavailable(f"{path} has ABI {lib.kva_abi_version()}, expected {ABI_VERSION}")
+    lib, path = load_library(SOURCE, "kva_abi_version", ABI_VERSION)
     if not lib.kva_isa():
         raise NativeUnavailable("this CPU lacks AVX2, FMA or F16C")
     return AttentionKernels(lib, path)
+
+
+_once: OnceLoader[AttentionKernels] = OnceLoader(_load, "attention_native_unavailable", SOURCE)

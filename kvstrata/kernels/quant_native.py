@@ -40,24 +40,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
-import threading
 from pathlib import Path
 
-import structlog
 import torch
 
 from kvstrata.kernels._checks import KernelArgumentError
-from kvstrata.kernels.native_build import NativeUnavailable, build
-
-log = structlog.get_logger(__name__)
+from kvstrata.kernels.native_build import NativeUnavailable, OnceLoader, load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "lowbit_bf16.c"
 ABI_VERSION = 6
 
-_lock = threading.Lock()
-_loaded: NativeKernels | None = None
-_status: str | None = None  # None until the first native_kernels()
 
 
 # The layout of each type's planes (``quant_relayout`` makes them): the C kind
@@ -205,36 +197,16 @@ def _check_x_acc(x, acc, k_multiple: int) -> tuple[int, int, int]:
 def native_kernels() -> NativeKernels | None:
     """The kernel, built and loaded on the first call (seconds at most; call
     it at load, never on the request path); None where it cannot run here."""
-    global _loaded, _status
-    if _status is not None:  # settled: every matmul asks, no lock on that path
-        return _loaded
-    with _lock:
-        if _status is None:
-            try:
-                _loaded, _status = _load(), "ok"
-            except NativeUnavailable as e:
-                _status = str(e)
-                log.info("quant_native_unavailable", kernel=SOURCE.name, reason=_status)
-        return _loaded
+    return _once.get()
 
 
 def native_status() -> str:
     """"ok", why ``native_kernels()`` returned None, or "not tried" before it ran."""
-    return "not tried" if _status is None else _status
+    return _once.status()
 
 
 def _load() -> NativeKernels:
-    if os.environ.get("KVSTRATA_NATIVE_KERNELS", "1") == "0":
-        raise NativeUnavailable("turned off by KVSTRATA_NATIVE_KERNELS=0")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise NativeUnavailable(f"x86-64 only (AVX512_BF16 or AVX2), this is {platform.machine()}")
-    path = build(SOURCE)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise NativeUnavailable(f"loading {path} failed: {e}") from e
-    if lib.kvq_abi_version() != ABI_VERSION:
-        raise NativeUnavailable(f"{path} has ABI {lib.kvq_abi_version()}, expected {ABI_VERSION}")
+    lib, path = load_library(SOURCE, "kvq_abi_version", ABI_VERSION)
     level = lib.kvq_isa()
     if level == 0:
         raise NativeUnavailable("this CPU lacks AVX2, FMA or F16C")
@@ -247,3 +219,6 @@ def _load() -> NativeKernels:
             raise NativeUnavailable(f"KVSTRATA_NATIVE_ISA={forced}, but this CPU runs {isa} at most")
         isa = forced
     return NativeKernels(lib, path, isa)
+
+
+_once: OnceLoader[NativeKernels] = OnceLoader(_load, "quant_native_unavailable", SOURCE)

@@ -30,8 +30,8 @@ import torch
 from kvstrata.kernels import (KernelArgumentError, choose_cpu_path, dequantize, pack_weight, quant_matmul,
                               with_cpu_path)
 from kvstrata.kernels.quant_cpu import planes_rows
-from kvstrata.kernels.quant_native import (LAYOUTS, SOURCE, NativeKernels, NativeUnavailable, build, native_kernels,
-                                          native_status)
+from kvstrata.kernels.native_build import NativeUnavailable, build
+from kvstrata.kernels.quant_native import LAYOUTS, SOURCE, NativeKernels, native_kernels, native_status
 from kvstrata.kernels.quant_relayout import native_planes, native_rows
 
 pytest.importorskip("gguf")
