@@ -118,7 +118,8 @@ def paged_attention_ref(
     Sequences with one new token (decode) run in length-sorted chunks (one
     padded SDPA call per chunk, see ``_decode_plan``), or, given ``native``
     (``attention_native``, which must support these shapes), in one call of
-    the C kernel reading the cache where it lies; longer ones
+    the C kernel reading the cache where it lies, together with every token
+    of the queries of up to NATIVE_MAX_QUERY tokens; longer ones
     (prefill/extend) run one SDPA call each over the blocks they can see.
     No Python work per token. ``plans``: see :func:`paged_attention` (the
     plan depends on the window, the cache's block shape, dtype and device
@@ -137,12 +138,9 @@ def paged_attention_ref(
         native.decode(query, key_cache, value_cache, tables, seqs, rows, lo, hi, scale, out)
     else:
         _decode(plan, query, key_cache, value_cache, scale, out)
-    for b in range(len(lens)):
+    for b in plan.extend:
         q_len = qsl[b + 1] - qsl[b]
-        if q_len > 1:
-            _extend_one(
-                query, key_cache, value_cache, block_tables[b], qsl[b], q_len, lens[b], scale, sliding_window, out
-            )
+        _extend_one(query, key_cache, value_cache, block_tables[b], qsl[b], q_len, lens[b], scale, sliding_window, out)
     return out
 
 
@@ -189,6 +187,10 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor 
     return torch.index_select(cache.flatten(1), 0, blocks, out=out)
 
 
+# The native kernel attends each token of a query up to this long on its own
+# (its K/V rows read once per token); longer ones (prefill chunks) go to SDPA.
+NATIVE_MAX_QUERY = 8
+
 # Decode sequences are gathered and attended in chunks of about this many
 # bytes of K (V alike): small enough that the gathered copy is still in cache
 # when SDPA reads it (one big padded gather of the whole batch cost fresh
@@ -201,18 +203,25 @@ class _Plan:
     """What one step's metadata tells the torch reference, for every layer:
     the host copies of ``query_start_loc`` / ``seq_lens`` and the decode
     chunks (``_decode_plan``), with the gather buffer they share; or, for
-    the native decode kernel, its int32 arguments (``native``: the table,
-    and per decode sequence its table row, query row and visible span)."""
+    the native kernel, its int32 arguments (``native``: the table, and per
+    query token it takes its table row, query row and visible span); and
+    the sequences SDPA attends one by one (``extend``)."""
 
-    __slots__ = ("qsl", "lens", "chunks", "buf", "native")
+    __slots__ = ("qsl", "lens", "chunks", "buf", "native", "extend")
 
     def __init__(self, device, key_cache, block_tables, query_start_loc, seq_lens, window, native) -> None:
-        self.qsl = query_start_loc.tolist()
+        self.qsl = qsl = query_start_loc.tolist()
         self.lens = lens = seq_lens.tolist()
-        decode = [b for b in range(len(lens)) if self.qsl[b + 1] - self.qsl[b] == 1]
+        q_lens = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
+        # the native kernel takes every token of a short query (decode, speculative
+        # verification) as a decode of its own position; SDPA the rest
+        short = NATIVE_MAX_QUERY if native is not None else 1
+        decode = [b for b, q in enumerate(q_lens) if q == 1]
+        self.extend = [b for b, q in enumerate(q_lens) if q > short]
         self.native = None
-        if native is not None and decode:
-            spans = [(b, self.qsl[b], _first_visible(lens[b] - 1, window), lens[b]) for b in decode]
+        spans = [(b, qsl[b] + j, _first_visible(lens[b] - q + j, window), lens[b] - q + j + 1)
+                 for b, q in enumerate(q_lens) if 1 <= q <= short for j in range(q)] if native is not None else None
+        if spans:
             meta = torch.tensor(spans, dtype=torch.int32).t().contiguous()
             self.native = (block_tables.to(torch.int32), *meta)
             decode = []

@@ -6,8 +6,11 @@ built once per machine (``native_build``) and loaded with ctypes.
     AttentionKernels.supports(query, key_cache)      whether ``decode`` takes these shapes and dtypes
     AttentionKernels.decode(...)                     one new token per sequence over its visible positions
 
-``kernels.paged_attention`` uses it for the decode sequences of a CPU step
-(impl "auto"); prefill and extend stay on SDPA, which is the faster there.
+``kernels.paged_attention`` uses it on a CPU step (impl "auto") for decode
+tokens and for every token of a query of up to ``attention.NATIVE_MAX_QUERY``
+(8) tokens (speculative verification, small chunks), each attending from
+its own position; longer queries (prefill, extend) stay on SDPA, faster
+there (at 12 tokens they break even).
 What it replaces: per layer, gathering each sequence's blocks into a padded
 buffer (a copy of every visible K and V row), zeroing the padding, one SDPA
 call per chunk of sequences and scattering the outputs back. The kernel

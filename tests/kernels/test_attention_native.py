@@ -148,8 +148,29 @@ def test_mixed_steps_run_decode_natively_and_the_rest_on_sdpa(window):
     out = run(strided, 0.3, window)
     torch.testing.assert_close(out.double(), dense_attention(batch, 0.3, window), atol=2e-6, rtol=2e-6)
     ref = sdpa(batch, 0.3, window)
-    prefill_rows = slice(0, 9 + 5)  # the prefill and the extend: the same SDPA calls, bit-equal
-    assert torch.equal(out[prefill_rows], ref[prefill_rows])
+    assert attention_module.NATIVE_MAX_QUERY == 8  # 9 new tokens: SDPA; 5: native, each token on its own
+    assert torch.equal(out[:9], ref[:9])  # the same SDPA call, bit-equal
+    torch.testing.assert_close(out[9:], ref[9:], atol=2e-6, rtol=2e-6)
+
+
+@native
+@pytest.mark.parametrize("window", [None, 4, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_queries_attend_causally_token_by_token(window, dtype):
+    # speculative verification and small chunks: 2..8 new tokens per sequence
+    # run in the native kernel, each at its own position (causal within the
+    # query, and its own window); 9 and more stay on SDPA
+    seq_lens, q_lens = [3, 20, 41, 8, 64, 30, 9], [2, 3, 8, 8, 5, 9, 1]
+    batch = make_paged_batch(seq_lens, q_lens, block_size=4, q_heads=6, kv_heads=2, head_dim=16, dtype=dtype,
+                             sliding_window=window, extra_table_cols=2, seed=23)
+    poison_tails(batch)
+    plans = {}
+    out = run(batch, 0.25, window, plans=plans)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), dense_attention(batch, 0.25, window), atol=TOL[dtype], rtol=TOL[dtype])
+    (plan,) = plans.values()
+    assert plan.extend == [5]  # the one 9-token query
+    assert plan.native[1].numel() == sum(q for q in q_lens if q <= 8)  # one kernel item per token
 
 
 @native
