@@ -47,11 +47,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # turns them on); always off on a CPU.
     cuda_graphs: bool | None = None
     cuda_graph_sizes: list[int] | None = None
-    # Fused Triton kernels in the decoder layer (RMSNorm with the residual
-    # add, RoPE with the KV cache write, SiLU-and-mul). None/False: off (one
-    # GPU run has shown the oracle identical with them for Llama only);
-    # True: on (on a CPU they run their torch references, or the Triton
-    # interpreter under TRITON_INTERPRET=1).
+    # Fused kernels in the decoder layer (RMSNorm with the residual add, RoPE
+    # with the KV cache write, SiLU-and-mul). None: on for a CPU where their C
+    # kernels load (kernels/fused_native.py; not under TRITON_INTERPRET=1),
+    # off on CUDA (one GPU run has shown the oracle identical with the Triton
+    # ones for Llama only); True: on (Triton on CUDA and under
+    # TRITON_INTERPRET=1, else C on a CPU, else the torch references); False: off.
     fused_kernels: bool | None = None
     # Decode attention split over the KV range (flash-decoding) on the Triton
     # path: fills the GPU at small batches. Off until a GPU run has checked it

@@ -9,6 +9,10 @@ chain of torch ops, each reading and writing the whole activation.
         q_rot = apply_rotary(q); apply_rotary(k) and v go to the paged caches
         at slot_mapping (reshape_and_cache: negative slot = padding)
 
+CPU (impl "auto", no TRITON_INTERPRET): the add + norm and the rotary +
+cache write run in C (``fused_native``, one call each), SiLU-and-mul as
+torch's two ops (already one pass each).
+
 Rounding contract: the references below are the unfused model code
 (``worker/model/layers.py``, ``rope.py``, ``llama.py``), copied because
 kernels sit below the worker layer. The Triton kernels compute in fp32 and
@@ -42,6 +46,15 @@ from kvstrata.kernels._checks import (
 )
 from kvstrata.kernels.cache_write import check_slots_in_range, reshape_and_cache_ref
 from kvstrata.kernels.dispatch import use_triton
+from kvstrata.kernels.fused_native import FusedKernels, fused_kernels
+
+
+def _native(impl: str, x: torch.Tensor) -> FusedKernels | None:
+    """The C kernels (``fused_native``) where impl "auto" runs on CPU tensors they take, else None."""
+    if impl != "auto" or x.device.type != "cpu":
+        return None
+    kernels = fused_kernels()
+    return kernels if kernels is not None and kernels.supports(x) else None
 
 
 # ---- add + RMSNorm ---------------------------------------------------------------
@@ -70,10 +83,13 @@ def fused_add_rms_norm(
     if residual_out is None and residual is not None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] > 0:
+        native = None if use_triton(impl, x.device) else _native(impl, x)
         if use_triton(impl, x.device):
             from kvstrata.kernels._triton_fused import add_rms_norm_triton
 
             add_rms_norm_triton(x, residual, weight, eps, out, residual_out)
+        elif native is not None:
+            native.add_rms_norm(x, residual, weight, eps, out, residual_out)
         else:
             normed, summed = fused_add_rms_norm_ref(x, residual, weight, eps)
             out.copy_(normed)
@@ -132,6 +148,8 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str 
     if x.shape[1] % 2:
         raise KernelArgumentError(f"x must have an even last dim (gate then up), got shape {tuple(x.shape)}")
     shape = (x.shape[0], x.shape[1] // 2)
+    if out is None and not use_triton(impl, x.device):
+        return silu_and_mul_ref(x)  # torch's two ops make the result: no copy into a buffer of ours
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     else:
@@ -186,10 +204,13 @@ def rotary_and_cache(
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return q_out
+    native = None if use_triton(impl, q.device) else _native(impl, q)
     if use_triton(impl, q.device):
         from kvstrata.kernels._triton_fused import rotary_and_cache_triton
 
         rotary_and_cache_triton(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out)
+    elif native is not None:
+        native.rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out)
     else:
         q_out.copy_(rotary_and_cache_ref(q, k, v, cos, sin, key_cache, value_cache, slot_mapping))
     return q_out

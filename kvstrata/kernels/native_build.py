@@ -75,14 +75,15 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
     return final
 
 
-def load_library(source: Path, abi_symbol: str, abi: int) -> tuple[ctypes.CDLL, Path]:
+def load_library(source: Path, abi_symbol: str, abi: int, *, x86_only: bool = True) -> tuple[ctypes.CDLL, Path]:
     """``source`` built (``build``) and loaded, after the checks every native
     kernel set shares: ``KVSTRATA_NATIVE_KERNELS=0`` turns them all off, and
-    they are x86-64 code; ``abi_symbol()`` must return ``abi``. Returns the
+    they are x86-64 code (unless ``x86_only`` is false: portable C);
+    ``abi_symbol()`` must return ``abi``. Returns the
     library and its path; raises NativeUnavailable naming what is missing."""
     if os.environ.get("KVSTRATA_NATIVE_KERNELS", "1") == "0":
         raise NativeUnavailable("turned off by KVSTRATA_NATIVE_KERNELS=0")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if x86_only and platform.machine().lower() not in ("x86_64", "amd64"):
         raise NativeUnavailable(f"x86-64 only, this is {platform.machine()}")
     path = build(source)
     try:

@@ -34,6 +34,8 @@ from kvstrata.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvstrata.connector.base import KVConnectorWorker
 from kvstrata.kernels import use_triton
 from kvstrata.kernels.attention_native import attention_kernels
+from kvstrata.kernels.dispatch import interpret_requested
+from kvstrata.kernels.fused_native import fused_kernels
 from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
 from kvstrata.worker.pending_step import Failed, Launched, PendingStep, Ready
@@ -161,9 +163,14 @@ class ModelRunner:
                                        model_config.cuda_graph_sizes)
         self.use_cuda_graphs = wants_cuda_graphs(model_config.cuda_graphs, self.device,
                                                  windowed=any(arch_windows(self.arch)))
-        # Fused kernels: off unless asked for (the default turns on for CUDA
-        # once a GPU run has shown the oracle identical with them).
-        self.fused_kernels = bool(model_config.fused_kernels)
+        # Fused kernels: None turns them on for a CPU where their C kernels
+        # load (``kernels/fused_native.py``: the oracle is identical with
+        # them); on CUDA off unless asked for (on once a GPU run has shown the
+        # oracle identical with them for every family).
+        fused = model_config.fused_kernels
+        if fused is None:
+            fused = self.device.type == "cpu" and not interpret_requested() and fused_kernels() is not None
+        self.fused_kernels = bool(fused)
         if isinstance(self.model, LlamaForCausalLM):
             self.model.use_fused_kernels(self.fused_kernels)
             self.model.use_split_decode(model_config.split_decode)

@@ -334,3 +334,24 @@ def test_graphs_default_on_for_cuda_except_windowed_models():
     assert wants_cuda_graphs(None, cuda) and wants_cuda_graphs(True, cuda) and not wants_cuda_graphs(False, cuda)
     assert not wants_cuda_graphs(None, cuda, windowed=True) and wants_cuda_graphs(True, cuda, windowed=True)
     assert not wants_cuda_graphs(None, cpu) and not wants_cuda_graphs(True, cpu)
+
+
+def test_fused_kernels_default_to_the_c_ones_on_a_cpu(tiny, monkeypatch):
+    from kvstrata.kernels.fused_native import fused_kernels
+
+    path, _ = tiny
+    runner = make_runner(path)
+    assert runner.fused_kernels == (fused_kernels() is not None)
+    assert all(layer.fused == runner.fused_kernels for layer in runner.model.model.layers)
+    off = ModelRunner(ModelConfig(model=path, fused_kernels=False), CacheConfig(block_size=BS))
+    assert not off.fused_kernels and not any(layer.fused for layer in off.model.model.layers)
+    off.initialize_kv_cache(256)
+    outs = []
+    for r in (runner, off):  # the same greedy tokens either way (the HF oracle: tests/enginecore/test_oracle.py)
+        driver = StepDriver(r, budget=16)
+        for rid, prompt in PROMPTS.items():
+            driver.add(rid, prompt)
+        outs.append(driver.run())
+    assert outs[0] == outs[1]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter would run the Triton ones: not by default
+    assert not ModelRunner(ModelConfig(model=path), CacheConfig(block_size=BS)).fused_kernels

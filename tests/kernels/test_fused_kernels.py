@@ -4,7 +4,8 @@ Three things are pinned here:
 - each torch reference is bit-equal to the unfused model code it replaces
   (``RMSNorm``, ``residual + x``, ``apply_rotary`` + ``reshape_and_cache``);
 - each Triton kernel, run by the interpreter (``impl="triton"`` on CPU
-  tensors), equals its reference: exactly for the residual sum and RoPE, and
+  tensors), and each C kernel (``impl="auto"`` on CPU: ``fused_native``)
+  equals its reference: exactly for the residual sum and RoPE, and
   for the norm and SiLU up to an ulp on a few elements (fp32 reduction order,
   ``exp``);
 - bad arguments raise KernelArgumentError naming the argument, and the
@@ -32,11 +33,14 @@ from kvstrata.kernels import (
     rotary_and_cache,
     silu_and_mul,
 )
+from kvstrata.kernels.fused_native import fused_kernels, fused_status
 from kvstrata.worker.model.config import RopeConfig
 from kvstrata.worker.model.layers import RMSNorm
 from kvstrata.worker.model.rope import RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# impl "auto" on CPU tensors: the C kernels (fused_native), skipped where they cannot be built
+NATIVE = pytest.param("auto", marks=pytest.mark.skipif(fused_kernels() is None, reason=f"no C fused kernels: {fused_status()}"))
 TOKENS = [1, 7, 33]
 EPS = 1e-5
 
@@ -81,35 +85,37 @@ def test_add_rms_norm_reference_is_the_rmsnorm_module_on_the_sum(dtype):
     assert torch.equal(normed, _rms_module(weight)(x))
 
 
+@pytest.mark.parametrize("impl", ["triton", NATIVE])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [96, 200])
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_add_rms_norm_triton_matches_reference(dtype, hidden, tokens):
+def test_add_rms_norm_triton_matches_reference(impl, dtype, hidden, tokens):
     # x is a strided view (rows of a wider buffer), as a projection's slice would be
     x = _randn((tokens, hidden + 8), dtype, tokens, 3.0)[:, 4 : 4 + hidden]
     res = _randn((tokens, hidden), dtype, tokens + 1, 3.0)
     weight = _norm_weight(hidden, dtype, seed=hidden)
-    normed, summed = fused_add_rms_norm(x, res, weight, EPS, impl="triton")
+    normed, summed = fused_add_rms_norm(x, res, weight, EPS, impl=impl)
     want_normed, want_summed = fused_add_rms_norm(x, res, weight, EPS, impl="torch")
     assert torch.equal(summed, want_summed), "the residual sum must round exactly as residual + x"
     _assert_near(normed, want_normed)
 
 
+@pytest.mark.parametrize("impl", ["triton", NATIVE])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_without_residual_norms_x_and_returns_it(dtype):
+def test_add_rms_norm_without_residual_norms_x_and_returns_it(impl, dtype):
     x = _randn((7, 96), dtype, 5)
     weight = _norm_weight(96, dtype)
     before = x.clone()
-    normed, residual = fused_add_rms_norm(x, None, weight, EPS, impl="triton")
+    normed, residual = fused_add_rms_norm(x, None, weight, EPS, impl=impl)
     assert residual is x and torch.equal(x, before)
     _assert_near(normed, _rms_module(weight)(x))
     # with a static residual buffer (a captured graph's first layer): x is copied there
     buf = torch.full_like(x, 7.0)
-    normed2, residual2 = fused_add_rms_norm(x, None, weight, EPS, residual_out=buf, impl="triton")
+    normed2, residual2 = fused_add_rms_norm(x, None, weight, EPS, residual_out=buf, impl=impl)
     assert residual2 is buf and torch.equal(buf, x) and torch.equal(normed2, normed)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", NATIVE])
 def test_add_rms_norm_in_place_into_x_and_residual(impl):
     x, res = _randn((33, 200), torch.bfloat16, 6), _randn((33, 200), torch.bfloat16, 7)
     weight = _norm_weight(200, torch.bfloat16)
@@ -182,17 +188,18 @@ def test_rotary_reference_is_apply_rotary_then_reshape_and_cache(dtype):
     assert torch.equal(backing, want_backing)
 
 
+@pytest.mark.parametrize("impl", ["triton", NATIVE])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", KV_LAYOUTS)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rotary_and_cache_triton_equals_reference(dtype, layout, tokens):
+def test_rotary_and_cache_triton_equals_reference(impl, dtype, layout, tokens):
     q, k, v = _qkv(tokens, 6, 2, 24, dtype, tokens)
     cos, sin = _cos_sin(tokens, 24, dtype, tokens)
     backing, caches = _caches(layout, dtype, 2, 24)
     original, want_backing = backing.clone(), backing.clone()
     slots = _slots(tokens, tokens)
     want = rotary_and_cache(q, k, v, cos, sin, *_views(want_backing, layout)[1], slots, impl="torch")
-    got = rotary_and_cache(q, k, v, cos, sin, *caches[1], slots, impl="triton")
+    got = rotary_and_cache(q, k, v, cos, sin, *caches[1], slots, impl=impl)
     assert got.is_contiguous()
     assert torch.equal(got, want), "RoPE must round exactly as apply_rotary"
     assert torch.equal(backing, want_backing), "cache contents (k rotated, v copied, padding skipped)"
@@ -205,7 +212,7 @@ def _views(backing, layout):
     return [(backing[:, i, 0], backing[:, i, 1]) for i in range(backing.shape[1])]
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", NATIVE])
 def test_rotary_flat_cos_sin_in_place_q_and_gqa_group_of_eight(impl):
     dtype = torch.bfloat16
     q, k, v = _qkv(5, 8, 1, 64, dtype, 3)
