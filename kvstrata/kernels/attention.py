@@ -54,6 +54,7 @@ def paged_attention(
     impl: str = "auto",
     split_decode: bool = False,
     plans: dict | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Attention of the new tokens over their sequences' paged KV. Returns ``out`` ([T, Hq, D]).
 
@@ -68,10 +69,15 @@ def paged_attention(
     path split each sequence's KV range over several programs and combine
     them (flash-decoding), which fills the GPU at small batches. Off by
     default until a GPU run has checked it against the oracle (its
-    interpreter tests pass); the torch reference ignores it."""
-    # the step's lengths are checked by its first call (``plans`` empty): later layers share them
-    _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, out,
-                lengths=not plans)
+    interpreter tests pass); the torch reference ignores it.
+
+    ``check=False`` skips the argument checks: for a caller whose earlier
+    call with the same ``plans`` checked arguments of these very shapes (a
+    model's later layers). With checks on, the step's lengths are still
+    checked only by its first call (``plans`` empty)."""
+    if check:
+        _check_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                    out, lengths=not plans)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if query.shape[0] == 0:

@@ -69,15 +69,19 @@ def fused_add_rms_norm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     impl: str = "auto",
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(s), s) for s = residual + x, or s = x when ``residual`` is None.
 
     x, residual [T, H] (last dim contiguous, any row stride); weight [H].
     ``out`` receives the normed rows, ``residual_out`` the sum (may be
     ``x``/``residual`` themselves). Without ``residual_out`` the sum is a new
-    tensor, or ``x`` itself when there is no residual.
+    tensor, or ``x`` itself when there is no residual. ``check=False`` skips
+    the argument checks: for a caller whose earlier call in the same step
+    checked arguments of these very shapes (a model's later layers).
     """
-    _check_norm_args(x, residual, weight, eps, out, residual_out)
+    if check:
+        _check_norm_args(x, residual, weight, eps, out, residual_out)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual_out is None and residual is not None:
@@ -190,6 +194,7 @@ def rotary_and_cache(
     *,
     q_out: torch.Tensor | None = None,
     impl: str = "auto",
+    check: bool = True,
 ) -> torch.Tensor:
     """Rotate q and k by half-width ``cos``/``sin``, write rotated k and v to the caches.
 
@@ -198,8 +203,11 @@ def rotary_and_cache(
     cos, sin [T, 1, D/2] or [T, D/2] in q's dtype (``RotaryEmbedding.cos_sin``).
     Caches and slots as in ``reshape_and_cache`` (either layout of ``layout.py``).
     Returns the rotated q: ``q_out`` if given (may be ``q``), else a new tensor.
+    ``check=False``: as in ``fused_add_rms_norm`` (the slots too: one step's
+    slot_mapping, range-checked by its first call).
     """
-    _check_rotary_args(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out)
+    if check:
+        _check_rotary_args(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out)
     if q_out is None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:

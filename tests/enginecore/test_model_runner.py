@@ -355,3 +355,25 @@ def test_fused_kernels_default_to_the_c_ones_on_a_cpu(tiny, monkeypatch):
     assert outs[0] == outs[1]
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter would run the Triton ones: not by default
     assert not ModelRunner(ModelConfig(model=path), CacheConfig(block_size=BS)).fused_kernels
+
+
+def test_the_first_layer_of_a_step_checks_its_arguments_and_the_others_skip_them(tiny):
+    from kvstrata.kernels import KernelArgumentError
+    from kvstrata.worker.model.attention import AttentionMetadata
+
+    path, _ = tiny
+    runner = make_runner(path, num_blocks=8)
+
+    def meta(slot):
+        return AttentionMetadata(slot_mapping=torch.tensor([slot]), block_tables=torch.tensor([[1]], dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                                 seq_lens=torch.tensor([1], dtype=torch.int32))
+
+    ids, pos = torch.tensor([5]), torch.tensor([0])
+    bad = meta(8 * BS)  # one past the cache: caught by the first layer, before anything is written
+    with pytest.raises(KernelArgumentError, match="slot_mapping has slot"):
+        runner.model(ids, pos, bad, runner.kv_caches)
+    assert not bad.checked
+    good = meta(BS)
+    runner.model(ids, pos, good, runner.kv_caches)
+    assert good.checked  # the layers after the first ran unchecked

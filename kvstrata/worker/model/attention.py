@@ -38,6 +38,19 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def checked(self) -> bool:
+        """A layer of this step has run with every kernel argument checked:
+        the later ones, whose tensors have its shapes (one model, one cache
+        shape), skip the checks (``check=False``), ~10 % of a CPU decode step."""
+        return _CHECKED in self.plans
+
+    def mark_checked(self) -> None:
+        self.plans[_CHECKED] = True
+
+
+_CHECKED = "kernel_args_checked"  # a key of AttentionMetadata.plans besides paged_attention's own
+
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) [num_blocks, block_size, Hkv, D]
 
@@ -96,9 +109,10 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         key_cache, value_cache = kv_cache
+        check = not meta.checked
         if self.fused:
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            q = rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, meta.slot_mapping)
+            q = rotary_and_cache(q, k, v, cos, sin, key_cache, value_cache, meta.slot_mapping, check=check)
         else:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
@@ -115,5 +129,6 @@ class LlamaAttention(nn.Module):
             sliding_window=self.sliding_window,
             split_decode=self.split_decode,
             plans=meta.plans,
+            check=check,
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -81,13 +81,17 @@ class LlamaDecoderLayer(nn.Module):
         ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` makes (addition is
         commutative in floating point too)."""
         if self.fused:
-            h, residual = fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            check = not meta.checked  # the first layer of a step checks, the others share its shapes
+            norm = self.input_layernorm
+            h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps, check=check)
             h = self.self_attn(h, cos, sin, kv_cache, meta)
             norm = self.post_attention_layernorm
-            h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+            h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps, check=check)
+            meta.mark_checked()
             return self.mlp(h), residual
         residual = x if residual is None else residual + x
         residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, kv_cache, meta)
+        meta.mark_checked()
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
