@@ -18,7 +18,9 @@ Per-call times come from CUDA graphs of ``--calls`` back-to-back calls
 (kernels only, no Python launch cost: how decode runs), timed with CUDA
 events, median of the replays after warm-up.
 
-CPU (no CUDA): a tiny shape through the torch references; no GPU figures.
+CPU (no CUDA): SmolLM2's shapes at 1 and 16 tokens, float32 and bf16, the C
+kernels (``fused_native``, what a CPU runs) vs the unfused model code; no GPU
+figures.
 
 Usage: python tools/bench_fused_kernels.py [--quick]
 Never asserts timings.
@@ -132,34 +134,56 @@ def gpu_report(quick: bool, calls: int) -> dict:
 
 
 def cpu_report(quick: bool) -> dict:
-    """Tiny shapes through the torch references (what CPU callers run)."""
-    repeat = 3 if quick else 10
+    """SmolLM2's layer shapes (hidden 576, 9 q heads, 3 kv heads, head_dim 64)
+    at decode sizes, float32 and bf16: the C kernels (impl "auto",
+    ``fused_native``) vs the unfused model code they replace (the torch ops
+    and their Python, one call each way), per call, 1 thread; the C call
+    with its argument checks (a step's first layer) and without (the
+    others, ``check=False``)."""
+    from kvstrata.kernels.fused_native import fused_kernels, fused_status
+
+    fused_kernels()
+    torch.set_num_threads(1)
+    repeat = 200 if quick else 1000
+    hidden, q_heads, kv_heads, head_dim = 576, 9, 3, 64
+    report: dict = {"device": "cpu", "note": "GPU figures need CUDA", "c_kernels": fused_status(),
+                    "shape": {"hidden": hidden, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
+                    "threads": 1}
 
     def us(fn):
-        return cpu_time(fn, repeat) * 1e6
+        fn()
+        return cpu_time(lambda: [fn() for _ in range(repeat)], 5) / repeat * 1e6
 
-    tokens, hidden, inter, q_heads, kv_heads, head_dim = 8, 256, 512, 4, 2, 64
-    x, res = torch.randn(tokens, hidden).bfloat16(), torch.randn(tokens, hidden).bfloat16()
-    weight = torch.ones(hidden, dtype=torch.bfloat16)
-    gate_up = torch.randn(tokens, 2 * inter).bfloat16()
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).bfloat16()
-    q, k, v = qkv.split((q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
-    q, k, v = q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads,
-                                                                                             head_dim)
-    cos = torch.randn(tokens, 1, head_dim // 2).bfloat16()
-    kc = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.bfloat16)
-    vc = torch.zeros_like(kc)
-    slots = torch.arange(tokens)
-    return {
-        "device": "cpu", "note": "GPU figures need CUDA",
-        "shape": {"tokens": tokens, "hidden": hidden, "intermediate": inter, "q_heads": q_heads,
-                  "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "bfloat16"},
-        "torch_reference_us": {
-            "fused_add_rms_norm": us(lambda: fused_add_rms_norm(x, res, weight, EPS, impl="torch")),
-            "silu_and_mul": us(lambda: silu_and_mul(gate_up, impl="torch")),
-            "rotary_and_cache": us(lambda: rotary_and_cache(q, k, v, cos, cos, kc, vc, slots, impl="torch")),
-        },
-    }
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens in (1, 16):
+            x, res = torch.randn(tokens, hidden).to(dtype), torch.randn(tokens, hidden).to(dtype)
+            weight = torch.ones(hidden, dtype=dtype)
+            qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
+            q, k, v = qkv.split((q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+            q, k, v = (q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim),
+                       v.view(tokens, kv_heads, head_dim))
+            cos, sin = torch.randn(tokens, 1, head_dim // 2).to(dtype), torch.randn(tokens, 1, head_dim // 2).to(dtype)
+            kc = torch.zeros(64, 16, kv_heads, head_dim, dtype=dtype)
+            vc = torch.zeros_like(kc)
+            slots = torch.randperm(64 * 16)[:tokens]
+
+            def unfused_rotary():  # LlamaAttention unfused
+                q_rot = apply_rotary_ref(q, cos, sin)
+                reshape_and_cache(apply_rotary_ref(k, cos, sin), v, kc, vc, slots)
+                return q_rot
+
+            rows = {
+                "add_rms_norm": (lambda c: fused_add_rms_norm(x, res, weight, EPS, check=c),
+                                 lambda: fused_add_rms_norm_ref(x, res, weight, EPS)),
+                "rotary_and_cache": (lambda c: rotary_and_cache(q, k, v, cos, sin, kc, vc, slots, check=c),
+                                     unfused_rotary),
+            }
+            for name, (fused, unfused) in rows.items():
+                t_c, t_n, t_u = us(lambda: fused(True)), us(lambda: fused(False)), us(unfused)
+                report[f"{name}_{str(dtype).removeprefix('torch.')}_T{tokens}"] = {
+                    "c_us": t_c, "c_unchecked_us": t_n, "unfused_us": t_u, "speedup": t_u / t_c,
+                    "speedup_unchecked": t_u / t_n}
+    return report
 
 
 def main() -> None:

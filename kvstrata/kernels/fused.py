@@ -87,8 +87,9 @@ def fused_add_rms_norm(
     if residual_out is None and residual is not None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] > 0:
-        native = None if use_triton(impl, x.device) else _native(impl, x)
-        if use_triton(impl, x.device):
+        triton = use_triton(impl, x.device)
+        native = None if triton else _native(impl, x)
+        if triton:
             from kvstrata.kernels._triton_fused import add_rms_norm_triton
 
             add_rms_norm_triton(x, residual, weight, eps, out, residual_out)
@@ -212,8 +213,9 @@ def rotary_and_cache(
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return q_out
-    native = None if use_triton(impl, q.device) else _native(impl, q)
-    if use_triton(impl, q.device):
+    triton = use_triton(impl, q.device)
+    native = None if triton else _native(impl, q)
+    if triton:
         from kvstrata.kernels._triton_fused import rotary_and_cache_triton
 
         rotary_and_cache_triton(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_out)
