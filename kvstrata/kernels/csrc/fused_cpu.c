@@ -12,7 +12,12 @@
  * bit nearly always, within an ulp of the mean otherwise), then mean, eps, 1 / sqrt and the
  * products in float32 as torch forms them. Portable C (no ISA needed).
  */
+/* no FMA contraction: every product is rounded before it is added, as torch rounds */
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#else
 #pragma GCC optimize("fp-contract=off")
+#endif
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
