@@ -38,22 +38,22 @@ class TritonKernel(Protocol):
 
 def interpret_requested() -> bool:
     """TRITON_INTERPRET set to a true value (triton's own spelling rules)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+    value = os.environ.get("TRITON_INTERPRET")
+    return bool(value) and value.strip().lower() in ("1", "true", "on", "yes")
 
 
 def use_triton(impl: str, device: torch.device) -> bool:
     """True when the call should run the Triton kernel rather than the torch reference."""
+    if impl == "auto":  # the hot case first (every kernel call of a model step): one device.type read
+        kind = device.type
+        return kind == "cuda" or (kind == "cpu" and interpret_requested())
     if impl == "torch":
         return False
     if impl == "triton":
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"impl='triton' needs CUDA or CPU tensors, got device {device}")
         return True
-    if impl != "auto":
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and interpret_requested()
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 class LazyKernel:
