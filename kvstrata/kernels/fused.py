@@ -153,7 +153,8 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str 
     if x.shape[1] % 2:
         raise KernelArgumentError(f"x must have an even last dim (gate then up), got shape {tuple(x.shape)}")
     shape = (x.shape[0], x.shape[1] // 2)
-    if out is None and not use_triton(impl, x.device):
+    triton = use_triton(impl, x.device)
+    if out is None and not triton:
         return silu_and_mul_ref(x)  # torch's two ops make the result: no copy into a buffer of ours
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -165,7 +166,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str 
         check_same_device(x=x, out=out)
     if x.shape[0] == 0 or shape[1] == 0:
         return out
-    if use_triton(impl, x.device):
+    if triton:
         from kvstrata.kernels._triton_fused import silu_and_mul_triton
 
         silu_and_mul_triton(x, out)

@@ -8,8 +8,9 @@ Built into ``$KVSTRATA_CACHE_DIR/native/`` (default ``~/.cache/kvstrata``)
 under a hash of the source, compiler and flags, by an atomic rename, so
 concurrent first loads are safe and a changed source rebuilds (old builds
 stay: a few tens of KB each, and another checkout may still load one).
-Users: ``quant_native`` (the packed-weight matmuls) and ``attention_native``
-(decode attention from the paged cache).
+Users: ``quant_native`` (the packed-weight matmuls), ``attention_native``
+(decode attention from the paged cache) and ``fused_native`` (the decoder
+layer's add + norm and RoPE + cache write).
 """
 
 from __future__ import annotations

@@ -111,19 +111,15 @@ class QuantScratch:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements (contents undefined)."""
-        buf = self._buffers.get((dtype, device))
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[(dtype, device)] = buf
-        return buf[:numel]
+        """A flat buffer of exactly ``numel`` elements (contents undefined)."""
+        return self.flat(numel, dtype, device)[:numel]
 
     def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``get`` without the slice: the whole buffer, at least ``numel`` long
-        (for a kernel that takes a pointer and its own length)."""
+        """The whole buffer, at least ``numel`` long, grown when shorter (for a
+        kernel that takes a pointer and its own length: no slice to make)."""
         buf = self._buffers.get((dtype, device))
         if buf is None or buf.numel() < numel:
-            buf = self.get(numel, dtype, device)
+            buf = self._buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
         return buf
 
     @property

@@ -103,6 +103,20 @@ int kvf_add_rms_norm(int dt, const void *x, long xs, const void *res, long rs, c
     return 0;
 }
 
+/* One head of D at element a of src, rotated by cos / sin (element c0 on) into element o of dst:
+ * both halves read before either is written, so dst may be src. */
+INLINE void rotate(const int dt, const void *src, size_t a, void *dst, size_t o, const void *cosp, const void *sinp,
+                   size_t c0, int half) {
+    for (int d = 0; d < half; d++) {
+        float c = ld(cosp, c0 + d, dt), sn = ld(sinp, c0 + d, dt);
+        float x1 = ld(src, a + d, dt), x2 = ld(src, a + half + d, dt);
+        float o1 = rnd(rnd(x1 * c, dt) - rnd(x2 * sn, dt), dt);
+        float o2 = rnd(rnd(x2 * c, dt) + rnd(x1 * sn, dt), dt);
+        st(dst, o + d, dt, o1);
+        st(dst, o + half + d, dt, o2);
+    }
+}
+
 /* q [T][Hq][D] (token stride qs), k, v [T][Hkv][D] (strides ks, vs), cos / sin [T][D/2] (token
  * stride cs), caches [blocks][block_size][Hkv][D] with block stride bst, slots int64 or int32
  * (slot_bytes 8 or 4). q_out may be q. */
@@ -110,34 +124,18 @@ INLINE void rotary_and_cache(const int dt, const void *q, long qs, const void *k
                              const void *cosp, const void *sinp, long cs, void *kc, void *vc, long bst, int block_size,
                              const void *slots, int slot_bytes, void *q_out, long qos, int T, int Hq, int Hkv, int D) {
     const int half = D / 2;
-    const size_t row = (size_t)Hkv * D;
+    const size_t row = (size_t)Hkv * D, es = dt == F32 ? 4 : 2;
     for (int t = 0; t < T; t++) {
         const size_t c0 = (size_t)t * cs;
-        for (int h = 0; h < Hq; h++) { /* read both halves before writing: q_out may be q */
-            const size_t a = (size_t)t * qs + (size_t)h * D, o = (size_t)t * qos + (size_t)h * D;
-            for (int d = 0; d < half; d++) {
-                float c = ld(cosp, c0 + d, dt), sn = ld(sinp, c0 + d, dt);
-                float x1 = ld(q, a + d, dt), x2 = ld(q, a + half + d, dt);
-                float o1 = rnd(rnd(x1 * c, dt) - rnd(x2 * sn, dt), dt);
-                float o2 = rnd(rnd(x2 * c, dt) + rnd(x1 * sn, dt), dt);
-                st(q_out, o + d, dt, o1);
-                st(q_out, o + half + d, dt, o2);
-            }
-        }
+        for (int h = 0; h < Hq; h++)
+            rotate(dt, q, (size_t)t * qs + (size_t)h * D, q_out, (size_t)t * qos + (size_t)h * D, cosp, sinp, c0, half);
         const long long slot = slot_bytes == 8 ? ((const int64_t *)slots)[t] : ((const int32_t *)slots)[t];
         if (slot < 0) continue;
         const size_t at = (size_t)(slot / block_size) * bst + (size_t)(slot % block_size) * row;
         for (int h = 0; h < Hkv; h++) {
-            const size_t a = (size_t)t * ks + (size_t)h * D, o = at + (size_t)h * D;
-            for (int d = 0; d < half; d++) {
-                float c = ld(cosp, c0 + d, dt), sn = ld(sinp, c0 + d, dt);
-                float x1 = ld(k, a + d, dt), x2 = ld(k, a + half + d, dt);
-                st(kc, o + d, dt, rnd(rnd(x1 * c, dt) - rnd(x2 * sn, dt), dt));
-                st(kc, o + half + d, dt, rnd(rnd(x2 * c, dt) + rnd(x1 * sn, dt), dt));
-            }
-            const size_t va = (size_t)t * vs + (size_t)h * D;
-            if (dt == F32) memcpy((float *)vc + o, (const float *)v + va, (size_t)D * 4);
-            else memcpy((uint16_t *)vc + o, (const uint16_t *)v + va, (size_t)D * 2);
+            rotate(dt, k, (size_t)t * ks + (size_t)h * D, kc, at + (size_t)h * D, cosp, sinp, c0, half);
+            memcpy((char *)vc + (at + (size_t)h * D) * es, (const char *)v + ((size_t)t * vs + (size_t)h * D) * es,
+                   (size_t)D * es);
         }
     }
 }

@@ -87,11 +87,9 @@ class LlamaDecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, kv_cache, meta)
             norm = self.post_attention_layernorm
             h, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps, check=check)
-            meta.mark_checked()
             return self.mlp(h), residual
         residual = x if residual is None else residual + x
         residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, kv_cache, meta)
-        meta.mark_checked()
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
@@ -150,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
             x, residual = layer(x, residual, cos, sin, kv_cache, m)
+            m.mark_checked()  # the layers after it skip the kernel argument checks
             if hooks is not None:
                 hooks.save_kv_layer(i)
         norm = self.model.norm
