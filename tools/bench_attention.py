@@ -34,14 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench_timing import cpu_time, cuda_eager_time, cuda_graph_time
+from bench_timing import alternate_steps, cpu_time, cuda_eager_time, cuda_graph_time, smollm2_decode_core
 
 from kvstrata.kernels import paged_attention
 
@@ -223,44 +221,25 @@ def engine_section(batches: tuple[int, ...], prompt: int, steps: int, rounds: in
     The SDPA path is what ``attention._native_decode`` returning None runs:
     everything else in the step is the same code."""
     import kvstrata.kernels.attention as attention_module
-    from kvstrata.config import CacheConfig, EngineConfig, ModelConfig
-    from kvstrata.enginecore.builder import build_engine_core, build_runner
-    from kvstrata.enginecore.request import EngineRequest
-    from kvstrata.types import SamplingParams
     from kvstrata.logs import configure_logging
-    from kvstrata.worker.model.smollm2 import locate_smollm2
 
     configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
-    try:
-        path = str(locate_smollm2(download=False))
-    except Exception as e:  # noqa: BLE001 - a bench reports what it could not run
-        return {"skipped": f"SmolLM2 GGUF not here: {e}"}
-    res: dict = {"model": path.rsplit("/", 1)[-1], "prompt_tokens": prompt, "threads": torch.get_num_threads()}
+    res: dict = {"prompt_tokens": prompt, "threads": torch.get_num_threads()}
     native = attention_module._native_decode
+
+    def use(fn):
+        return lambda: setattr(attention_module, "_native_decode", fn)
+
     for batch in batches:
-        cfg = EngineConfig(model=ModelConfig(model=path, max_model_len=prompt + rounds * steps * 2 + 64,
-                                             num_threads=torch.get_num_threads()),
-                           device="cpu", cache=CacheConfig(num_blocks=16 + batch * ((prompt + 2 * rounds * steps) // 16 + 4)),
-                           log_level="WARNING")
-        core = build_engine_core(cfg, build_runner(cfg))
-        params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
-        for i in range(batch):
-            core.add_request(EngineRequest(request_id=f"r{i}", sampling_params=params,
-                                           prompt_token_ids=[1 + (i * 7 + j) % 2000 for j in range(prompt)]))
-        while core.scheduler.waiting or any(r.num_computed_tokens < prompt for r in core.scheduler.running):
-            core.step()
-        times: dict[str, list[float]] = {"native": [], "sdpa_path": []}
         try:
-            for _ in range(rounds):
-                for name in times:
-                    attention_module._native_decode = native if name == "native" else (lambda *a: None)
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        core.step()
-                    times[name].append((time.perf_counter() - t0) / steps * 1e3)
+            core, _ = smollm2_decode_core(batch, prompt, 2 * rounds * steps)
+        except Exception as e:  # noqa: BLE001 - a bench reports what it could not run
+            return {"skipped": f"SmolLM2 GGUF not here: {e}"}
+        try:
+            ms = alternate_steps(core, {"native": use(native), "sdpa_path": use(lambda *a: None)}, steps, rounds)
         finally:
             attention_module._native_decode = native
-        row = {f"{k}_ms_per_step": statistics.median(v) for k, v in times.items()}
+        row = {f"{k}_ms_per_step": v for k, v in ms.items()}
         row["speedup"] = row["sdpa_path_ms_per_step"] / row["native_ms_per_step"]
         res[f"b{batch}"] = row
     return res

@@ -20,9 +20,16 @@ events, median of the replays after warm-up.
 
 CPU (no CUDA): SmolLM2's shapes at 1 and 16 tokens, float32 and bf16, the C
 kernels (``fused_native``, what a CPU runs) vs the unfused model code; no GPU
-figures.
+figures. ``--engine`` adds SmolLM2's engine (the GGUF, packed, ``--dtype``)
+at batch 1, 16 and 64 (``--quick``: 1 and 16), 100-token prompts, ms per
+decode step three ways, alternating in one process on the same requests:
 
-Usage: python tools/bench_fused_kernels.py [--quick]
+  unfused         the model's torch ops (``model.fused_kernels = false``)
+  fused           the fused kernels through the model's modules
+  native_layers   the default: after a step's first layer, each layer's
+                  kernels called straight (``worker/model/native_layer.py``)
+
+Usage: python tools/bench_fused_kernels.py [--quick] [--engine [--dtype bfloat16]]
 Never asserts timings.
 """
 
@@ -35,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench_timing import cpu_time, cuda_eager_time, cuda_graph_time
+from bench_timing import alternate_steps, cpu_time, cuda_eager_time, cuda_graph_time, smollm2_decode_core
 
 from kvstrata.kernels import (
     KVCacheShape,
@@ -186,10 +193,44 @@ def cpu_report(quick: bool) -> dict:
     return report
 
 
+def engine_report(batches: tuple[int, ...], dtype: str, steps: int, rounds: int) -> dict:
+    """SmolLM2 decode steps unfused / fused / native layers (the module docstring)."""
+    from kvstrata.logs import configure_logging
+
+    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
+    report: dict = {"dtype": dtype, "prompt_tokens": 100, "threads": torch.get_num_threads(),
+                    "steps_per_round": steps, "rounds": rounds}
+    for batch in batches:
+        try:
+            core, runner = smollm2_decode_core(batch, 100, 3 * rounds * steps, dtype)
+        except Exception as e:  # noqa: BLE001 - a bench reports what it could not run
+            return {"skipped": f"SmolLM2 GGUF not here: {e}"}
+        model = runner.model
+        if not runner.native_layers:
+            return {"skipped": "native layers are off here (see the native_layers_off log line)"}
+
+        def way(fused: bool, native: bool):
+            return lambda: (model.use_fused_kernels(fused), model.use_native_layers(native))
+
+        ms = alternate_steps(core, {"unfused": way(False, False), "fused": way(True, False),
+                                    "native_layers": way(True, True)}, steps, rounds)
+        model.use_fused_kernels(True)
+        model.use_native_layers(True)
+        row = {f"{k}_ms_per_step": v for k, v in ms.items()}
+        row["native_vs_fused"] = ms["fused"] / ms["native_layers"]
+        row["native_vs_unfused"] = ms["unfused"] / ms["native_layers"]
+        report[f"b{batch}"] = row
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer timed replays")
     parser.add_argument("--calls", type=int, default=20, help="kernel calls captured per CUDA graph")
+    parser.add_argument("--engine", action="store_true",
+                        help="CPU: also SmolLM2 engine decode steps, unfused vs fused vs native layers")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="--engine's activations (default float32)")
     args = parser.parse_args()
     report: dict = {"torch": torch.__version__, "machine": platform.machine()}
     if torch.cuda.is_available():
@@ -199,6 +240,9 @@ def main() -> None:
         report.update(gpu_report(args.quick, args.calls))
     else:
         report.update(cpu_report(args.quick))
+        if args.engine:
+            report["engine"] = engine_report((1, 16) if args.quick else (1, 16, 64), args.dtype,
+                                             8 if args.quick else 16, 3 if args.quick else 5)
     print(json.dumps(report, indent=2))
 
 

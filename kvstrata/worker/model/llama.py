@@ -24,6 +24,7 @@ from kvstrata.kernels import fused_add_rms_norm, silu_and_mul
 from kvstrata.worker.model.attention import AttentionMetadata, KVCache, LlamaAttention
 from kvstrata.worker.model.config import LlamaArchConfig
 from kvstrata.worker.model.layers import Embedding, Linear, RMSNorm
+from kvstrata.worker.model.native_layer import NativeLayer
 from kvstrata.worker.model.rope import RotaryEmbedding
 
 
@@ -65,6 +66,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype, device)
         self.fused = False  # residual add + RMSNorm in one kernel
+        self.native: NativeLayer | None = None  # the fused forward as direct C calls (``use_native_layers``)
 
     def forward(
         self,
@@ -79,7 +81,11 @@ class LlamaDecoderLayer(nn.Module):
         and the stream before it (None for the first layer), returns this
         layer's MLP output and its stream. The sums are the ones HF's
         ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` makes (addition is
-        commutative in floating point too)."""
+        commutative in floating point too). With native layers on, a step's
+        later layers (after the first checked the kernel arguments) run as
+        direct C calls, bit-equal (``native_layer.py``)."""
+        if self.native is not None and meta.checked:
+            return self.native(x, residual, cos, sin, kv_cache, meta)
         if self.fused:
             check = not meta.checked  # the first layer of a step checks, the others share its shapes
             norm = self.input_layernorm
@@ -167,6 +173,26 @@ class LlamaForCausalLM(nn.Module):
         self.model.norm.fused = on
         for layer in self.model.layers:
             layer.fused = layer.mlp.fused = layer.self_attn.fused = on
+            if not on:
+                layer.native = None
+
+    def use_native_layers(self, on: bool) -> str | None:
+        """Run the fused decoder layers as direct calls of the C kernels
+        (``native_layer.py``: a packed GGUF on a CPU, bit-equal) or not.
+        Every layer or none: returns why not (the first layer that does not
+        qualify, or the fused kernels off), else None."""
+        bound = [None] * len(self.model.layers)
+        if on:
+            if not self.model.norm.fused:
+                return "the fused kernels are off"
+            for i, layer in enumerate(self.model.layers):
+                native = NativeLayer.bind(layer)
+                if isinstance(native, str):
+                    return f"layer {i}: {native}"
+                bound[i] = native
+        for layer, native in zip(self.model.layers, bound, strict=True):
+            layer.native = native
+        return None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
