@@ -2,8 +2,10 @@
 fused decoder layers on a CPU as direct C calls, after the step's first
 layer. They must be bit-equal to the fused forward: hidden states and every
 KV cache row, over prefills, decode steps and mixed steps, float32 and
-bf16, windowed attention, several packed types; only the qualifying models
-get them; the first layer still checks every argument.
+bf16, windowed attention, several packed types, linear layers of several
+parts (types mixed as in a Q4_K_M file, dense parts), Qwen2's biases and
+Qwen3's q/k norms; only the qualifying models get them; the first layer
+still checks every argument.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_writing import write_random_gguf  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "enginecore"))
+from gguf_writing import write_random_gguf, write_tiny_gguf  # noqa: E402
+from hf_utils import build_tiny_family  # noqa: E402
 
 from kvstrata.config import CacheConfig, ModelConfig  # noqa: E402
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches  # noqa: E402
@@ -27,6 +31,7 @@ from kvstrata.kernels.quant_native import native_kernels  # noqa: E402
 from kvstrata.worker.model import load_checkpoint  # noqa: E402
 from kvstrata.worker.model.attention import AttentionMetadata  # noqa: E402
 from kvstrata.worker.model.native_layer import NativeLayer  # noqa: E402
+from kvstrata.worker.model.packed import PackedLinear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(fused_kernels() is None or native_kernels() is None,
                                 reason="the native C kernels do not run here")
@@ -110,6 +115,33 @@ def test_native_layers_are_bit_equal_to_the_fused_forward(tmp_path, qtype, dtype
     _assert_bit_equal(_run(ckpt, True), _run(ckpt, False))
 
 
+def test_linear_layers_of_several_parts_and_dense_parts(tmp_path):
+    # as a Q4_K_M file mixes them: v in Q6_K (a part of its own in qkv), down in Q8_0; up dense (F16)
+    types = {}
+    for i in range(3):
+        types |= {f"blk.{i}.attn_v.weight": Q.Q6_K, f"blk.{i}.ffn_down.weight": Q.Q8_0, f"blk.{i}.ffn_up.weight": Q.F16}
+    for dtype in ("float32", "bfloat16"):
+        ckpt = _load(tmp_path, Q.Q4_K, dtype, types=types)
+        layer = ckpt.model.model.layers[1]
+        assert len(layer.self_attn.qkv_proj.parts) == 2
+        assert any(isinstance(p, torch.Tensor) for p in layer.mlp.gate_up_proj.parts)  # the dense part
+        _assert_bit_equal(_run(ckpt, True), _run(ckpt, False))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen2_biases_and_qwen3_qk_norms(tmp_path, family, dtype):
+    hf = build_tiny_family(tmp_path / "src", family, num_hidden_layers=3)
+    path = tmp_path / f"{family}.gguf"
+    write_tiny_gguf(path, hf, family, Q.Q8_0)
+    ckpt = load_checkpoint(str(path), dtype, "cpu", "packed")
+    ckpt.model.use_fused_kernels(True)
+    attn = ckpt.model.model.layers[1].self_attn
+    assert isinstance(attn.qkv_proj, PackedLinear)
+    assert (attn.qkv_proj.bias is not None) == (family == "qwen2") and attn.qk_norm == (family == "qwen3")
+    _assert_bit_equal(_run(ckpt, True), _run(ckpt, False))
+
+
 def test_windowed_attention_goes_through_native_layers(tmp_path):
     ckpt = _load(tmp_path)
     for layer in ckpt.model.model.layers[1:]:  # windows on the layers that run natively
@@ -132,7 +164,7 @@ def test_a_layer_that_does_not_qualify_keeps_every_layer_fused(tmp_path):
     assert all(layer.native is None for layer in model.model.layers)
     dense = load_checkpoint(str(tmp_path / "rand-Q4_1.gguf"), "float32", "cpu", "dequantize").model
     dense.use_fused_kernels(True)
-    assert dense.use_native_layers(True) == "layer 0: self_attn.qkv_proj is not one native packed weight without bias"
+    assert dense.use_native_layers(True) == "layer 0: self_attn.qkv_proj is not packed"
     assert all(layer.native is None for layer in dense.model.layers)
     f16 = _load(tmp_path, dtype="float16").model
     assert "float32 or bfloat16" in f16.use_native_layers(True)

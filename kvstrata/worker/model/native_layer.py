@@ -1,7 +1,9 @@
 """A decoder layer's forward on a CPU as direct calls of our native kernels,
-for the layers of a packed GGUF (every linear layer one native packed
-weight: ``model.quantized_weights`` "packed", or "auto" on a CPU where the
-native kernels run) with the fused kernels on.
+for the layers of a packed GGUF (``model.quantized_weights`` "packed", or
+"auto" on a CPU where the native kernels run: every linear layer a
+``PackedLinear`` whose packed parts run them; dense parts, biases (Qwen2)
+and q/k norms (Qwen3) as the fused forward runs them) with the fused
+kernels on.
 
     NativeLayer.bind(layer) -> NativeLayer | str       the layer's calls, or why it does not qualify
     native_layer(x, residual, cos, sin, kv_cache, meta) -> (x, residual)   LlamaDecoderLayer's fused forward
@@ -25,6 +27,7 @@ the later ones here, as the fused path's later layers skip the checks.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvstrata.kernels import PackedWeight, paged_attention
 from kvstrata.kernels.fused_native import fused_kernels, fused_status
@@ -80,26 +83,49 @@ class _StepBuffers:
         self.sums = torch.empty(t * (max(d.hidden, d.inter, d.q_size) // 32), dtype=torch.float32)
 
 
+class _Linear:
+    """A ``PackedLinear``'s parts as ``NativeLayer._matmul`` runs them: per part
+    (bound native matmul or None, the dense weight or None, its first and end
+    column, its slice of the bias or None). ``simple``: one native part, no bias."""
+
+    __slots__ = ("parts", "whole", "simple")
+
+    def __init__(self, lin: PackedLinear, nk) -> None:
+        self.parts, lo = [], 0
+        for part in lin.parts:
+            native = isinstance(part, PackedWeight)
+            hi = lo + (part.out_features if native else part.shape[0])
+            bias = None if lin.bias is None else lin.bias if len(lin.parts) == 1 else lin.bias[lo:hi]
+            call = nk.bind(part.qtype.name, part.planes[0]) if native else None
+            self.parts.append((call, None if native else part, lo, hi, bias))
+            lo = hi
+        self.whole = len(self.parts) == 1
+        self.simple = self.whole and self.parts[0][0] is not None and lin.bias is None
+
+
 class NativeLayer:
     """One decoder layer's bound calls. Owns: nothing but the bindings (the
     weights stay the layer's; the bound matmuls hold their planes)."""
 
-    __slots__ = ("_fk", "_dims", "_w1", "_eps1", "_w2", "_eps2", "_qkv", "_o", "_gu", "_down", "_scale", "_window")
+    __slots__ = ("_fk", "_dims", "_w1", "_eps1", "_w2", "_eps2", "_qkv", "_o", "_gu", "_down", "_qk_norm", "_scale",
+                 "_window")
 
-    def __init__(self, layer, fk, matmuls: dict, dims: _Dims) -> None:
+    def __init__(self, layer, fk, linears: dict, dims: _Dims) -> None:
         attn = layer.self_attn
         self._fk, self._dims = fk, dims
         self._w1, self._eps1 = layer.input_layernorm.weight, layer.input_layernorm.eps
         self._w2, self._eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
-        self._qkv, self._o = matmuls["self_attn.qkv_proj"], matmuls["self_attn.o_proj"]
-        self._gu, self._down = matmuls["mlp.gate_up_proj"], matmuls["mlp.down_proj"]
+        self._qkv, self._o = linears["self_attn.qkv_proj"], linears["self_attn.o_proj"]
+        self._gu, self._down = linears["mlp.gate_up_proj"], linears["mlp.down_proj"]
+        self._qk_norm = (attn.q_norm, attn.k_norm) if attn.qk_norm else None
         self._scale, self._window = attn.scale, attn.sliding_window
 
     @classmethod
     def bind(cls, layer) -> NativeLayer | str:
         """The layer's calls, or why it has none: the C kernels missing, a
-        weight that is not one native packed part without bias, q/k norms
-        (Qwen3), activations other than float32 / bf16, not on the CPU."""
+        linear layer that is not packed (or whose packed parts do not run
+        the native kernels), activations other than float32 / bf16, not on
+        the CPU."""
         fk, nk = fused_kernels(), native_kernels()
         if fk is None:
             return f"no fused C kernels ({fused_status()})"
@@ -108,17 +134,15 @@ class NativeLayer:
         dtype = layer.input_layernorm.weight.dtype
         if dtype not in DTYPES or layer.input_layernorm.weight.device.type != "cpu":
             return f"activations {dtype} on {layer.input_layernorm.weight.device}: float32 or bfloat16 on the CPU only"
-        if layer.self_attn.qk_norm:
-            return "q/k norms (Qwen3) run in the fused forward"
-        matmuls = {}
+        linears = {}
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             lin = layer.get_submodule(name)
-            if not (isinstance(lin, PackedLinear) and lin.bias is None and len(lin.parts) == 1
-                    and isinstance(lin.parts[0], PackedWeight) and lin.parts[0].cpu_path == "native"):
-                return f"{name} is not one native packed weight without bias"
-            part = lin.parts[0]
-            matmuls[name] = (nk.bind(part.qtype.name, part.planes[0]), part.out_features)
-        return cls(layer, fk, matmuls, _Dims(layer, dtype))
+            if not isinstance(lin, PackedLinear):
+                return f"{name} is not packed"
+            if any(isinstance(p, PackedWeight) and p.cpu_path != "native" for p in lin.parts):
+                return f"{name} has a packed part off the native kernels"
+            linears[name] = _Linear(lin, nk)
+        return cls(layer, fk, linears, _Dims(layer, dtype))
 
     def _buffers(self, rows: int, plans: dict) -> _StepBuffers:
         """The step's buffers, made by its first native layer (``plans`` is one step's)."""
@@ -127,16 +151,26 @@ class NativeLayer:
             bufs = plans[_BUFFERS] = _StepBuffers(rows, self._dims)
         return bufs
 
-    def _matmul(self, bound, x: torch.Tensor, out: torch.Tensor, b: _StepBuffers) -> None:
-        """``NativePath.matmul`` without bias: straight into a float32 ``out``, else
-        into the float32 sums and rounded once."""
-        call, n = bound
-        if b.acc is None:
-            call(x, out, b.sums)
-        else:
-            acc = b.acc[:, :n]
+    @staticmethod
+    def _matmul(lin: _Linear, x: torch.Tensor, out: torch.Tensor, b: _StepBuffers) -> None:
+        """``PackedLinear.forward`` into ``out``: each part into its columns,
+        as ``NativePath.matmul`` (or ``F.linear`` for a dense part) does: a
+        native part's float32 sums straight into a float32 ``out``, else into
+        float32 and rounded once, its bias added to the float32 sums."""
+        if lin.simple and b.acc is None:
+            lin.parts[0][0](x, out, b.sums)  # the common case: one native part, no bias, float32
+            return
+        for call, dense, lo, hi, bias in lin.parts:
+            o = out if lin.whole else out[:, lo:hi]
+            if call is None:
+                o.copy_(F.linear(x, dense, bias))
+                continue
+            acc = o if b.acc is None else b.acc[:, :hi - lo]
             call(x, acc, b.sums)
-            out.copy_(acc)
+            if bias is not None:
+                acc.add_(bias)
+            if acc is not o:
+                o.copy_(acc)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +182,10 @@ class NativeLayer:
         key_cache, value_cache = kv_cache
         fk.add_rms_norm(x, residual, self._w1, self._eps1, b.h, b.res)
         self._matmul(self._qkv, b.h, b.qkv, b)
-        fk.rotary_and_cache(b.q, b.k, b.v, cos, sin, key_cache, value_cache, meta.slot_mapping, b.qrot)
+        q, k = b.q, b.k
+        if self._qk_norm is not None:  # Qwen3: each head of q and k normed before RoPE, as LlamaAttention does
+            q, k = self._qk_norm[0](q), self._qk_norm[1](k)
+        fk.rotary_and_cache(q, k, b.v, cos, sin, key_cache, value_cache, meta.slot_mapping, b.qrot)
         paged_attention(b.qrot, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                         self._scale, self._window, b.att, plans=meta.plans, check=False)
         self._matmul(self._o, b.att_rows, b.out, b)
