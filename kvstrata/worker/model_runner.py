@@ -175,7 +175,7 @@ class ModelRunner:
         if isinstance(self.model, LlamaForCausalLM):
             self.model.use_fused_kernels(self.fused_kernels)
             self.model.use_split_decode(model_config.split_decode)
-            if self.fused_kernels and self.device.type == "cpu":
+            if self.fused_kernels and self.device.type == "cpu" and ckpt.quantized_weights == "packed":
                 why_not = self.model.use_native_layers(True)
                 self.native_layers = why_not is None
                 if why_not is not None:
