@@ -34,6 +34,13 @@ compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0. Built by
 missing: None, one log line (``quant_native_unavailable``) naming why, and
 the loader keeps the "int4" / "dequant" paths. ``KVSTRATA_NATIVE_KERNELS=0``
 turns it off (read at the first load in a process).
+
+Threads: torch's count, except where OpenMP threads sleep between parallel
+regions (``OMP_WAIT_POLICY=PASSIVE``, which the ``kvstrata`` command sets):
+there a matmul of fewer than ``SERIAL_MACS`` multiply-adds runs on the
+calling thread, since waking the others costs more than they save
+(SmolLM2's single-stream decode step, 2 threads: 13.9 -> 11.0 ms; a row's
+bits do not depend on the thread count).
 """
 
 from __future__ import annotations
@@ -136,6 +143,18 @@ class NativeKernels:
         self.bind(qtype, planes)(x, acc, sums)
 
 
+# below this many multiply-adds (M x N x K) a matmul runs on the calling thread when OpenMP
+# threads sleep between regions (read once: libgomp reads the variable once, at its start)
+SERIAL_MACS = 1 << 22
+_THREADS_SLEEP = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
+def matmul_threads(macs: int) -> int:
+    """The threads a native matmul of ``macs`` multiply-adds runs on (see the module docstring)."""
+    threads = torch.get_num_threads()
+    return 1 if threads > 1 and _THREADS_SLEEP and macs < SERIAL_MACS else threads
+
+
 class BoundMatmul:
     """One weight's ``NativeKernels.matmul_unchecked`` (``NativeKernels.bind``):
     ``call(x, acc, sums=None)``, the same arguments and contract. Holds the
@@ -154,8 +173,9 @@ class BoundMatmul:
         m, k = x.shape
         if self._offset and sums is None:
             sums = torch.empty(m * (k // 32), dtype=torch.float32)  # held here until the call returns
-        self._fn(self._isa, self._kind, self._off, x.data_ptr(), f32, *self._ptrs, acc.data_ptr(), m, acc.shape[1], k,
-                 acc.stride(0), torch.get_num_threads(), sums.data_ptr() if self._offset else None)
+        n = acc.shape[1]
+        self._fn(self._isa, self._kind, self._off, x.data_ptr(), f32, *self._ptrs, acc.data_ptr(), m, n, k,
+                 acc.stride(0), matmul_threads(m * n * k), sums.data_ptr() if self._offset else None)
 
 
 def check_planes(qtype: str, planes: tuple, n: int, k: int) -> None:

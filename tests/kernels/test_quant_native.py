@@ -31,7 +31,8 @@ from kvstrata.kernels import (KernelArgumentError, choose_cpu_path, dequantize, 
                               with_cpu_path)
 from kvstrata.kernels.quant_cpu import planes_rows
 from kvstrata.kernels.native_build import NativeUnavailable, build
-from kvstrata.kernels.quant_native import LAYOUTS, SOURCE, NativeKernels, native_kernels, native_status
+from kvstrata.kernels import quant_native
+from kvstrata.kernels.quant_native import LAYOUTS, SOURCE, NativeKernels, matmul_threads, native_kernels, native_status
 from kvstrata.kernels.quant_relayout import native_planes, native_rows
 
 pytest.importorskip("gguf")
@@ -186,10 +187,11 @@ def test_rows_read_back_are_bit_equal_and_bytes_are_the_files(qtype):
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"])
-def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype, isa):
+def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype, isa, monkeypatch):
     """A row alone (registers) and in a batch of 7 (tiles of 4 or 2 rows and
     a rest) gives the same bits; so do one and two threads (the blocks of 64
     rows, AVX2 halves of 32, split over threads, each summed alike)."""
+    monkeypatch.setattr(quant_native, "_THREADS_SLEEP", False)  # two threads even for this small a matmul
     kernels = avx2_kernels() if isa == "avx2" else native_kernels()
     w = with_cpu_path(random_packed(qtype, 192, cols_for(qtype)), "native")
     k = w.in_features
@@ -208,6 +210,20 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype, i
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(two, batch)
+
+
+def test_small_matmuls_run_on_the_calling_thread_where_threads_sleep(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for sleeping, small, large in ((True, 1, 2), (False, 2, 2)):
+            monkeypatch.setattr(quant_native, "_THREADS_SLEEP", sleeping)
+            assert matmul_threads(quant_native.SERIAL_MACS - 1) == small
+            assert matmul_threads(quant_native.SERIAL_MACS) == large
+        torch.set_num_threads(1)
+        assert matmul_threads(1 << 40) == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 @native
