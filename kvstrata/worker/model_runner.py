@@ -171,11 +171,11 @@ class ModelRunner:
         if fused is None:
             fused = self.device.type == "cpu" and not interpret_requested() and fused_kernels() is not None
         self.fused_kernels = bool(fused)
-        self.native_layers = False  # the fused layers as direct C calls (a packed GGUF on a CPU)
+        self.native_layers = False  # the fused layers as direct kernel calls (on a CPU)
         if isinstance(self.model, LlamaForCausalLM):
             self.model.use_fused_kernels(self.fused_kernels)
             self.model.use_split_decode(model_config.split_decode)
-            if self.fused_kernels and self.device.type == "cpu" and ckpt.quantized_weights == "packed":
+            if self.fused_kernels and self.device.type == "cpu":
                 why_not = self.model.use_native_layers(True)
                 self.native_layers = why_not is None
                 if why_not is not None:

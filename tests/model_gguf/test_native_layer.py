@@ -4,8 +4,9 @@ layer. They must be bit-equal to the fused forward: hidden states and every
 KV cache row, over prefills, decode steps and mixed steps, float32 and
 bf16, windowed attention, several packed types, linear layers of several
 parts (types mixed as in a Q4_K_M file, dense parts), Qwen2's biases and
-Qwen3's q/k norms; only the qualifying models get them; the first layer
-still checks every argument.
+Qwen3's q/k norms, dense (Hugging Face) checkpoints of every family; only
+the qualifying models get them; the first layer still checks every
+argument.
 """
 
 from __future__ import annotations
@@ -142,6 +143,17 @@ def test_qwen2_biases_and_qwen3_qk_norms(tmp_path, family, dtype):
     _assert_bit_equal(_run(ckpt, True), _run(ckpt, False))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_dense_checkpoints(tmp_path, family, dtype):
+    # a Hugging Face checkpoint: our Linear layers, F.linear's own calls into the step's buffers
+    build_tiny_family(tmp_path / "src", family, num_hidden_layers=3)
+    ckpt = load_checkpoint(str(tmp_path / "src"), dtype, "cpu")
+    ckpt.model.use_fused_kernels(True)
+    assert not isinstance(ckpt.model.model.layers[1].self_attn.qkv_proj, PackedLinear)
+    _assert_bit_equal(_run(ckpt, True), _run(ckpt, False))
+
+
 def test_windowed_attention_goes_through_native_layers(tmp_path):
     ckpt = _load(tmp_path)
     for layer in ckpt.model.model.layers[1:]:  # windows on the layers that run natively
@@ -162,10 +174,12 @@ def test_a_layer_that_does_not_qualify_keeps_every_layer_fused(tmp_path):
     assert model.use_native_layers(True) is None
     model.use_fused_kernels(False)  # turning the fused kernels off drops the native layers
     assert all(layer.native is None for layer in model.model.layers)
-    dense = load_checkpoint(str(tmp_path / "rand-Q4_1.gguf"), "float32", "cpu", "dequantize").model
-    dense.use_fused_kernels(True)
-    assert dense.use_native_layers(True) == "layer 0: self_attn.qkv_proj is not packed"
-    assert all(layer.native is None for layer in dense.model.layers)
+    other = load_checkpoint(str(tmp_path / "rand-Q4_1.gguf"), "float32", "cpu", "dequantize").model
+    other.use_fused_kernels(True)
+    other.model.layers[2].mlp.down_proj = torch.nn.Linear(512, 256)  # not one of ours
+    assert other.use_native_layers(True) == ("layer 2: mlp.down_proj is a torch.nn.modules.linear.Linear, "
+                                             "not our Linear or PackedLinear")
+    assert all(layer.native is None for layer in other.model.layers)
     f16 = _load(tmp_path, dtype="float16").model
     assert "float32 or bfloat16" in f16.use_native_layers(True)
     assert isinstance(NativeLayer.bind(model.model.layers[0]), NativeLayer)
@@ -187,7 +201,7 @@ def test_the_first_layer_still_checks_and_nothing_is_written_on_a_bad_slot(tmp_p
     assert all(not k.any() and not v.any() for k, v in kv)
 
 
-def test_the_model_runner_turns_them_on_for_a_packed_gguf(tmp_path):
+def test_the_model_runner_turns_them_on_with_the_fused_kernels(tmp_path):
     from kvstrata.worker.model_runner import ModelRunner
 
     _load(tmp_path)
@@ -196,7 +210,8 @@ def test_the_model_runner_turns_them_on_for_a_packed_gguf(tmp_path):
     tok.mkdir()
     runner = ModelRunner(ModelConfig(model=path, tokenizer=str(tok)), CacheConfig(block_size=BS))
     assert runner.native_layers and all(layer.native is not None for layer in runner.model.model.layers)
-    for cfg in (ModelConfig(model=path, tokenizer=str(tok), quantized_weights="dequantize"),
-                ModelConfig(model=path, tokenizer=str(tok), fused_kernels=False)):
-        runner = ModelRunner(cfg, CacheConfig(block_size=BS))
-        assert not runner.native_layers and all(layer.native is None for layer in runner.model.model.layers)
+    dense = ModelRunner(ModelConfig(model=path, tokenizer=str(tok), quantized_weights="dequantize"),
+                        CacheConfig(block_size=BS))
+    assert dense.native_layers
+    runner = ModelRunner(ModelConfig(model=path, tokenizer=str(tok), fused_kernels=False), CacheConfig(block_size=BS))
+    assert not runner.native_layers and all(layer.native is None for layer in runner.model.model.layers)

@@ -177,8 +177,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.native = None
 
     def use_native_layers(self, on: bool) -> str | None:
-        """Run the fused decoder layers as direct calls of the C kernels
-        (``native_layer.py``: a packed GGUF on a CPU, bit-equal) or not.
+        """Run the fused decoder layers as direct kernel calls
+        (``native_layer.py``: on a CPU, bit-equal) or not.
         Every layer or none: returns why not (the first layer that does not
         qualify, or the fused kernels off), else None."""
         bound = [None] * len(self.model.layers)

@@ -1,9 +1,11 @@
-"""A decoder layer's forward on a CPU as direct calls of our native kernels,
-for the layers of a packed GGUF (``model.quantized_weights`` "packed", or
-"auto" on a CPU where the native kernels run: every linear layer a
-``PackedLinear`` whose packed parts run them; dense parts, biases (Qwen2)
-and q/k norms (Qwen3) as the fused forward runs them) with the fused
-kernels on.
+"""A decoder layer's forward on a CPU as direct kernel calls, with the fused
+kernels on (a CPU's default where their C kernels load): for a packed GGUF
+(``model.quantized_weights`` "packed", or "auto" where the native kernels
+run) each packed weight's native matmul bound once; for dense weights (a
+Hugging Face checkpoint, the seeded random model, a dequantized GGUF)
+``F.linear``'s own calls (``torch.mm`` / ``torch.addmm``) into the step's
+buffers; biases (Qwen2), q/k norms (Qwen3), windows and linear layers of
+several parts as the fused forward runs them.
 
     NativeLayer.bind(layer) -> NativeLayer | str       the layer's calls, or why it does not qualify
     native_layer(x, residual, cos, sin, kv_cache, meta) -> (x, residual)   LlamaDecoderLayer's fused forward
@@ -12,11 +14,11 @@ What it saves: the fused forward is ~10 kernel calls a layer, each behind
 its module call and a dispatch (device, Triton or C, argument checks,
 buffers): 3-6 Python frames and a few allocations a call, ~4 ms of a ~15 ms
 SmolLM2 decode forward at batch 1 on one core (measured; ~120 us a layer).
-Here the kernels are called straight: each packed weight's matmul bound
-once (``NativeKernels.bind``), the norms' and the rotary's C calls
-(``FusedKernels``), attention through ``paged_attention`` without checks,
-SiLU-and-mul as the two torch ops the fused path runs; the step's
-intermediate tensors are one set shared by every layer (``meta.plans``).
+Here the kernels are called straight: the matmuls as above, the norms' and
+the rotary's C calls (``FusedKernels``), attention through
+``paged_attention`` without checks, SiLU-and-mul as the two torch ops the
+fused path runs; the step's intermediate tensors are one set shared by
+every layer (``meta.plans``).
 
 The same kernels in the same order on the same values: **bit-equal** to the
 fused forward (tested). ``LlamaDecoderLayer.forward`` runs the step's first
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from kvstrata.kernels import PackedWeight, paged_attention
 from kvstrata.kernels.fused_native import fused_kernels, fused_status
 from kvstrata.kernels.quant_native import native_kernels, native_status
+from kvstrata.worker.model.layers import Linear
 from kvstrata.worker.model.packed import PackedLinear
 
 DTYPES = (torch.float32, torch.bfloat16)  # the activations the bound matmuls take as they are
@@ -46,10 +49,10 @@ class _Dims:
 
     def __init__(self, layer, dtype: torch.dtype) -> None:
         attn = layer.self_attn
-        self.hidden = attn.qkv_proj.in_features
+        self.hidden = layer.input_layernorm.weight.shape[0]
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
-        self.qkv = attn.qkv_proj.out_features
+        self.qkv = attn.q_size + 2 * attn.kv_size
         self.inter = layer.mlp.intermediate_size
         self.dtype = dtype
 
@@ -84,20 +87,23 @@ class _StepBuffers:
 
 
 class _Linear:
-    """A ``PackedLinear``'s parts as ``NativeLayer._matmul`` runs them: per part
-    (bound native matmul or None, the dense weight or None, its first and end
-    column, its slice of the bias or None). ``simple``: one native part, no bias."""
+    """A linear layer's parts as ``NativeLayer._matmul`` runs them: per part
+    (bound native matmul or None, the dense weight transposed or None, its
+    first and end column, its slice of the bias or None). A ``PackedLinear``
+    has one part per run of one type; a dense ``Linear`` one dense part.
+    ``simple``: one native part, no bias."""
 
     __slots__ = ("parts", "whole", "simple")
 
-    def __init__(self, lin: PackedLinear, nk) -> None:
+    def __init__(self, lin: PackedLinear | Linear, nk) -> None:
         self.parts, lo = [], 0
-        for part in lin.parts:
+        for part in (lin.parts if isinstance(lin, PackedLinear) else [lin.weight]):
             native = isinstance(part, PackedWeight)
             hi = lo + (part.out_features if native else part.shape[0])
-            bias = None if lin.bias is None else lin.bias if len(lin.parts) == 1 else lin.bias[lo:hi]
+            bias = None if lin.bias is None else lin.bias[lo:hi] if isinstance(lin, PackedLinear) and \
+                len(lin.parts) > 1 else lin.bias
             call = nk.bind(part.qtype.name, part.planes[0]) if native else None
-            self.parts.append((call, None if native else part, lo, hi, bias))
+            self.parts.append((call, None if native else part.t(), lo, hi, bias))
             lo = hi
         self.whole = len(self.parts) == 1
         self.simple = self.whole and self.parts[0][0] is not None and lin.bias is None
@@ -122,25 +128,29 @@ class NativeLayer:
 
     @classmethod
     def bind(cls, layer) -> NativeLayer | str:
-        """The layer's calls, or why it has none: the C kernels missing, a
-        linear layer that is not packed (or whose packed parts do not run
-        the native kernels), activations other than float32 / bf16, not on
-        the CPU."""
-        fk, nk = fused_kernels(), native_kernels()
+        """The layer's calls, or why it has none: the fused C kernels
+        missing, a linear layer that is neither our ``Linear`` nor a
+        ``PackedLinear`` whose packed parts run the native kernels,
+        activations other than float32 / bf16, not on the CPU."""
+        fk = fused_kernels()
         if fk is None:
             return f"no fused C kernels ({fused_status()})"
-        if nk is None:
-            return f"no native matmul kernels ({native_status()})"
         dtype = layer.input_layernorm.weight.dtype
         if dtype not in DTYPES or layer.input_layernorm.weight.device.type != "cpu":
             return f"activations {dtype} on {layer.input_layernorm.weight.device}: float32 or bfloat16 on the CPU only"
         linears = {}
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             lin = layer.get_submodule(name)
-            if not isinstance(lin, PackedLinear):
-                return f"{name} is not packed"
-            if any(isinstance(p, PackedWeight) and p.cpu_path != "native" for p in lin.parts):
-                return f"{name} has a packed part off the native kernels"
+            if not isinstance(lin, (PackedLinear, Linear)):
+                kind = type(lin)
+                return f"{name} is a {kind.__module__}.{kind.__qualname__}, not our Linear or PackedLinear"
+            nk = None
+            if isinstance(lin, PackedLinear):
+                nk = native_kernels()
+                if nk is None:
+                    return f"no native matmul kernels ({native_status()})"
+                if any(isinstance(p, PackedWeight) and p.cpu_path != "native" for p in lin.parts):
+                    return f"{name} has a packed part off the native kernels"
             linears[name] = _Linear(lin, nk)
         return cls(layer, fk, linears, _Dims(layer, dtype))
 
@@ -160,10 +170,16 @@ class NativeLayer:
         if lin.simple and b.acc is None:
             lin.parts[0][0](x, out, b.sums)  # the common case: one native part, no bias, float32
             return
-        for call, dense, lo, hi, bias in lin.parts:
+        for call, dense_t, lo, hi, bias in lin.parts:
+            if call is None and lin.whole:  # F.linear's own calls, into out: the same bits (tested)
+                if bias is None:
+                    torch.mm(x, dense_t, out=out)
+                else:
+                    torch.addmm(bias, x, dense_t, out=out)
+                continue
             o = out if lin.whole else out[:, lo:hi]
             if call is None:
-                o.copy_(F.linear(x, dense, bias))
+                o.copy_(F.linear(x, dense_t.t(), bias))
                 continue
             acc = o if b.acc is None else b.acc[:, :hi - lo]
             call(x, acc, b.sums)
