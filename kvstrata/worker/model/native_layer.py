@@ -96,16 +96,16 @@ class _Linear:
     __slots__ = ("parts", "whole", "simple")
 
     def __init__(self, lin: PackedLinear | Linear, nk) -> None:
+        parts = lin.parts if isinstance(lin, PackedLinear) else [lin.weight]
+        self.whole = len(parts) == 1
         self.parts, lo = [], 0
-        for part in (lin.parts if isinstance(lin, PackedLinear) else [lin.weight]):
+        for part in parts:
             native = isinstance(part, PackedWeight)
             hi = lo + (part.out_features if native else part.shape[0])
-            bias = None if lin.bias is None else lin.bias[lo:hi] if isinstance(lin, PackedLinear) and \
-                len(lin.parts) > 1 else lin.bias
+            bias = None if lin.bias is None else lin.bias if self.whole else lin.bias[lo:hi]
             call = nk.bind(part.qtype.name, part.planes[0]) if native else None
             self.parts.append((call, None if native else part.t(), lo, hi, bias))
             lo = hi
-        self.whole = len(self.parts) == 1
         self.simple = self.whole and self.parts[0][0] is not None and lin.bias is None
 
 
@@ -163,8 +163,9 @@ class NativeLayer:
 
     @staticmethod
     def _matmul(lin: _Linear, x: torch.Tensor, out: torch.Tensor, b: _StepBuffers) -> None:
-        """``PackedLinear.forward`` into ``out``: each part into its columns,
-        as ``NativePath.matmul`` (or ``F.linear`` for a dense part) does: a
+        """The layer's forward into ``out`` (``PackedLinear.forward``, or
+        ``Linear.forward``): each part into its columns, as
+        ``NativePath.matmul`` (or ``F.linear`` for a dense part) does: a
         native part's float32 sums straight into a float32 ``out``, else into
         float32 and rounded once, its bias added to the float32 sums."""
         if lin.simple and b.acc is None:
