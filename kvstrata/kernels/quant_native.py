@@ -27,8 +27,9 @@ scales): before this, its only path dequantized per call (an 8B-shape
 
 Needs x86-64 with AVX512F/BW/VL and AVX512_BF16, or else AVX2, FMA and F16C
 (the AVX2 kernel: float32 FMAs only, a bf16 x widened; bit-equal to the
-AVX512 kernel for a float32 x; ~2x its time at 1 token, 1.2x at 16; ``isa``
-says which runs, ``KVSTRATA_NATIVE_ISA=avx2`` picks it) (checked at run time), a C
+AVX512 kernel for a float32 x; as fast at 1 token for the Q4 types, up to
+~2x its time for the others, 1.2x at 16; ``isa`` says which runs,
+``KVSTRATA_NATIVE_ISA=avx2`` picks it) (checked at run time), a C
 compiler (``$CC``, else ``cc``) with OpenMP, and N % 64 == 0. Built by
 ``native_build.build`` (cached per source, compiler and flags). Anything
 missing: None, one log line (``quant_native_unavailable``) naming why, and
