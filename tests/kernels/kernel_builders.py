@@ -1,11 +1,27 @@
 """Shared builders for the kernel tests: small paged caches with known contents,
-and the dense (unpaged) attention they must agree with."""
+and the dense (unpaged) attention they must agree with; ``run_python`` for
+the switches read once per process."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import torch
+
+
+def run_python(code: str, **env: str | None) -> subprocess.CompletedProcess:
+    """``python -c code`` (dedented) in a fresh process run from this directory
+    (these helpers and the test modules importable), with ``env`` set on top
+    of ours (None: unset)."""
+    full_env = {**os.environ, **{k: v for k, v in env.items() if v is not None}}
+    for k in (k for k, v in env.items() if v is None):
+        full_env.pop(k, None)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
+                          text=True, timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass

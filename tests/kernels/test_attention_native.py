@@ -5,10 +5,6 @@ never read (the null block, unwritten tails, slid-out blocks)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,7 @@ import kvstrata.kernels.attention as attention_module
 from kvstrata.kernels import paged_attention
 from kvstrata.kernels.attention import paged_attention_ref
 from kvstrata.kernels.attention_native import AttentionKernels, attention_kernels, attention_status
-from kernel_builders import dense_attention, make_paged_batch
+from kernel_builders import dense_attention, make_paged_batch, run_python
 
 kernels = attention_kernels()
 native = pytest.mark.skipif(kernels is None, reason=f"no native attention kernel here: {attention_status()}")
@@ -217,7 +213,7 @@ def test_the_decode_plan_is_built_once_per_step(monkeypatch):
 
 
 def test_the_switch_turns_the_kernel_off_and_decode_runs_on_sdpa():
-    code = ("import sys\nsys.path.insert(0, 'tests/kernels')\nimport torch\n"
+    code = ("import torch\n"
             "from kvstrata.kernels.attention_native import attention_kernels, attention_status\n"
             "from kvstrata.kernels import paged_attention\nfrom kernel_builders import make_paged_batch, dense_attention\n"
             "assert attention_kernels() is None\nprint(attention_status())\n"
@@ -225,8 +221,7 @@ def test_the_switch_turns_the_kernel_off_and_decode_runs_on_sdpa():
             "out = paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.query_start_loc, b.seq_lens,"
             " 0.3, plans={})\n"
             "torch.testing.assert_close(out.double(), dense_attention(b, 0.3), atol=1e-5, rtol=1e-5)\nprint('same')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "KVSTRATA_NATIVE_KERNELS": "0"}, cwd=Path(__file__).parents[2])
+    done = run_python(code, KVSTRATA_NATIVE_KERNELS="0")
     assert done.returncode == 0, done.stderr
     assert "attention_native_unavailable" in done.stdout  # the one log line naming why
     assert done.stdout.splitlines()[-2:] == ["turned off by KVSTRATA_NATIVE_KERNELS=0", "same"]

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -19,16 +16,13 @@ from kvstrata.kernels import (
     scatter_kv_layer,
     use_triton,
 )
-from kernel_builders import make_paged_batch
+from kernel_builders import make_paged_batch, run_python
 
 CPU = torch.device("cpu")
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    full_env.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True,
-                          text=True, timeout=120, cwd=os.path.dirname(__file__))
+    return run_python(code, **{"TRITON_INTERPRET": None, **env})
 
 
 def test_cpu_auto_uses_torch_unless_interpret_is_set(monkeypatch):
@@ -74,7 +68,7 @@ def test_interpreter_works_when_env_is_set_before_triton_import():
     proc = _run(
         """
         import triton, torch
-        from kernel_builders import make_paged_batch
+        from kernel_builders import make_paged_batch, run_python
         from kvstrata.kernels import paged_attention, gather_kv, use_triton
         assert use_triton("auto", torch.device("cpu"))
         b = make_paged_batch([13, 1, 6], [5, 1, 1], q_heads=4, kv_heads=2, sliding_window=4)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +34,7 @@ from kvstrata.kernels.quant_native import LAYOUTS, SOURCE, NativeKernels, matmul
 from kvstrata.kernels.quant_relayout import native_planes, native_rows
 
 pytest.importorskip("gguf")
+from kernel_builders import run_python  # noqa: E402
 from test_quant_kernels import random_packed  # noqa: E402
 
 native = pytest.mark.skipif(native_kernels() is None, reason=f"no native kernels here: {native_status()}")
@@ -304,8 +303,7 @@ def test_build_errors_name_the_compiler_and_the_failure(tmp_path, monkeypatch):
 
 
 def test_the_switch_turns_the_native_kernels_off_and_the_loader_keeps_int4():
-    code = ("import sys\nsys.path.insert(0, 'tests/kernels')\n"
-            "from kvstrata.kernels.quant_native import native_kernels, native_status\n"
+    code = ("from kvstrata.kernels.quant_native import native_kernels, native_status\n"
             "from kvstrata.kernels import choose_cpu_path\nimport torch\n"
             "from test_quant_kernels import random_packed\n"
             "assert native_kernels() is None\nprint(native_status())\n"
@@ -313,8 +311,7 @@ def test_the_switch_turns_the_native_kernels_off_and_the_loader_keeps_int4():
             "print(sorted(c.times_ms))\n"
             "from kvstrata.worker.model.loader import resolve_quantized\n"
             "print([resolve_quantized('auto', 'cpu', d) for d in ('float32', 'bfloat16', 'auto')])\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "KVSTRATA_NATIVE_KERNELS": "0"}, cwd=Path(__file__).parents[2])
+    done = run_python(code, KVSTRATA_NATIVE_KERNELS="0")
     assert done.returncode == 0, done.stderr
     assert "KVSTRATA_NATIVE_KERNELS=0" in done.stdout
     assert "['dense', 'dequant', 'int4']" in done.stdout
@@ -326,11 +323,9 @@ def test_the_switch_turns_the_native_kernels_off_and_the_loader_keeps_int4():
 def test_the_isa_switch_picks_the_avx2_kernel_or_names_what_is_wrong():
     code = ("from kvstrata.kernels.quant_native import native_kernels, native_status\n"
             "k = native_kernels()\nprint(None if k is None else k.isa, native_status())\n")
-    run = lambda isa: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                                     env={**os.environ, "KVSTRATA_NATIVE_ISA": isa}, cwd=Path(__file__).parents[2])
-    done = run("avx2")
+    done = run_python(code, KVSTRATA_NATIVE_ISA="avx2")
     assert done.returncode == 0 and done.stdout.split() == ["avx2", "ok"], done.stderr
-    done = run("neon")
+    done = run_python(code, KVSTRATA_NATIVE_ISA="neon")
     assert done.returncode == 0, done.stderr
     assert "None KVSTRATA_NATIVE_ISA must be one of avx512_bf16, avx2, got 'neon'" in done.stdout
 
