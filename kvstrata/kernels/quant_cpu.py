@@ -231,13 +231,17 @@ class Int4Path:
             for w, sz in planes[1:]:
                 acc.add_(mm(xb, w, 32, sz))
 
-        _float32_sum(bias, out, planes_sum)
+        float32_sum(bias, out, planes_sum)
 
 
-def _float32_sum(bias, out, fill) -> None:
+def float32_sum(bias, out, fill, acc: torch.Tensor | None = None) -> None:
     """``fill(acc)`` into a float32 ``acc``, the bias added there: in place in
-    a float32 ``out``, else rounded to ``out`` once."""
-    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    a float32 ``out``, else rounded to ``out`` once (``acc``: a float32 buffer
+    of ``out``'s shape to use then, else a new one)."""
+    if out.dtype == torch.float32:
+        acc = out
+    elif acc is None:
+        acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
     fill(acc)
     if bias is not None:
         acc.add_(bias)
@@ -285,7 +289,7 @@ class NativePath:
         if bias is None and out.dtype is torch.float32:
             call(x, out, sums)  # the decode case of a float32 model: straight into out
         else:
-            _float32_sum(bias, out, lambda acc: call(x, acc, sums))
+            float32_sum(bias, out, lambda acc: call(x, acc, sums))
 
 
 # each native weight's bound kernel call, made at its first matmul; gone with the weight

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from kvstrata.kernels import PackedWeight, paged_attention
 from kvstrata.kernels.fused_native import fused_kernels, fused_status
+from kvstrata.kernels.quant_cpu import float32_sum
 from kvstrata.kernels.quant_native import native_kernels, native_status
 from kvstrata.worker.model.layers import Linear
 from kvstrata.worker.model.packed import PackedLinear
@@ -181,13 +182,8 @@ class NativeLayer:
             o = out if lin.whole else out[:, lo:hi]
             if call is None:
                 o.copy_(F.linear(x, dense_t.t(), bias))
-                continue
-            acc = o if b.acc is None else b.acc[:, :hi - lo]
-            call(x, acc, b.sums)
-            if bias is not None:
-                acc.add_(bias)
-            if acc is not o:
-                o.copy_(acc)
+            else:
+                float32_sum(bias, o, lambda acc: call(x, acc, b.sums), None if b.acc is None else b.acc[:, :hi - lo])
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta) -> tuple[torch.Tensor, torch.Tensor]:
