@@ -222,15 +222,17 @@ class _Plan:
         # the native kernel takes every token of a short query (decode, speculative
         # verification) as a decode of its own position; SDPA the rest
         short = NATIVE_MAX_QUERY if native is not None else 1
-        decode = [b for b, q in enumerate(q_lens) if q == 1]
         self.extend = [b for b, q in enumerate(q_lens) if q > short]
         self.native = None
-        spans = [(b, qsl[b] + j, _first_visible(lens[b] - q + j, window), lens[b] - q + j + 1)
-                 for b, q in enumerate(q_lens) if 1 <= q <= short for j in range(q)] if native is not None else None
-        if spans:
-            meta = torch.tensor(spans, dtype=torch.int32).t().contiguous()
-            self.native = (block_tables.to(torch.int32), *meta)
-            decode = []
+        decode = []  # the sequences the SDPA decode chunks take: none when the native kernel runs
+        if native is None:
+            decode = [b for b, q in enumerate(q_lens) if q == 1]
+        else:
+            spans = [(b, qsl[b] + j, _first_visible(lens[b] - q + j, window), lens[b] - q + j + 1)
+                     for b, q in enumerate(q_lens) if 1 <= q <= short for j in range(q)]
+            if spans:
+                meta = torch.tensor(spans, dtype=torch.int32).t().contiguous()
+                self.native = (block_tables.to(torch.int32), *meta)
         self.chunks, rows = _decode_plan(device, key_cache, block_tables, self.qsl, lens, decode, window)
         # One gather buffer for every chunk's K and V (and every layer's):
         # index_select into warm, reused memory is much faster than into a
