@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from bench_timing import alternate_steps, cpu_time, cuda_eager_time, cuda_graph_time, smollm2_decode_core
 
 from kvstrata.kernels import paged_attention
+from kvstrata.logs import configure_logging
 
 MODELS = {"tinyllama_hq32_hkv4_d64": (32, 4, 64), "hq32_hkv8_d128": (32, 8, 128)}
 BATCHES = (1, 8, 32, 64, 256)
@@ -221,9 +222,6 @@ def engine_section(batches: tuple[int, ...], prompt: int, steps: int, rounds: in
     The SDPA path is what ``attention._native_decode`` returning None runs:
     everything else in the step is the same code."""
     import kvstrata.kernels.attention as attention_module
-    from kvstrata.logs import configure_logging
-
-    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     res: dict = {"prompt_tokens": prompt, "threads": torch.get_num_threads()}
     native = attention_module._native_decode
 
@@ -262,6 +260,7 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true",
                         help="CPU: also SmolLM2 engine decode steps, the C kernel vs the SDPA path")
     args = parser.parse_args()
+    configure_logging("WARNING", json=False)  # logs (a kernel build's too) on stderr; stdout is the JSON report
     if args.threads:
         torch.set_num_threads(args.threads)
     report: dict = {"torch": torch.__version__, "machine": platform.machine()}

@@ -53,6 +53,7 @@ from kvstrata.kernels import (
     silu_and_mul,
 )
 from kvstrata.kernels.fused import apply_rotary_ref, fused_add_rms_norm_ref, silu_and_mul_ref
+from kvstrata.logs import configure_logging
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2048, 5632, 32, 4, 64, 16
 EPS = 1e-5
@@ -195,9 +196,6 @@ def cpu_report(quick: bool) -> dict:
 
 def engine_report(batches: tuple[int, ...], dtype: str, steps: int, rounds: int) -> dict:
     """SmolLM2 decode steps unfused / fused / native layers (the module docstring)."""
-    from kvstrata.logs import configure_logging
-
-    configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     report: dict = {"dtype": dtype, "prompt_tokens": 100, "threads": torch.get_num_threads(),
                     "steps_per_round": steps, "rounds": rounds}
     for batch in batches:
@@ -232,6 +230,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="--engine's activations (default float32)")
     args = parser.parse_args()
+    configure_logging("WARNING", json=False)  # logs (a kernel build's too) on stderr; stdout is the JSON report
     report: dict = {"torch": torch.__version__, "machine": platform.machine()}
     if torch.cuda.is_available():
         import triton
