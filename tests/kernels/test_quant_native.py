@@ -68,7 +68,9 @@ def test_every_packed_type_has_a_layout():
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [64, 320])
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 17])  # registers (1-4), tiles of 4 and a rest
+# registers: 1-4 rows, or chunks of 4-6 (5, 8: 4 + 4, 13: 6 + 4 + 3, 17: 6 + 6 + 5) where the kind
+# and x allow (matmul's ``direct``); tiles of 4 and a rest otherwise
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 17])
 def test_native_matches_dequantize_in_float64(qtype, rows, tokens, x_dtype):
     packed = random_packed(qtype, rows, cols_for(qtype), seed=tokens)
     w = with_cpu_path(packed, "native")
@@ -187,24 +189,25 @@ def test_rows_read_back_are_bit_equal_and_bytes_are_the_files(qtype):
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype, isa, monkeypatch):
-    """A row alone (registers) and in a batch of 7 (tiles of 4 or 2 rows and
-    a rest) gives the same bits; so do one and two threads (the blocks of 64
-    rows, AVX2 halves of 32, split over threads, each summed alike)."""
+    """A row alone (registers) and in a batch of 7 or 19 (chunks of 4-6 rows
+    in registers, or tiles of 4 or 2 rows and a rest) gives the same bits;
+    so do one and two threads (the blocks of 64 rows, AVX2 halves of 32,
+    split over threads, each summed alike)."""
     monkeypatch.setattr(quant_native, "_THREADS_SLEEP", False)  # two threads even for this small a matmul
     kernels = avx2_kernels() if isa == "avx2" else native_kernels()
     w = with_cpu_path(random_packed(qtype, 192, cols_for(qtype)), "native")
     k = w.in_features
-    xb = torch.randn(7, k, generator=torch.Generator().manual_seed(3)).to(x_dtype)
-    batch = torch.empty(7, 192)
+    xb = torch.randn(19, k, generator=torch.Generator().manual_seed(3)).to(x_dtype)
+    batch = torch.empty(19, 192)
     kernels.matmul(qtype, xb, w.planes[0], batch)
-    for lo, hi in ((0, 1), (1, 3), (4, 7), (6, 7)):
+    for lo, hi in ((0, 1), (1, 3), (4, 7), (6, 7), (0, 7), (7, 19), (12, 18)):
         part = torch.empty(hi - lo, 192)
         kernels.matmul(qtype, xb[lo:hi].contiguous(), w.planes[0], part)
         assert torch.equal(part, batch[lo:hi]), (lo, hi)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        two = torch.empty(7, 192)
+        two = torch.empty(19, 192)
         kernels.matmul(qtype, xb, w.planes[0], two)
     finally:
         torch.set_num_threads(threads)

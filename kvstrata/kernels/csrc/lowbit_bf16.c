@@ -26,14 +26,15 @@
  *
  * Per (block, group) the integers become bf16 once (exact: small integers, through a table
  * of q - off), laid out as vdpbf16ps wants them (16 rows x a column pair per 512-bit
- * register): for 1-4 rows of x straight into registers, for more into a 4 KB tile that every
- * row of x reuses (a float32 x: float32 values, an 8 KB tile). Each row's group sum
+ * register): for a few rows of x at a time straight into registers, or once into a 4 KB tile
+ * that every row of x reuses (a float32 x: float32 values, an 8 KB tile; which, by M and the
+ * kind: ``direct`` in matmul). Each row's group sum
  * sum_k x * (q - off) runs in float32 (vdpbf16ps; for a float32 x one FMA per column, in
  * column order), then takes the group's scale, and its offset times the group's sum of x, in
- * float32, the scales formed as gguf forms them. So the unpacking is paid once per weight
- * whatever M is, the multiply-adds run at the bf16 dot-product rate (2x float32 FMAs) or at
+ * float32, the scales formed as gguf forms them. So with the tile the unpacking is paid once
+ * per weight whatever M is, the multiply-adds run at the bf16 dot-product rate (2x float32 FMAs) or at
  * the FMA rate for a float32 x, and x is used as given. A row's result does not depend on the
- * other rows (the same sums in the same order either way). For a float32 x of 1-4 rows the
+ * other rows (the same sums in the same order either way). For a float32 x in registers the
  * 4-bit kinds (Q4_0, Q4_1, Q4_K) skip the bf16 pairs: each column's nibbles index a float32
  * table of q - off directly (nibble_col_f32): the same values, ~1.3x faster at one row; Q8_0's
  * int8 words go straight to float32 (1.4x).
@@ -227,7 +228,14 @@ PURE void prefetch_scales(const int kind, const Weight *wt, int N, int b, int g)
     }
 }
 
-/* MT (1..4) rows of x against one (block, group): the weight pairs from registers (direct) or
+/* How many of the ``left`` rows of x still to go one direct rows_dot takes: up to 6 (its
+ * registers: 4 accumulators a row, 4 weight vectors), in chunks of 4-6 rather than leaving 1-3
+ * behind (a chunk costs its unpacking whatever its rows). */
+PURE int direct_rows(int left) {
+    return left >= 10 || left == 6 ? 6 : left == 5 ? 5 : left >= 8 ? left / 2 : left < 4 ? left : 4;
+}
+
+/* MT (1..6) rows of x against one (block, group): the weight pairs from registers (direct) or
  * the tile. x: the group's first column of row 0, x_stride elements a row (bf16, or float32
  * when F32). */
 INLINE void rows_dot(const int kind, const int F32, const int MT, const int direct, const uint8_t *q,
@@ -235,7 +243,7 @@ INLINE void rows_dot(const int kind, const int F32, const int MT, const int dire
                      const float *xsum, size_t xsum_stride, const __m512 s[4], const __m512 z[4], float *out,
                      size_t ldo, int first) {
     const int KP = group_cols(kind) / 2;
-    __m512 p[4][4];
+    __m512 p[6][4];
     for (int m = 0; m < MT; m++)
         for (int t = 0; t < 4; t++) p[m][t] = _mm512_setzero_ps();
     if (F32 && direct && (kind == QD4 || kind == QK4)) { /* column by column, in order (as below) */
@@ -331,6 +339,12 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
                    int N, int K, long ldo, int nthreads, const float *xsum) {
     const int GC = group_cols(kind), G = K / GC, NB = N / 64, HB = hi_bits(kind);
     const size_t esize = F32 ? 4 : 2;
+    /* Unpack each group for every few rows of x, or once into a tile every row reads: the tile's
+     * stores and loads cost more than unpacking again for 1-4 rows; for a float32 x against a
+     * 4-bit kind or Q8_0 (the cheap unpacking of nibble_col_f32 and the int8 words) at every M
+     * (1.2-1.5x at 5-16 rows, ~1.05x at 64: SmolLM2's layers, one thread); for a bf16 x up to 8
+     * rows (~1.1x at 5-7), where the tile's bf16 dot products win beyond. */
+    const int direct = M <= 4 || (F32 ? kind == QD4 || kind == QK4 || kind == Q8 : M <= 8);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int b = 0; b < NB; b++) {
         __attribute__((aligned(64))) uint32_t tile[16 * 64 * 2]; /* bf16 pairs: the first half; float32: all */
@@ -346,11 +360,21 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
             const char *xg = (const char *)x + (size_t)g * GC * esize;
             const float *xs = has_offset(kind) ? xsum + g : NULL;
             float *o = out + (size_t)b * 64;
-            switch (M) { /* few rows: no tile, its stores and loads would cost more than they save */
-            case 1: rows_dot(kind, F32, 1, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
-            case 2: rows_dot(kind, F32, 2, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
-            case 3: rows_dot(kind, F32, 3, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
-            case 4: rows_dot(kind, F32, 4, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); continue;
+            if (direct) { /* chunks of rows, each unpacking the group again: no tile */
+                for (int m0 = 0, mt; m0 < M; m0 += mt) {
+                    const char *xm = xg + (size_t)m0 * K * esize;
+                    const float *xsm = xs == NULL ? NULL : xs + (size_t)m0 * G;
+                    float *om = o + (size_t)m0 * ldo;
+                    switch (mt = direct_rows(M - m0)) {
+                    case 6: rows_dot(kind, F32, 6, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
+                    case 5: rows_dot(kind, F32, 5, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
+                    case 4: rows_dot(kind, F32, 4, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
+                    case 3: rows_dot(kind, F32, 3, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
+                    case 2: rows_dot(kind, F32, 2, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
+                    default: rows_dot(kind, F32, 1, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
+                    }
+                }
+                continue;
             }
             for (int kp = 0; kp < GC / 2; kp++) {
                 __m512i w[4];
