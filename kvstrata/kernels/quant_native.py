@@ -10,13 +10,15 @@ built once per machine with the system C compiler, cached, loaded with ctypes.
 One kernel design for every packed type (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
 Q6_K, Q8_0): the file's integers and scales, re-laid (``quant_relayout``;
 the file's bytes, 3 % more for the K-quants' unpacked 6-bit scales); per
-(block of 64 output rows, group of 32 columns) the integers become bf16 once
-(exact: small integers), every row of x reuses them with AVX512_BF16 dot
-products (a float32 x: the integers widened to float32, float32 FMAs, x as
-it is), and each group's scale and offset apply in float32, formed as gguf
+(block of 64 output rows, group of 32 columns) the integers become bf16
+(exact: small integers), once into a tile every row of x reuses or, where
+that costs less, for each few rows straight into registers (see the C
+source), for AVX512_BF16 dot products (a float32 x: the integers as float32,
+float32 FMAs, x as it is), and each group's scale and offset apply in float32, formed as gguf
 forms them, so nothing is rounded but the float32 sums (|err| 3e-8 - 7e-8 of
 S against ``dequantize`` in float64, as F.linear on the dequantized float32
-weight; a float32 x costs 1.2-1.3x a bf16 one at 1 token, ~1.6x at 16).
+weight; a float32 x costs about what a bf16 one does at 1 token for the Q4
+kinds and Q8_0, 1.1-1.5x for the others, 1.2-1.6x at 16).
 Against torch's int4 kernel on its
 planes (the "int4" path, which splits Q5/Q8_0 in two planes, 1.2-1.8x the
 bytes, rounds scale and zero to bf16, and unpacks the weights again for
