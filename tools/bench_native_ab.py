@@ -5,13 +5,15 @@ The baseline is the source at a git revision (``--base``, default HEAD), the
 other the working tree's. Both are built as the loader builds them
 (``native_build.build``: same compiler and flags, cached by content) and
 called through the same bound weights: SmolLM2's 30 layers' qkv, o,
-gate_up and down (the packed GGUF, 1 thread, hot weights), for each
-``--tokens`` count. Rounds run the builds in a random order each time; the
+gate_up and down (the packed GGUF; with ``--qtype``, random blocks of that
+type in those shapes, as ``bench_quant.py`` makes them; 1 thread), for
+each ``--tokens`` count. Rounds run the builds in a random order each time; the
 figure is the median ms per pass over the 120 matmuls. ``bit_equal``: both
 builds wrote the same bits for every output (the kernel's contract: a change
 of speed only).
 
 Usage: python tools/bench_native_ab.py [--base REV] [--tokens 1,4,5,8,16,64] [--dtype float32|bfloat16]
+                                       [--qtype Q4_0|Q4_1|Q5_0|Q5_1|Q4_K|Q5_K|Q6_K|Q8_0]
 Never asserts timings. Needs the SmolLM2 GGUF (``kvstrata run`` fetches it).
 """
 
@@ -23,6 +25,7 @@ import json
 import platform
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,5,8,16,64", help="rows of x, comma-separated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="x's dtype")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--qtype", default=None, help="random weights of this type (default: the GGUF's own)")
     args = ap.parse_args()
     configure_logging("WARNING", json=False)
     from kvstrata.config import EngineConfig, ModelConfig
@@ -69,10 +73,22 @@ def main() -> None:
         cfg = EngineConfig(model=ModelConfig(model=str(locate_smollm2()), num_threads=1, dtype=args.dtype),
                            device="cpu", log_level="WARNING")
         layers = build_runner(cfg).model.model.layers
-        bound = [(nk.bind(lin.parts[0].qtype.name, lin.parts[0].planes[0]), lin.in_features, lin.out_features)
-                 for layer in layers
-                 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                             layer.mlp.down_proj)]
+        linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if args.qtype is None:
+            weights = [(lin.parts[0].qtype.name, lin.parts[0].planes[0], lin.in_features) for lin in linears]
+        else:
+            sys.path.insert(0, str(ROOT / "tools"))
+            from bench_quant import QUANT_TYPES, random_packed
+            from kvstrata.kernels import with_cpu_path
+            block = QUANT_TYPES[args.qtype].block  # K-quants: in_features rounded up to their 256
+            weights = []
+            for i, lin in enumerate(linears):
+                k = -(-lin.in_features // block) * block
+                packed = random_packed(args.qtype, lin.out_features, k, seed=i)
+                weights.append((args.qtype, with_cpu_path(packed, "native", keep_blocks=False).planes[0], k))
+        bound = [(nk.bind(qtype, planes), k, lin.out_features)
+                 for (qtype, planes, k), lin in zip(weights, linears)]
         dtype = getattr(torch, args.dtype)
         rows = []
         for m in (int(t) for t in args.tokens.split(",")):
@@ -96,7 +112,7 @@ def main() -> None:
             rows.append({"tokens": m, "base_ms": round(med["base"], 3), "tree_ms": round(med["tree"], 3),
                          "speedup": round(med["base"] / med["tree"], 3),
                          "bit_equal": torch.equal(outs["base"], outs["tree"])})
-    print(json.dumps({"base": args.base, "dtype": args.dtype, "threads": 1, "machine": platform.processor()
+    print(json.dumps({"base": args.base, "dtype": args.dtype, "qtype": args.qtype or "the GGUF's", "threads": 1, "machine": platform.processor()
                       or platform.machine(), "isa": nk.isa, "matmuls_per_pass": len(bound), "results": rows},
                      indent=1))
 

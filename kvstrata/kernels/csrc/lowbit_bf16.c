@@ -342,8 +342,10 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
     /* Unpack each group for every few rows of x, or once into a tile every row reads: the tile's
      * stores and loads cost more than unpacking again for 1-4 rows; for a float32 x against a
      * 4-bit kind or Q8_0 (the cheap unpacking of nibble_col_f32 and the int8 words) at every M
-     * (1.2-1.5x at 5-16 rows, ~1.05x at 64: SmolLM2's layers, one thread); for a bf16 x up to 8
-     * rows (~1.1x at 5-7), where the tile's bf16 dot products win beyond. */
+     * (1.1-1.4x at 5-16 rows, the same at 64: SmolLM2's layers, one thread; tools/bench_native_ab.py);
+     * for a bf16 x up to 8 rows (~1.1x at 5-7), where the tile's bf16 dot products win beyond. The
+     * other kinds' pairs cost more to unpack: registers beyond 4 rows measured 0.73-0.92x at 8-64
+     * rows for Q5_1 (1.19x at 5). */
     const int direct = M <= 4 || (F32 ? kind == QD4 || kind == QK4 || kind == Q8 : M <= 8);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int b = 0; b < NB; b++) {
