@@ -68,8 +68,8 @@ def test_every_packed_type_has_a_layout():
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [64, 320])
-# registers: 1-4 rows, or chunks of 4-6 (5, 8: 4 + 4, 13: 6 + 4 + 3, 17: 6 + 6 + 5) where the kind
-# and x allow (matmul's ``direct``); tiles of 4 and a rest otherwise
+# registers: 1-4 rows, or where the kind and x allow (matmul's ``direct``) chunks of 4-6 (5, 8: 4 + 4,
+# 13: 6 + 4 + 3, 17: 6 + 6 + 5); from a tile, the same chunks, otherwise
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 13, 17])
 def test_native_matches_dequantize_in_float64(qtype, rows, tokens, x_dtype):
     packed = random_packed(qtype, rows, cols_for(qtype), seed=tokens)
@@ -190,7 +190,7 @@ def test_rows_read_back_are_bit_equal_and_bytes_are_the_files(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype, isa, monkeypatch):
     """A row alone (registers) and in a batch of 7 or 19 (chunks of 4-6 rows
-    in registers, or tiles of 4 or 2 rows and a rest) gives the same bits;
+    in registers or from a tile; AVX2: of 2 and a rest) gives the same bits;
     so do one and two threads (the blocks of 64 rows, AVX2 halves of 32,
     split over threads, each summed alike)."""
     monkeypatch.setattr(quant_native, "_THREADS_SLEEP", False)  # two threads even for this small a matmul
