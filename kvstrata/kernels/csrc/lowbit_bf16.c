@@ -236,6 +236,23 @@ PURE int direct_rows(int left) {
     return left >= 10 || left == 6 ? 6 : left == 5 ? 5 : left >= 8 ? left / 2 : left < 4 ? left : 4;
 }
 
+/* The packed bytes of (block, group) g into L1: lo (Q8: the int8 values) and hi. Their stream
+ * is sequential, but the hardware prefetcher stops at each 4 KB page (4 groups of Q4): perf put
+ * 12 % of a bf16 16-row matmul on the first use of the bytes. The tile path fetches the next
+ * group's (bf16 x: 9-16 rows 1.08x, 64 1.03x; float32 Q5_1 at 16 1.06x); the register paths,
+ * which run through the bytes several times faster, measured 0.85-0.97x with it and go without. */
+PURE void prefetch_group(const int kind, const Weight *wt, int K, int b, int g) {
+    const int GC = group_cols(kind), HB = hi_bits(kind);
+    const size_t col = (size_t)b * K + (size_t)g * GC;
+    const size_t qbytes = (size_t)GC * (kind == Q8 ? 64 : 32);
+    const char *q = (const char *)wt->q + col * (kind == Q8 ? 64 : 32);
+    for (size_t c = 0; c < qbytes; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
+    if (HB) {
+        const char *hi = (const char *)wt->hi + col * 8 * HB;
+        for (size_t c = 0; c < (size_t)GC * 8 * HB; c += 64) _mm_prefetch(hi + c, _MM_HINT_T0);
+    }
+}
+
 /* MT (1..6) rows of x against one (block, group): the weight pairs from registers (direct) or
  * the tile. x: the group's first column of row 0, x_stride elements a row (bf16, or float32
  * when F32). */
@@ -358,6 +375,7 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
             const uint8_t *hi = HB ? wt->hi + col * 8 * HB : NULL;
             __m512 s[4], z[4];
             if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
+            if (!direct && g + 1 < G) prefetch_group(kind, wt, K, b, g + 1);
             group_scales(kind, wt, N, b, g, s, z);
             const int first = g == 0;
             const char *xg = (const char *)x + (size_t)g * GC * esize;
