@@ -125,7 +125,8 @@ def avx2_kernels() -> NativeKernels:
 
 @native
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 17])  # registers (1-2), tiles of 2 and a rest
+# whole blocks a pass per row (1-5 rows of the Q4 kinds), registers (1-2), tiles of 2 and a rest
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 17])
 def test_the_avx2_kernel_is_bit_equal_to_the_avx512_one_for_a_float32_x(qtype, tokens):
     """The AVX2 kernel (CPUs without AVX512_BF16) does the float32 kernel's
     arithmetic term for term on half the width: the same bits, and

@@ -433,8 +433,8 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
  * the scales and the epilogue are the same float32 operations. So its results are bit-equal to
  * the AVX512 kernel's for a float32 x (tested), on half the vector width: a block's 64 rows go
  * as two halves of 32 (four registers of 8), 1-2 rows of x at a time from registers, more from a
- * 4 KB tile of the half-group; one row against a 4-bit kind goes by whole blocks
- * (row_dot8_nibbles). */
+ * 4 KB tile of the half-group; 1-5 rows against a 4-bit kind go by whole blocks, a pass per
+ * row (row_dot8_nibbles). */
 
 /* Rows 32h + 8t .. + 7 of column k (of its group) as float32 q - off, t = 0..3. */
 INLINE2 void unpack_col8(const int kind, const uint8_t *q, const uint8_t *hi, int k, int h, float off, __m256 w[4]) {
@@ -527,7 +527,10 @@ INLINE2 void rows_dot8(const int kind, const int MT, const int direct, const uin
 /* One row of x against a whole (block, group) of a 4-bit kind (Q4_0, Q4_1, Q4_K): each column's
  * 32 bytes widened once for both halves (low nibbles: rows 0..31, high: rows 32..63; the halves
  * path widens them twice) and the integers converted straight (less off first where it is not
- * 0). The values and the order of rows_dot8's sums, so its bits; 2.3x faster at one row. */
+ * 0). The values and the order of rows_dot8's sums, so its bits; 2.3x faster at one row. Up to
+ * 5 rows take a pass each, the block's bytes in L1 for the later ones: against the halves and
+ * the tile 1.55x at 2 rows, 1.37x at 3, 1.16x at 4, 1.10x at 5, the same at 6 (SmolLM2's layers,
+ * KVSTRATA_NATIVE_ISA=avx2 tools/bench_native_ab.py). */
 INLINE2 void row_dot8_nibbles(const int kind, const uint8_t *q, int off, const float *x, const float *xsum,
                               const __m256 s[8], const __m256 z[8], float *out, int first) {
     const __m256i low4 = _mm256_set1_epi32(0x0F), offv = _mm256_set1_epi32(off);
@@ -560,7 +563,7 @@ INLINE2 void row_dot8_nibbles(const int kind, const uint8_t *q, int off, const f
 INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, float *out, int M, int N, int K,
                      long ldo, int nthreads, const float *xsum) {
     const int GC = group_cols(kind), G = K / GC, NH = N / 32, HB = hi_bits(kind);
-    if (M == 1 && (kind == QD4 || kind == QK4)) { /* whole blocks: see row_dot8_nibbles */
+    if (M <= 5 && (kind == QD4 || kind == QK4)) { /* whole blocks, a pass per row: see row_dot8_nibbles */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
         for (int b = 0; b < N / 64; b++)
             for (int g = 0; g < G; g++) {
@@ -568,8 +571,10 @@ INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, 
                 if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
                 group_scales8(kind, wt, N, (size_t)b * 64, g, s, z);
                 group_scales8(kind, wt, N, (size_t)b * 64 + 32, g, s + 4, z + 4);
-                row_dot8_nibbles(kind, wt->q + ((size_t)b * K + (size_t)g * GC) * 32, off, x + (size_t)g * GC,
-                                 xsum + g, s, z, out + (size_t)b * 64, g == 0);
+                for (int m = 0; m < M; m++)
+                    row_dot8_nibbles(kind, wt->q + ((size_t)b * K + (size_t)g * GC) * 32, off,
+                                     x + (size_t)m * K + (size_t)g * GC, xsum + (size_t)m * G + g, s, z,
+                                     out + (size_t)m * ldo + (size_t)b * 64, g == 0);
             }
         return;
     }
