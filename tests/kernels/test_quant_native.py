@@ -125,7 +125,7 @@ def avx2_kernels() -> NativeKernels:
 
 @native
 @pytest.mark.parametrize("qtype", TYPES)
-# whole blocks a pass per row (1-5 rows of the Q4 kinds), registers (1-2), tiles of 2 and a rest
+# whole blocks a pass per row (1-5 rows of the Q4 kinds), registers (1-2), tiles of 3 and a rest
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 17])
 def test_the_avx2_kernel_is_bit_equal_to_the_avx512_one_for_a_float32_x(qtype, tokens):
     """The AVX2 kernel (CPUs without AVX512_BF16) does the float32 kernel's
@@ -191,7 +191,7 @@ def test_rows_read_back_are_bit_equal_and_bytes_are_the_files(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads(qtype, x_dtype, isa, monkeypatch):
     """A row alone (registers) and in a batch of 7 or 19 (chunks of 4-6 rows
-    in registers or from a tile; AVX2: of 2 and a rest) gives the same bits;
+    in registers or from a tile; AVX2: of 2-3) gives the same bits;
     so do one and two threads (the blocks of 64 rows, AVX2 halves of 32,
     split over threads, each summed alike)."""
     monkeypatch.setattr(quant_native, "_THREADS_SLEEP", False)  # two threads even for this small a matmul
