@@ -353,18 +353,52 @@ static void group_sums(const void *x, int x_f32, int M, int K, float *xsum) {
         }
 }
 
+/* 1-4 rows (decode): all of them in registers, a parallel region of its own (with the paths for
+ * more rows in the same one it ran 3-5 % slower). */
+INLINE void matmul_few(const int kind, const int F32, int off, const void *x, const Weight *wt, float *out, int M,
+                       int N, int K, long ldo, int nthreads, const float *xsum) {
+    const int GC = group_cols(kind), G = K / GC, NB = N / 64, HB = hi_bits(kind);
+    const size_t esize = F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int b = 0; b < NB; b++) {
+        const Lut lut = make_lut(off);
+        for (int g = 0; g < G; g++) {
+            const size_t col = (size_t)b * K + (size_t)g * GC; /* (block, first column of the group) */
+            const uint8_t *q = wt->q + col * (kind == Q8 ? 64 : 32);
+            const uint8_t *hi = HB ? wt->hi + col * 8 * HB : NULL;
+            __m512 s[4], z[4];
+            if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
+            group_scales(kind, wt, N, b, g, s, z);
+            const int first = g == 0;
+            const char *xg = (const char *)x + (size_t)g * GC * esize;
+            const float *xs = has_offset(kind) ? xsum + g : NULL;
+            float *o = out + (size_t)b * 64;
+            switch (M) {
+            case 1: rows_dot(kind, F32, 1, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); break;
+            case 2: rows_dot(kind, F32, 2, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); break;
+            case 3: rows_dot(kind, F32, 3, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); break;
+            default: rows_dot(kind, F32, 4, 1, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first); break;
+            }
+        }
+    }
+}
+
 INLINE void matmul(const int kind, const int F32, int off, const void *x, const Weight *wt, float *out, int M,
                    int N, int K, long ldo, int nthreads, const float *xsum) {
+    if (M <= 4) {
+        matmul_few(kind, F32, off, x, wt, out, M, N, K, ldo, nthreads, xsum);
+        return;
+    }
     const int GC = group_cols(kind), G = K / GC, NB = N / 64, HB = hi_bits(kind);
     const size_t esize = F32 ? 4 : 2;
     /* Unpack each group for every few rows of x, or once into a tile every row reads: the tile's
-     * stores and loads cost more than unpacking again for 1-4 rows; for a float32 x against a
+     * stores and loads cost more than unpacking again for 1-4 rows (matmul_few); for a float32 x against a
      * 4-bit kind or Q8_0 (the cheap unpacking of nibble_col_f32 and the int8 words) at every M
      * (1.1-1.4x at 5-16 rows, the same at 64: SmolLM2's layers, one thread; tools/bench_native_ab.py);
      * for a bf16 x up to 8 rows (~1.1x at 5-7), where the tile's bf16 dot products win beyond. The
      * other kinds' pairs cost more to unpack: registers beyond 4 rows measured 0.73-0.92x at 8-64
      * rows for Q5_1 (1.19x at 5). */
-    const int direct = M <= 4 || (F32 ? kind == QD4 || kind == QK4 || kind == Q8 : M <= 8);
+    const int direct = F32 ? kind == QD4 || kind == QK4 || kind == Q8 : M <= 8; /* M > 4 here */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int b = 0; b < NB; b++) {
         __attribute__((aligned(64))) uint32_t tile[16 * 64 * 2]; /* bf16 pairs: the first half; float32: all */
