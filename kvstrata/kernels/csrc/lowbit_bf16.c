@@ -599,18 +599,30 @@ INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, 
                      long ldo, int nthreads, const float *xsum) {
     const int GC = group_cols(kind), G = K / GC, NH = N / 32, HB = hi_bits(kind);
     if (M <= 5 && (kind == QD4 || kind == QK4)) { /* whole blocks, a pass per row: see row_dot8_nibbles */
+        if (M == 1) /* a region of its own: sharing one with the loop below cost one row 2-4 % */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-        for (int b = 0; b < N / 64; b++)
-            for (int g = 0; g < G; g++) {
-                __m256 s[8], z[8];
-                if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
-                group_scales8(kind, wt, N, (size_t)b * 64, g, s, z);
-                group_scales8(kind, wt, N, (size_t)b * 64 + 32, g, s + 4, z + 4);
-                for (int m = 0; m < M; m++)
-                    row_dot8_nibbles(kind, wt->q + ((size_t)b * K + (size_t)g * GC) * 32, off,
-                                     x + (size_t)m * K + (size_t)g * GC, xsum + (size_t)m * G + g, s, z,
-                                     out + (size_t)m * ldo + (size_t)b * 64, g == 0);
-            }
+            for (int b = 0; b < N / 64; b++)
+                for (int g = 0; g < G; g++) {
+                    __m256 s[8], z[8];
+                    if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
+                    group_scales8(kind, wt, N, (size_t)b * 64, g, s, z);
+                    group_scales8(kind, wt, N, (size_t)b * 64 + 32, g, s + 4, z + 4);
+                    row_dot8_nibbles(kind, wt->q + ((size_t)b * K + (size_t)g * GC) * 32, off, x + (size_t)g * GC,
+                                     xsum + g, s, z, out + (size_t)b * 64, g == 0);
+                }
+        else
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+            for (int b = 0; b < N / 64; b++)
+                for (int g = 0; g < G; g++) {
+                    __m256 s[8], z[8];
+                    if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
+                    group_scales8(kind, wt, N, (size_t)b * 64, g, s, z);
+                    group_scales8(kind, wt, N, (size_t)b * 64 + 32, g, s + 4, z + 4);
+                    const uint8_t *q = wt->q + ((size_t)b * K + (size_t)g * GC) * 32;
+                    for (int m = 0; m < M; m++)
+                        row_dot8_nibbles(kind, q, off, x + (size_t)m * K + (size_t)g * GC, xsum + (size_t)m * G + g,
+                                         s, z, out + (size_t)m * ldo + (size_t)b * 64, g == 0);
+                }
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
