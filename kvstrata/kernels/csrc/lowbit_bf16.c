@@ -353,22 +353,51 @@ static void group_sums(const void *x, int x_f32, int M, int K, float *xsum) {
         }
 }
 
+/* (block b, group g): its packed bytes (q, hi) and its scales (group_scales), the scales two
+ * groups on prefetched. */
+INLINE void group_at(const int kind, const Weight *wt, int N, int K, int G, int b, int g, const uint8_t **q,
+                     const uint8_t **hi, __m512 s[4], __m512 z[4]) {
+    const size_t col = (size_t)b * K + (size_t)g * group_cols(kind); /* (block, first column of the group) */
+    *q = wt->q + col * (kind == Q8 ? 64 : 32);
+    *hi = hi_bits(kind) ? wt->hi + col * 8 * hi_bits(kind) : NULL;
+    if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
+    group_scales(kind, wt, N, b, g, s, z);
+}
+
+/* All M rows of x against one (block, group), direct_rows(left) of them at a time, in registers
+ * (direct) or from the tile; x, xsum and out as rows_dot takes them for row 0. */
+INLINE void row_chunks(const int kind, const int F32, const int direct, int M, const uint8_t *q, const uint8_t *hi,
+                       Lut lut, const uint32_t *tile, const char *x, size_t K, const float *xsum, size_t G,
+                       const __m512 s[4], const __m512 z[4], float *out, size_t ldo, int first) {
+    const size_t esize = F32 ? 4 : 2;
+    for (int m0 = 0, mt; m0 < M; m0 += mt) {
+        const char *xm = x + (size_t)m0 * K * esize;
+        const float *xsm = xsum == NULL ? NULL : xsum + (size_t)m0 * G;
+        float *om = out + (size_t)m0 * ldo;
+        switch (mt = direct_rows(M - m0)) {
+        case 6: rows_dot(kind, F32, 6, direct, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+        case 5: rows_dot(kind, F32, 5, direct, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+        case 4: rows_dot(kind, F32, 4, direct, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+        case 3: rows_dot(kind, F32, 3, direct, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+        case 2: rows_dot(kind, F32, 2, direct, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+        default: rows_dot(kind, F32, 1, direct, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
+        }
+    }
+}
+
 /* 1-4 rows (decode): all of them in registers, a parallel region of its own (with the paths for
  * more rows in the same one it ran 3-5 % slower). */
 INLINE void matmul_few(const int kind, const int F32, int off, const void *x, const Weight *wt, float *out, int M,
                        int N, int K, long ldo, int nthreads, const float *xsum) {
-    const int GC = group_cols(kind), G = K / GC, NB = N / 64, HB = hi_bits(kind);
+    const int GC = group_cols(kind), G = K / GC, NB = N / 64;
     const size_t esize = F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int b = 0; b < NB; b++) {
         const Lut lut = make_lut(off);
         for (int g = 0; g < G; g++) {
-            const size_t col = (size_t)b * K + (size_t)g * GC; /* (block, first column of the group) */
-            const uint8_t *q = wt->q + col * (kind == Q8 ? 64 : 32);
-            const uint8_t *hi = HB ? wt->hi + col * 8 * HB : NULL;
+            const uint8_t *q, *hi;
             __m512 s[4], z[4];
-            if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
-            group_scales(kind, wt, N, b, g, s, z);
+            group_at(kind, wt, N, K, G, b, g, &q, &hi, s, z);
             const int first = g == 0;
             const char *xg = (const char *)x + (size_t)g * GC * esize;
             const float *xs = has_offset(kind) ? xsum + g : NULL;
@@ -389,7 +418,7 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
         matmul_few(kind, F32, off, x, wt, out, M, N, K, ldo, nthreads, xsum);
         return;
     }
-    const int GC = group_cols(kind), G = K / GC, NB = N / 64, HB = hi_bits(kind);
+    const int GC = group_cols(kind), G = K / GC, NB = N / 64;
     const size_t esize = F32 ? 4 : 2;
     /* Unpack each group for every few rows of x, or once into a tile every row reads: the tile's
      * stores and loads cost more than unpacking again for 1-4 rows (matmul_few); for a float32 x against a
@@ -404,31 +433,16 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
         __attribute__((aligned(64))) uint32_t tile[16 * 64 * 2]; /* bf16 pairs: the first half; float32: all */
         const Lut lut = make_lut(off);
         for (int g = 0; g < G; g++) {
-            const size_t col = (size_t)b * K + (size_t)g * GC; /* (block, first column of the group) */
-            const uint8_t *q = wt->q + col * (kind == Q8 ? 64 : 32);
-            const uint8_t *hi = HB ? wt->hi + col * 8 * HB : NULL;
+            const uint8_t *q, *hi;
             __m512 s[4], z[4];
-            if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
             if (!direct && g + 1 < G) prefetch_group(kind, wt, K, b, g + 1);
-            group_scales(kind, wt, N, b, g, s, z);
+            group_at(kind, wt, N, K, G, b, g, &q, &hi, s, z);
             const int first = g == 0;
             const char *xg = (const char *)x + (size_t)g * GC * esize;
             const float *xs = has_offset(kind) ? xsum + g : NULL;
             float *o = out + (size_t)b * 64;
             if (direct) { /* chunks of rows, each unpacking the group again: no tile */
-                for (int m0 = 0, mt; m0 < M; m0 += mt) {
-                    const char *xm = xg + (size_t)m0 * K * esize;
-                    const float *xsm = xs == NULL ? NULL : xs + (size_t)m0 * G;
-                    float *om = o + (size_t)m0 * ldo;
-                    switch (mt = direct_rows(M - m0)) {
-                    case 6: rows_dot(kind, F32, 6, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
-                    case 5: rows_dot(kind, F32, 5, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
-                    case 4: rows_dot(kind, F32, 4, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
-                    case 3: rows_dot(kind, F32, 3, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
-                    case 2: rows_dot(kind, F32, 2, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
-                    default: rows_dot(kind, F32, 1, 1, q, hi, lut, NULL, xm, K, xsm, G, s, z, om, ldo, first); break;
-                    }
-                }
+                row_chunks(kind, F32, 1, M, q, hi, lut, NULL, xg, K, xs, G, s, z, o, ldo, first);
                 continue;
             }
             for (int kp = 0; kp < GC / 2; kp++) {
@@ -442,19 +456,7 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
                         _mm512_store_si512(tile + kp * 64 + 16 * t, w[t]);
                     }
             }
-            for (int m0 = 0, mt; m0 < M; m0 += mt) {
-                const char *xm = xg + (size_t)m0 * K * esize;
-                const float *xsm = xs == NULL ? NULL : xs + (size_t)m0 * G;
-                float *om = o + (size_t)m0 * ldo;
-                switch (mt = direct_rows(M - m0)) {
-                case 6: rows_dot(kind, F32, 6, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
-                case 5: rows_dot(kind, F32, 5, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
-                case 4: rows_dot(kind, F32, 4, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
-                case 3: rows_dot(kind, F32, 3, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
-                case 2: rows_dot(kind, F32, 2, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
-                default: rows_dot(kind, F32, 1, 0, q, hi, lut, tile, xm, K, xsm, G, s, z, om, ldo, first); break;
-                }
-            }
+            row_chunks(kind, F32, 0, M, q, hi, lut, tile, xg, K, xs, G, s, z, o, ldo, first);
         }
     }
 }
@@ -468,8 +470,8 @@ INLINE void matmul(const int kind, const int F32, int off, const void *x, const 
  * the AVX512 kernel's for a float32 x (tested), on half the vector width: a block's 64 rows go
  * as two halves of 32 (four registers of 8), 1-2 rows of x at a time from registers, more from a
  * 4 KB tile of the half-group, 3 rows at a time (2 for 2, 4 and 8 rows' last ones: the 16
- * registers hold 12 accumulators; 1.02-1.09x chunks of 2 at 6-64 rows, bit-equal); 1-5 rows against a 4-bit kind go by whole blocks, a pass per
- * row (row_dot8_nibbles). */
+ * registers hold 12 accumulators; 1.02-1.09x chunks of 2 at 6-64 rows, bit-equal); 1-5 rows
+ * against a 4-bit kind go by whole blocks, a pass per row (row_dot8_nibbles). */
 
 /* Rows 32h + 8t .. + 7 of column k (of its group) as float32 q - off, t = 0..3. */
 INLINE2 void unpack_col8(const int kind, const uint8_t *q, const uint8_t *hi, int k, int h, float off, __m256 w[4]) {
@@ -559,6 +561,14 @@ INLINE2 void rows_dot8(const int kind, const int MT, const int direct, const uin
     }
 }
 
+/* group_scales8 for the whole block b (s, z[0..3]: rows 0..31; [4..7]: 32..63), the scales two
+ * groups on prefetched. */
+INLINE2 void block_scales8(const int kind, const Weight *wt, int N, int G, int b, int g, __m256 s[8], __m256 z[8]) {
+    if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
+    group_scales8(kind, wt, N, (size_t)b * 64, g, s, z);
+    group_scales8(kind, wt, N, (size_t)b * 64 + 32, g, s + 4, z + 4);
+}
+
 /* One row of x against a whole (block, group) of a 4-bit kind (Q4_0, Q4_1, Q4_K): each column's
  * 32 bytes widened once for both halves (low nibbles: rows 0..31, high: rows 32..63; the halves
  * path widens them twice) and the integers converted straight (less off first where it is not
@@ -604,9 +614,7 @@ INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, 
             for (int b = 0; b < N / 64; b++)
                 for (int g = 0; g < G; g++) {
                     __m256 s[8], z[8];
-                    if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
-                    group_scales8(kind, wt, N, (size_t)b * 64, g, s, z);
-                    group_scales8(kind, wt, N, (size_t)b * 64 + 32, g, s + 4, z + 4);
+                    block_scales8(kind, wt, N, G, b, g, s, z);
                     row_dot8_nibbles(kind, wt->q + ((size_t)b * K + (size_t)g * GC) * 32, off, x + (size_t)g * GC,
                                      xsum + g, s, z, out + (size_t)b * 64, g == 0);
                 }
@@ -615,9 +623,7 @@ INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, 
             for (int b = 0; b < N / 64; b++)
                 for (int g = 0; g < G; g++) {
                     __m256 s[8], z[8];
-                    if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
-                    group_scales8(kind, wt, N, (size_t)b * 64, g, s, z);
-                    group_scales8(kind, wt, N, (size_t)b * 64 + 32, g, s + 4, z + 4);
+                    block_scales8(kind, wt, N, G, b, g, s, z);
                     const uint8_t *q = wt->q + ((size_t)b * K + (size_t)g * GC) * 32;
                     for (int m = 0; m < M; m++)
                         row_dot8_nibbles(kind, q, off, x + (size_t)m * K + (size_t)g * GC, xsum + (size_t)m * G + g,
