@@ -6,14 +6,14 @@ other the working tree's. Both are built as the loader builds them
 (``native_build.build``: same compiler and flags, cached by content) and
 called through the same bound weights: SmolLM2's 30 layers' qkv, o,
 gate_up and down (the packed GGUF; with ``--qtype``, random blocks of that
-type in those shapes, as ``bench_quant.py`` makes them; 1 thread), for
-each ``--tokens`` count. Rounds run the builds in a random order each time; the
+type in those shapes, as ``bench_quant.py`` makes them, for ``--layers``
+layers, no GGUF needed; 1 thread), for each ``--tokens`` count. Rounds run the builds in a random order each time; the
 figure is the median ms per pass over the 120 matmuls. ``bit_equal``: both
 builds wrote the same bits for every output (the kernel's contract: a change
 of speed only).
 
 Usage: python tools/bench_native_ab.py [--base REV] [--tokens 1,4,5,8,16,64] [--dtype float32|bfloat16]
-                                       [--qtype Q4_0|Q4_1|Q5_0|Q5_1|Q4_K|Q5_K|Q6_K|Q8_0]
+                                       [--qtype Q4_0|Q4_1|Q5_0|Q5_1|Q4_K|Q5_K|Q6_K|Q8_0 [--layers N]]
 Never asserts timings. Needs the SmolLM2 GGUF (``kvstrata run`` fetches it).
 """
 
@@ -36,6 +36,8 @@ from kvstrata.logs import configure_logging
 
 ROOT = Path(__file__).resolve().parent.parent
 REL = "kvstrata/kernels/csrc/lowbit_bf16.c"
+# SmolLM2-135M's linear layers, (out_features, in_features): qkv, o, gate_up, down
+SMOLLM2_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
 def one_pass(calls: list, sums: torch.Tensor) -> None:
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="x's dtype")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--qtype", default=None, help="random weights of this type (default: the GGUF's own)")
+    ap.add_argument("--layers", type=int, default=30, help="--qtype: layers of SmolLM2's shapes (default 30)")
     args = ap.parse_args()
     configure_logging("WARNING", json=False)
     from kvstrata.config import EngineConfig, ModelConfig
@@ -63,32 +66,34 @@ def main() -> None:
         raise SystemExit(f"no native kernels here: {quant_cpu.native_status()}")
     with tempfile.TemporaryDirectory() as tmp:
         base_src = Path(tmp) / "lowbit_bf16.c"
-        base_src.write_bytes(subprocess.run(["git", "show", f"{args.base}:{REL}"], cwd=ROOT, check=True,
-                                            capture_output=True).stdout)
+        shown = subprocess.run(["git", "show", f"{args.base}:{REL}"], cwd=ROOT, capture_output=True)
+        if shown.returncode != 0:
+            raise SystemExit(f"git show {args.base}:{REL} failed: {shown.stderr.decode(errors='replace').strip()}")
+        base_src.write_bytes(shown.stdout)
         fns = {}
         for name, src in (("base", base_src), ("tree", ROOT / REL)):
             fn = ctypes.CDLL(str(native_build.build(src, Path(tmp) / "so"))).kvq_matmul
             fn.restype, fn.argtypes = ctypes.c_int, nk._fn.argtypes
             fns[name] = fn
-        cfg = EngineConfig(model=ModelConfig(model=str(locate_smollm2()), num_threads=1, dtype=args.dtype),
-                           device="cpu", log_level="WARNING")
-        layers = build_runner(cfg).model.model.layers
-        linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if args.qtype is None:
-            weights = [(lin.parts[0].qtype.name, lin.parts[0].planes[0], lin.in_features) for lin in linears]
+            cfg = EngineConfig(model=ModelConfig(model=str(locate_smollm2()), num_threads=1, dtype=args.dtype),
+                               device="cpu", log_level="WARNING")
+            linears = [lin for layer in build_runner(cfg).model.model.layers
+                       for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                   layer.mlp.down_proj)]
+            weights = [(lin.parts[0].qtype.name, lin.parts[0].planes[0], lin.out_features, lin.in_features)
+                       for lin in linears]
         else:
             sys.path.insert(0, str(ROOT / "tools"))
             from bench_quant import QUANT_TYPES, random_packed
             from kvstrata.kernels import with_cpu_path
             block = QUANT_TYPES[args.qtype].block  # K-quants: in_features rounded up to their 256
             weights = []
-            for i, lin in enumerate(linears):
-                k = -(-lin.in_features // block) * block
-                packed = random_packed(args.qtype, lin.out_features, k, seed=i)
-                weights.append((args.qtype, with_cpu_path(packed, "native", keep_blocks=False).planes[0], k))
-        bound = [(nk.bind(qtype, planes), k, lin.out_features)
-                 for (qtype, planes, k), lin in zip(weights, linears)]
+            for i, (n, k) in enumerate(SMOLLM2_LAYER * args.layers):
+                k = -(-k // block) * block
+                packed = random_packed(args.qtype, n, k, seed=i)
+                weights.append((args.qtype, with_cpu_path(packed, "native", keep_blocks=False).planes[0], n, k))
+        bound = [(nk.bind(qtype, planes), k, n) for qtype, planes, n, k in weights]
         dtype = getattr(torch, args.dtype)
         rows = []
         for m in (int(t) for t in args.tokens.split(",")):
