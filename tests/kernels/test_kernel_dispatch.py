@@ -68,7 +68,7 @@ def test_interpreter_works_when_env_is_set_before_triton_import():
     proc = _run(
         """
         import triton, torch
-        from kernel_builders import make_paged_batch, run_python
+        from kernel_builders import make_paged_batch
         from kvstrata.kernels import paged_attention, gather_kv, use_triton
         assert use_triton("auto", torch.device("cpu"))
         b = make_paged_batch([13, 1, 6], [5, 1, 1], q_heads=4, kv_heads=2, sliding_window=4)

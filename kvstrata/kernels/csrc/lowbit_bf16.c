@@ -236,21 +236,25 @@ PURE int direct_rows(int left) {
     return left >= 10 || left == 6 ? 6 : left == 5 ? 5 : left >= 8 ? left / 2 : left < 4 ? left : 4;
 }
 
+/* Where (block b, group g)'s packed bytes start: lo (Q8: the int8 values) and hi (NULL: none). */
+PURE void group_bytes(const int kind, const Weight *wt, int K, int b, int g, const uint8_t **q, const uint8_t **hi) {
+    const size_t col = (size_t)b * K + (size_t)g * group_cols(kind); /* (block, first column of the group) */
+    *q = wt->q + col * (kind == Q8 ? 64 : 32);
+    *hi = hi_bits(kind) ? wt->hi + col * 8 * hi_bits(kind) : NULL;
+}
+
 /* The packed bytes of (block, group) g into L1: lo (Q8: the int8 values) and hi. Their stream
  * is sequential, but the hardware prefetcher stops at each 4 KB page (4 groups of Q4): perf put
  * 12 % of a bf16 16-row matmul on the first use of the bytes. The tile path fetches the next
  * group's (bf16 x: 9-16 rows 1.08x, 64 1.03x; float32 Q5_1 at 16 1.06x); the register paths,
  * which run through the bytes several times faster, measured 0.85-0.97x with it and go without. */
 PURE void prefetch_group(const int kind, const Weight *wt, int K, int b, int g) {
-    const int GC = group_cols(kind), HB = hi_bits(kind);
-    const size_t col = (size_t)b * K + (size_t)g * GC;
-    const size_t qbytes = (size_t)GC * (kind == Q8 ? 64 : 32);
-    const char *q = (const char *)wt->q + col * (kind == Q8 ? 64 : 32);
-    for (size_t c = 0; c < qbytes; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
-    if (HB) {
-        const char *hi = (const char *)wt->hi + col * 8 * HB;
-        for (size_t c = 0; c < (size_t)GC * 8 * HB; c += 64) _mm_prefetch(hi + c, _MM_HINT_T0);
-    }
+    const int GC = group_cols(kind);
+    const uint8_t *q, *hi;
+    group_bytes(kind, wt, K, b, g, &q, &hi);
+    for (size_t c = 0; c < (size_t)GC * (kind == Q8 ? 64 : 32); c += 64) _mm_prefetch((const char *)q + c, _MM_HINT_T0);
+    if (hi != NULL)
+        for (size_t c = 0; c < (size_t)GC * 8 * hi_bits(kind); c += 64) _mm_prefetch((const char *)hi + c, _MM_HINT_T0);
 }
 
 /* MT (1..6) rows of x against one (block, group): the weight pairs from registers (direct) or
@@ -357,9 +361,7 @@ static void group_sums(const void *x, int x_f32, int M, int K, float *xsum) {
  * groups on prefetched. */
 INLINE void group_at(const int kind, const Weight *wt, int N, int K, int G, int b, int g, const uint8_t **q,
                      const uint8_t **hi, __m512 s[4], __m512 z[4]) {
-    const size_t col = (size_t)b * K + (size_t)g * group_cols(kind); /* (block, first column of the group) */
-    *q = wt->q + col * (kind == Q8 ? 64 : 32);
-    *hi = hi_bits(kind) ? wt->hi + col * 8 * hi_bits(kind) : NULL;
+    group_bytes(kind, wt, K, b, g, q, hi);
     if (g + PREFETCH_GROUPS < G) prefetch_scales(kind, wt, N, b, g + PREFETCH_GROUPS);
     group_scales(kind, wt, N, b, g, s, z);
 }
@@ -605,30 +607,31 @@ INLINE2 void row_dot8_nibbles(const int kind, const uint8_t *q, int off, const f
     }
 }
 
+/* M rows of x against block b of a 4-bit kind, group by group, a row_dot8_nibbles pass per row. */
+INLINE2 void block_rows8(const int kind, int off, const float *x, const Weight *wt, float *out, int M, int N, int K,
+                         long ldo, const float *xsum, int b) {
+    const int GC = group_cols(kind), G = K / GC;
+    for (int g = 0; g < G; g++) {
+        __m256 s[8], z[8];
+        block_scales8(kind, wt, N, G, b, g, s, z);
+        const uint8_t *q, *hi;
+        group_bytes(kind, wt, K, b, g, &q, &hi);
+        for (int m = 0; m < M; m++)
+            row_dot8_nibbles(kind, q, off, x + (size_t)m * K + (size_t)g * GC, xsum + (size_t)m * G + g, s, z,
+                             out + (size_t)m * ldo + (size_t)b * 64, g == 0);
+    }
+}
+
 INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, float *out, int M, int N, int K,
                      long ldo, int nthreads, const float *xsum) {
-    const int GC = group_cols(kind), G = K / GC, NH = N / 32, HB = hi_bits(kind);
+    const int GC = group_cols(kind), G = K / GC, NH = N / 32;
     if (M <= 5 && (kind == QD4 || kind == QK4)) { /* whole blocks, a pass per row: see row_dot8_nibbles */
         if (M == 1) /* a region of its own: sharing one with the loop below cost one row 2-4 % */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-            for (int b = 0; b < N / 64; b++)
-                for (int g = 0; g < G; g++) {
-                    __m256 s[8], z[8];
-                    block_scales8(kind, wt, N, G, b, g, s, z);
-                    row_dot8_nibbles(kind, wt->q + ((size_t)b * K + (size_t)g * GC) * 32, off, x + (size_t)g * GC,
-                                     xsum + g, s, z, out + (size_t)b * 64, g == 0);
-                }
+            for (int b = 0; b < N / 64; b++) block_rows8(kind, off, x, wt, out, 1, N, K, ldo, xsum, b);
         else
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-            for (int b = 0; b < N / 64; b++)
-                for (int g = 0; g < G; g++) {
-                    __m256 s[8], z[8];
-                    block_scales8(kind, wt, N, G, b, g, s, z);
-                    const uint8_t *q = wt->q + ((size_t)b * K + (size_t)g * GC) * 32;
-                    for (int m = 0; m < M; m++)
-                        row_dot8_nibbles(kind, q, off, x + (size_t)m * K + (size_t)g * GC, xsum + (size_t)m * G + g,
-                                         s, z, out + (size_t)m * ldo + (size_t)b * 64, g == 0);
-                }
+            for (int b = 0; b < N / 64; b++) block_rows8(kind, off, x, wt, out, M, N, K, ldo, xsum, b);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
@@ -636,9 +639,8 @@ INLINE2 void matmul8(const int kind, int off, const float *x, const Weight *wt, 
         const int b = bh / 2, h = bh % 2;
         __attribute__((aligned(32))) float tile[32 * 32];
         for (int g = 0; g < G; g++) {
-            const size_t col = (size_t)b * K + (size_t)g * GC;
-            const uint8_t *q = wt->q + col * (kind == Q8 ? 64 : 32);
-            const uint8_t *hi = HB ? wt->hi + col * 8 * HB : NULL;
+            const uint8_t *q, *hi;
+            group_bytes(kind, wt, K, b, g, &q, &hi);
             __m256 s[4], z[4];
             group_scales8(kind, wt, N, (size_t)bh * 32, g, s, z);
             const int first = g == 0;
