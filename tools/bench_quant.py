@@ -22,8 +22,16 @@ Per set and type:
                    through ~64 MB of copies: a cold cache, as in a forward pass;
                    best of --reps runs), and the path it picks per layer
                    ("native" wherever our kernels build and run)
-  gpu              (CUDA only) Triton quant_matmul vs F.linear on bf16 weights,
-                   ms per set, CUDA events, median of --reps after warm-up
+  gpu              (CUDA, or --gpu-kernels alone) per token count (1, 4, 8, 16):
+                   the set's summed ms of quant_matmul (the decode GEMV for up to
+                   8 tokens of Q8_0/Q4_0/Q4_1/Q4_K), of _triton_quant's kernel
+                   alone (the previous decode path: the GEMV's baseline) and of
+                   torch.mm on bf16 weights, the packed reads in GB/s, and the
+                   speedups; device time from a CUDA graph cycling through
+                   >= 256 MB of weight copies (reads from HBM, not L2), median
+                   of --reps. --gpu-kernels runs only this, on the 8b set in
+                   Q4_0, Q4_K, Q8_0 and Q6_K; without a GPU it is a dry run of
+                   the code on tiny shapes in the Triton interpreter (Q4_0, Q4_K)
 
   engine           (--engine) the real SmolLM2 GGUF end to end on the CPU, one
                    engine per run, in this process, the settings in turn
@@ -54,6 +62,7 @@ Per set and type:
 
 Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N] [--engine [--engine-only] [--engine-repeats N]]
        python tools/bench_quant.py --engine-gpu [--gpu-shape 8b|3b|tinyllama] [--gpu-qtype Q4_0] [--engine-repeats N]
+       python tools/bench_quant.py --gpu-kernels [--reps N]
 --quick runs one CPU thread unless --threads says otherwise: on a shared
 machine a two-thread parallel region waits whenever the other thread is
 descheduled, which swamps small matmuls (seen: 0.05 ms -> 10+ ms).
@@ -79,12 +88,14 @@ from kvstrata.kernels.quant import QUANT_TYPES
 from kvstrata.kernels.quant_cpu import CPU_PATHS, Int4Path, time_paths
 from kvstrata.kernels.quant_native import native_kernels, native_status
 
-from bench_timing import cuda_eager_time  # tools/
+from bench_timing import cpu_time, cuda_graph_time  # tools/
 
 SETS = {
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
     "8b": {"gate": (14336, 4096), "down": (4096, 14336)},
+    "tiny": {"gate": (24, 256), "down": (8, 512)},  # --gpu-kernels' dry run on a CPU
 }
+GPU_KERNEL_TYPES = ("Q4_0", "Q4_K", "Q8_0", "Q6_K")  # --gpu-kernels: the decode GEMV's formats and Q4_K_M's Q6_K
 QUICK_8B = {"types": ("Q4_K", "Q6_K", "Q8_0"), "layers": ("gate",)}  # a Q4_K_M file: Q4_K and Q6_K
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -138,28 +149,63 @@ def bench_cpu(layers: dict[str, PackedWeight], reps: int) -> dict:
     return out
 
 
-def cuda_ms(fn, reps: int) -> float:
-    return cuda_eager_time(fn, reps) * 1e3
+GPU_TOKENS = (1, 4, 8, 16)
+RING_BYTES = 256 << 20  # weight copies cycled per timed call: > 2x an H200's 50 MB L2, so reads come from HBM
 
 
-def bench_gpu(layers: dict[str, PackedWeight], reps: int) -> dict:
+def cold_graph_ms(make_call, nbytes: int, reps: int, device: str = "cuda") -> float:
+    """ms per call of ``make_call(i)()`` (a call on copy i of the weights,
+    ``nbytes`` each), replayed from one CUDA graph over enough copies that
+    the weights come from HBM, not L2: the device's time, as in the engine's
+    captured decode steps. On a CPU (a dry run): two copies, wall time."""
+    copies = max(2, -(-RING_BYTES // max(1, nbytes))) if device == "cuda" else 2
+    calls = [make_call(i) for i in range(copies)]
+    run = lambda: [c() for c in calls]  # noqa: E731
+    if device != "cuda":
+        return cpu_time(run, reps) * 1e3 / copies
+    return cuda_graph_time(run, 1, reps) * 1e3 / copies
+
+
+def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") -> dict:
+    """Per token count: the set's summed ms for ``quant_matmul`` (what the
+    engine runs: the decode GEMV for up to 8 tokens of its formats), for
+    ``_triton_quant``'s kernel alone (the previous decode path: the baseline
+    of the GEMV), and for F.linear on bf16 weights; the packed reads in GB/s.
+    ``device`` "cpu": a dry run of this code under the Triton interpreter."""
+    from kvstrata.kernels._triton_quant import quant_matmul_triton
+
     res: dict = {}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for tokens in TOKENS:
-        packed_ms = dense_ms = 0.0
-        worst = 0.0
+    gen = torch.Generator(device=device).manual_seed(0)
+    ring_bytes = RING_BYTES if device == "cuda" else 1
+    for tokens in GPU_TOKENS:
+        ms = {"packed": 0.0, "general": 0.0, "dense_bf16": 0.0}
+        packed_bytes, worst = 0, 0.0
         for packed in layers.values():
-            w = packed.to("cuda")
-            dense = dequantize(w, torch.bfloat16)
-            x = torch.randn(tokens, w.in_features, generator=gen, device="cuda").to(torch.bfloat16)
-            packed_ms += cuda_ms(lambda: quant_matmul(x, w), reps)
-            dense_ms += cuda_ms(lambda: F.linear(x, dense), reps)
+            w = packed.to(device)
+            qt, n, nbytes = w.qtype, w.out_features, w.nbytes
+            ring = [w] + [PackedWeight(qt, w.shape, w.data.clone()) for _ in range(-(-ring_bytes // nbytes) - 1)]
+            x = torch.randn(tokens, w.in_features, generator=gen, device=device).to(torch.bfloat16)
+            out = torch.empty(tokens, n, device=device, dtype=torch.bfloat16)
+            ms["packed"] += cold_graph_ms(lambda i: (lambda: quant_matmul(x, ring[i % len(ring)], out=out)), nbytes,
+                                          reps, device)
+            ms["general"] += cold_graph_ms(lambda i: (lambda: quant_matmul_triton(
+                x, ring[i % len(ring)].data, qt.name, qt.block, qt.type_size, n, None, out)), nbytes, reps, device)
+            dense_bytes = 2 * n * w.in_features
+            dense = [dequantize(w, torch.bfloat16) for _ in range(-(-ring_bytes // dense_bytes))]
+            ms["dense_bf16"] += cold_graph_ms(lambda i: (lambda: torch.mm(x, dense[i % len(dense)].T, out=out)),
+                                              dense_bytes, reps, device)
             ref = F.linear(x.float(), dequantize(w)).double()
             scale = x.double().abs() @ dequantize(w).double().abs().T
             worst = max(worst, ((quant_matmul(x, w).double() - ref).abs() / scale).max().item())
-            dense = None  # freed before the next layer's copy (the lambdas above have run)
-        res[f"tokens_{tokens}"] = {"packed_ms": round(packed_ms, 4), "dense_bf16_ms": round(dense_ms, 4),
-                                   "speedup": round(dense_ms / packed_ms, 2), "max_err_over_S": worst}
+            packed_bytes += nbytes
+            ring = dense = None  # freed before the next layer's copies (the graphs have run)
+        res[f"tokens_{tokens}"] = {
+            **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
+            "packed_gb_s": round(packed_bytes / ms["packed"] / 1e6, 1),
+            "packed_speedup_vs_dense_bf16": round(ms["dense_bf16"] / ms["packed"], 2),
+            "packed_speedup_vs_general": round(ms["general"] / ms["packed"], 2),
+            "max_err_over_S": worst,
+        }
     return res
 
 
@@ -184,6 +230,10 @@ def bench_set(set_name: str, qtype: str, args) -> dict:
             "bf16": 2 * weights,
         },
     }
+    if args.gpu_kernels:  # the GPU section alone (on a CPU: its dry run)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        res["gpu"] = bench_gpu(layers, max(args.reps, 20) if device == "cuda" else 1, device)
+        return res
     start = time.perf_counter()
     res["cpu"] = bench_cpu(layers, args.reps)
     res["cpu_seconds"] = round(time.perf_counter() - start, 2)
@@ -384,6 +434,8 @@ def main() -> None:
                              "2 with --engine-gpu)")
     parser.add_argument("--engine-gpu", action="store_true",
                         help="only the GPU decode goal: a random Q4 GGUF, packed vs dequantized (CPU: a tiny dry run)")
+    parser.add_argument("--gpu-kernels", action="store_true",
+                        help="only the GPU matmul timings, 8b set (CPU: a dry run in the interpreter)")
     parser.add_argument("--gpu-shape", default="8b", choices=sorted(GPU_SHAPES), help="--engine-gpu's Llama shape")
     parser.add_argument("--gpu-qtype", default="Q4_0", choices=sorted(QUANT_TYPES), help="--engine-gpu's blocks")
     args = parser.parse_args()
@@ -404,7 +456,15 @@ def main() -> None:
     result["load"] = os.getloadavg()  # other work on the host, at the start
     if args.engine_gpu:
         result["engine_gpu"] = bench_engine_gpu(args)
-    for set_name in () if args.engine_only or args.engine_gpu else SETS:
+    if args.gpu_kernels:
+        if not torch.cuda.is_available():  # a dry run of the code: tiny shapes in the interpreter
+            os.environ["TRITON_INTERPRET"] = "1"
+            result["note"] = "no CUDA device: a dry run on the CPU (Triton interpreter, tiny shapes), not a GPU figure"
+        on_gpu = torch.cuda.is_available()
+        types = GPU_KERNEL_TYPES if on_gpu else GPU_KERNEL_TYPES[:2]
+        result["sets"]["8b" if on_gpu else "tiny"] = {
+            qtype: bench_set("8b" if on_gpu else "tiny", qtype, args) for qtype in types}
+    for set_name in () if args.engine_only or args.engine_gpu or args.gpu_kernels else ("smollm2", "8b"):
         types = QUICK_8B["types"] if set_name == "8b" and args.quick else tuple(QUANT_TYPES)
         result["sets"][set_name] = {qtype: bench_set(set_name, qtype, args) for qtype in types}
     if args.engine or args.engine_only:

@@ -4,7 +4,9 @@
 #   2. the HF oracle with the engine on CUDA: CUDA graphs on, graphs off, fused kernels on,
 #      split-K decode attention on; each also with pipelined steps (mode "pipelined")
 #   3. quantized weights on CUDA (issue 26): packed GGUF engines against dequantized ones
-#      (tests/model_gguf/test_gguf_packed_gpu.py), and the decode goal on a random 8B-shape
+#      (tests/model_gguf/test_gguf_packed_gpu.py), the matmuls alone on Llama-8B's gate/down
+#      shapes (tools/bench_quant.py --gpu-kernels: the decode GEMV vs _triton_quant's kernel
+#      vs bf16 torch.mm, 1-16 tokens), and the decode goal on a random 8B-shape
 #      Q4_0 GGUF (tools/bench_quant.py --engine-gpu: packed vs bf16-dequantized, batch 1 and 16)
 #   4. tools/bench_gpu.py (end to end) and the kernel benchmarks
 # Each stage has its own time limit and writes its log (and JSON) under $OUT
@@ -50,6 +52,8 @@ if has tests; then
 fi
 if has quant; then
   stage quant_engine 150 $PY -m pytest -q -p no:cacheprovider -p pytest_asyncio tests/model_gguf/test_gguf_packed_gpu.py
+  TAIL=3 stage bench_quant_kernels 150 sh -c "$PY tools/bench_quant.py --gpu-kernels > '$OUT/bench_quant_kernels.json'"
+  cat "$OUT/bench_quant_kernels.json"
   TAIL=3 stage bench_quant_gpu "${QUANT_S:-420}" sh -c \
     "$PY tools/bench_quant.py --engine-gpu --engine-repeats 1 > '$OUT/bench_quant_gpu.json'"
   cat "$OUT/bench_quant_gpu.json"

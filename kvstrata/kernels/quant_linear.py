@@ -5,15 +5,16 @@ on the fly, and the embedding lookup of packed rows.
     quant_matmul_ref(x, packed, bias) = F.linear(x, dequantize(packed, x.dtype), bias)
     packed_embedding(ids [T], packed, dtype) -> [T, in]      the rows ``ids`` of the weight
 
-Which code runs: CUDA -> the Triton GEMV/GEMM (``_triton_quant``, impl
-"auto"/"triton") or the reference ("torch"); CPU -> the weight's CPU path
+Which code runs: CUDA -> the Triton kernels (impl "auto"/"triton": decode
+batches of up to 8 tokens of Q8_0/Q4_0/Q4_1/Q4_K take ``_triton_quant_gemv``,
+everything else ``_triton_quant``'s GEMV/GEMM) or the reference ("torch"); CPU -> the weight's CPU path
 (``packed.cpu_path``, ``quant_cpu``), or the Triton interpreter ("triton",
 or "auto" under TRITON_INTERPRET=1).
 
 Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms):
 
     CPU "dequant" path         bit-equal to quant_matmul_ref
-    Triton kernel              fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
+    Triton kernels             fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
                                bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
     CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S)
     CPU "native" path          weights exact, x as given (float32 x: float32 FMAs; bf16 x: bf16 dot
@@ -21,10 +22,11 @@ Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms)
                                against dequantize in float64, F.linear fp32 3e-8 - 1e-7 S); a float16
                                x goes as float32
 
-The Triton kernel rebuilds each weight with ``dequantize``'s operations
-(fp-contraction off), so it multiplies by the very same fp32 weights and
-differs from the reference by accumulation order only (and for bf16 x by
-when the weights and the sum round to bf16). ``packed_embedding`` is
+The Triton kernels rebuild each weight with ``dequantize``'s operations
+(fp-contraction off; the GEMV's FMAs are explicit), so they multiply by the
+very same fp32 weights and differ from the reference by accumulation order
+only (and for bf16 x by when the sum, and in ``_triton_quant`` the weights,
+round to bf16). ``packed_embedding`` is
 ``dequantize`` of the rows (exact) while the blocks are kept, and the int4
 planes' values (``quant_cpu.int4_rows``: scales in bf16, |err| <= 2^-8 of
 each row's group scale times 15) once they were dropped for the int4 path,
@@ -104,13 +106,19 @@ def quant_matmul_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
 
 
 def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    from kvstrata.kernels._triton_quant import quant_matmul_triton
+    from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, quant_matmul_triton
+    from kvstrata.kernels._triton_quant_gemv import GEMV_TYPES, quant_gemv_triton
 
     qt = packed.qtype
     # the interpreter's fp32 -> bf16/fp16 casts truncate: it writes fp32, torch rounds
     direct = out.dtype == torch.float32 or not is_interpreted(x.device)
     dest = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    quant_matmul_triton(x, packed.data, qt.name, qt.block, qt.type_size, packed.out_features, bias, dest)
+    # the GEMV reads 16/32-bit words of the blocks: their rows must start 4-byte aligned (an
+    # allocation is; a PackedWeight built on a view at an odd offset takes the byte-wise kernel)
+    if x.shape[0] <= GEMV_MAX_TOKENS and qt.name in GEMV_TYPES and packed.data.data_ptr() % 4 == 0:
+        quant_gemv_triton(x, packed.data, qt.name, qt.type_size, packed.out_features, bias, dest)
+    else:
+        quant_matmul_triton(x, packed.data, qt.name, qt.block, qt.type_size, packed.out_features, bias, dest)
     if not direct:
         out.copy_(dest)
 

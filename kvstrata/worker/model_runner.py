@@ -110,8 +110,8 @@ def warm_up_shapes(max_num_tokens: int, max_num_seqs: int, max_model_len: int) -
     """The steps ``ModelRunner.warm_up`` runs, as query lengths per sequence:
     a long prefill, an odd-length one, a mixed batch, and decode batches of
     1, 2, 3, 8, 16 and up to 64 sequences (every token tile of the packed
-    GGUF matmul, ``kernels/_triton_quant.tiles``: 1, 2, 4, 8, 32, 64 rows);
-    those the limits allow."""
+    GGUF matmul: ``kernels/_triton_quant.tiles``' 1, 2, 4, 8, 32, 64 rows,
+    ``_triton_quant_gemv.gemv_tiles``' 1, 2, 4, 8); those the limits allow."""
     longest = min(max_num_tokens, max_model_len)
     decode = (1, 2, 3, 8, 16, min(max_num_seqs, 64))
     shapes = [[longest], [max(1, longest // 2) + 1], [17, 1, 33], *([1] * n for n in decode)]

@@ -1,9 +1,10 @@
-"""The dequantizing matmul compiled on CUDA: ``quant_matmul`` (Triton, GEMV
-tiles up to 8 tokens, tl.dot tiles above) against ``x @ dequantize(W).T + b``
-within the tolerance ``test_quant_kernels`` states, at decode and prefill
-token counts and a realistic width; ``dequantize`` on the device bit-equal to
-the CPU one; no host sync, and a CUDA graph replay equal to eager calls.
-Skipped without a CUDA device."""
+"""The dequantizing matmul compiled on CUDA: ``quant_matmul`` (Triton: the
+decode GEMV up to 8 tokens of its formats, else GEMV tiles up to 8 tokens and
+tl.dot tiles above) against ``x @ dequantize(W).T + b`` within the tolerance
+``test_quant_kernels`` states, at decode and prefill token counts and a
+realistic width; the decode GEMV's weights bit-equal to ``dequantize``'s;
+``dequantize`` on the device bit-equal to the CPU one; no host sync, and a
+CUDA graph replay equal to eager calls. Skipped without a CUDA device."""
 
 from __future__ import annotations
 
@@ -75,3 +76,17 @@ def test_no_host_sync_and_graph_replay_equals_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, quant_matmul(x, packed, bias))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_decode_gemv_multiplies_by_the_exact_weights(qtype):
+    # compiled: one-hot float32 rows read the weights back bit for bit, for 1-8 tokens
+    # (every token tile), at a width of several K steps and a row count of several programs
+    rows, cols = 2100, 4096
+    packed = random_packed(qtype, rows, cols, seed=3, device="cuda")
+    want = dequantize(packed)
+    for tokens in range(1, 9):
+        col = (torch.arange(tokens, device="cuda") * 577 + 63 * tokens) % cols
+        x = torch.zeros(tokens, cols, device="cuda")
+        x[torch.arange(tokens, device="cuda"), col] = 1.0
+        assert torch.equal(quant_matmul(x, packed), want[:, col].T), f"{qtype}, {tokens} tokens"

@@ -1,6 +1,8 @@
-"""tools/bench_quant.py --engine-gpu, run as users run it (its own process),
-on this CPU: the dry run writes a tiny random Q4_0 GGUF and times both
-modes through real engines, so the GPU run has no untried code path."""
+"""tools/bench_quant.py --engine-gpu and --gpu-kernels, run as users run
+them (their own process), on this CPU: the engine dry run writes a tiny
+random Q4_0 GGUF and times both modes through real engines, the kernel dry
+run times the decode GEMV, the general kernel and torch.mm in the Triton
+interpreter, so the GPU run has no untried code path."""
 
 from __future__ import annotations
 
@@ -26,3 +28,16 @@ def test_engine_gpu_dry_run_on_a_cpu():
         assert len(m["single_runs"]) == len(m["batch16_runs"]) == 1 and m["single_tok_s"] > 0 < m["batch16_tok_s"]
     assert r["packed_over_dequantize"]["weight_bytes"] < 0.5
     assert r["file_tensor_bytes"] > 0
+
+
+def test_gpu_kernels_dry_run_on_a_cpu():
+    proc = subprocess.run([sys.executable, str(TOOL), "--gpu-kernels"], capture_output=True, text=True, timeout=300,
+                          check=True)
+    r = json.loads(proc.stdout)
+    assert r["note"].startswith("no CUDA device: a dry run")
+    for qtype in ("Q4_0", "Q4_K"):
+        gpu = r["sets"]["tiny"][qtype]["gpu"]
+        assert sorted(gpu) == ["tokens_1", "tokens_16", "tokens_4", "tokens_8"]
+        for row in gpu.values():
+            assert row["packed_ms"] > 0 and row["general_ms"] > 0 and row["dense_bf16_ms"] > 0
+            assert row["max_err_over_S"] <= 2.0**-7  # bf16 output

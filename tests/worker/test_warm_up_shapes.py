@@ -1,6 +1,8 @@
 """``ModelRunner.warm_up`` (run at start on CUDA) covers every token tile of
-the packed GGUF matmul, so a decode batch of any size compiles nothing on the
-request path, with CUDA graphs off too (on, their captures cover the sizes)."""
+the packed GGUF matmul (the decode GEMV's for up to 8 tokens of its formats,
+``_triton_quant``'s otherwise), so a decode batch of any size compiles
+nothing on the request path, with CUDA graphs off too (on, their captures
+cover the sizes)."""
 
 from __future__ import annotations
 
@@ -8,21 +10,26 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kvstrata.kernels._triton_quant import tiles  # noqa: E402
+from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, tiles  # noqa: E402
+from kvstrata.kernels._triton_quant_gemv import GEMV_TYPES, gemv_tiles  # noqa: E402
 from kvstrata.worker.model_runner import warm_up_shapes  # noqa: E402
 
 
-def _key(tokens: int, n: int, k: int) -> tuple:
-    return tuple(sorted(tiles(tokens, n, k, interpreted=False).items()))
+def _key(tokens: int, n: int, k: int, qtype: str) -> tuple:
+    """The kernel ``quant_matmul`` takes on CUDA and its compile-time tiles."""
+    if tokens <= GEMV_MAX_TOKENS and qtype in GEMV_TYPES:
+        return ("gemv", *sorted(gemv_tiles(tokens, n, k, qtype).items()))
+    return ("general", *sorted(tiles(tokens, n, k, interpreted=False).items()))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("max_tokens", "max_seqs"), [(8192, 256), (2048, 64), (512, 16), (64, 8)])
 @pytest.mark.parametrize(("n", "k"), [(2560, 2048), (32000, 2048), (14336, 4096)])
-def test_every_decode_batch_size_has_its_quant_tiles_warmed(max_tokens, max_seqs, n, k):
+def test_every_decode_batch_size_has_its_quant_tiles_warmed(max_tokens, max_seqs, n, k, qtype):
     shapes = warm_up_shapes(max_tokens, max_seqs, 4096)
     assert all(sum(q) <= max_tokens and len(q) <= max_seqs for q in shapes)
-    warmed = {_key(sum(q), n, k) for q in shapes}
-    missing = [t for t in range(1, max_seqs + 1) if _key(t, n, k) not in warmed]
+    warmed = {_key(sum(q), n, k, qtype) for q in shapes}
+    missing = [t for t in range(1, max_seqs + 1) if _key(t, n, k, qtype) not in warmed]
     assert not missing, missing
 
 

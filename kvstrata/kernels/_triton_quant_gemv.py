@@ -1,0 +1,245 @@
+"""Triton GEMV of ``quant_matmul`` for decode batches (1-8 tokens) on the
+GGUF blocks as they are: out = x @ W.T + bias (torch reference and checks:
+``quant.py``; the general kernel, and the one prefill takes: ``_triton_quant``).
+Only the dispatcher imports this module: it imports triton.
+
+Why a second kernel: ``_triton_quant``'s tile rebuilds each weight from
+single bytes (its fp16 scales from two), converts each integer with I2F and
+sums the tile across threads every K step: compiled for sm_90, 15-22
+instructions per weight in its K loop. A decode GEMV over ~4.5-bit weights
+has to issue fewer than ~8 per weight to keep up with an H200's HBM, so
+instruction issue, not memory, was its limit. This kernel issues 7-9 (triton
+3.9) or 9-11 (3.6) per weight at one token, ~2x fewer
+(``tools/quant_gemv_sass.py`` counts them):
+
+- the quant bits come as 16/32-bit words, one load for 4-8 weights, and a
+  weight's value is masked where it lies in the word: with the exponent bits
+  of 2^23 OR-ed into the word once, ``bits & (mask | exponent)`` is the float
+  2^23 + q * 2^P, and one FADD leaves (q - offset) * 2^P exactly; times
+  scale * 2^-P (exact) it is ``dequantize``'s product, rounded once: the
+  weights are the reference's bit for bit (fp-contraction off);
+- one explicit FMA per weight and token into a per-thread accumulator; the
+  sum across threads happens once, after the K loop;
+- ~1024 row blocks per weight (1-16 rows each), so every SM has loads in
+  flight.
+
+A chunk is CH consecutive weights of one row whose quant bits sit in U
+aligned words; word u holds, at bit 8*w + 4*h, the weight W*u + w + HS*h of
+the chunk (GGUF's own nibble order, so nothing is re-laid: x is read in
+that order instead):
+
+    Q8_0  CH 32 = the block   U 16 x 2 B  H 1 W 2          bytes xor 128 = q + 128
+    Q4_0  CH 32 = the block   U  8 x 2 B  H 2 W 2  HS 16   (18-byte blocks: 2-aligned)
+    Q4_1  CH 32 = the block   U  4 x 4 B  H 2 W 4  HS 16
+    Q4_K  CH 64 = 2 groups    U  8 x 4 B  H 2 W 4  HS 32   group 2i + h has its own dd, dm
+
+Grids depend on shapes only; T is not specialised on.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.standard import _sum_combine
+
+from kvstrata.kernels._triton_quant import _LAUNCH_OPTIONS, QT_CODES
+from kvstrata.kernels.dispatch import LazyKernel
+
+# the formats this kernel reads; the others take _triton_quant's GEMV tiles
+GEMV_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+
+_MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: with value bits v below bit 23 it is 2^23 + v
+_TWO23 = tl.constexpr(8388608.0)
+
+
+def _k_scale(block, grp, d, dmin):
+    """(d * sc, dmin * mn) [BN, C, 1] of group ``grp`` [C] (0..7) of the Q4_K
+    blocks at ``block`` [BN, C]: gguf's get_scale_min, then ``dequantize``'s products."""
+    bp = block + (grp % 4)[None, :]
+    a = tl.load(bp + 4).to(tl.int32)
+    b = tl.load(bp + 8).to(tl.int32)
+    hi = tl.load(bp + 12).to(tl.int32)
+    low = (grp < 4)[None, :]
+    sc = tl.where(low, a & 63, (hi & 15) | ((a >> 2) & 48))
+    mn = tl.where(low, b & 63, (hi >> 4) | ((b >> 2) & 48))
+    return d * sc.to(tl.float32)[:, :, None], dmin * mn.to(tl.float32)[:, :, None]
+
+
+def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift):
+    """The weights [BN, C, U] at bit BIT of the words (``units``: bits 0-15, ``high``: bits
+    16-31 moved down; both with 2^23's exponent bits OR-ed in), dequantized as ``dequantize``
+    does: (q - 8) * d (Q4_0), (q - 128) * d (Q8_0: ``units`` holds q + 128), q * d + m (Q4_1),
+    q * dd - dm (Q4_K); ``scale``, ``shift``: d or dd, m or dm. The value stays at bit P of its
+    16 bits: the float 2^23 + q * 2^P, minus 2^23 + OFF * 2^P, is (q - OFF) * 2^P exactly, and
+    times scale * 2^-P (exact: every scale here is >= 2^-24, far from fp32's subnormals) it is
+    (q - OFF) * scale rounded once: the reference's product bit for bit, for one mask, one add
+    and one multiply."""
+    P: tl.constexpr = BIT % 16
+    if BIT < 16:
+        src = units
+    else:
+        src = high
+    MASK: tl.constexpr = (255 if QT == 0 else 15) << P
+    OFF: tl.constexpr = 128.0 if QT == 0 else (8.0 if QT == 1 else 0.0)
+    UNIT: tl.constexpr = 1.0 / (1 << P)
+    KEEP: tl.constexpr = MASK | 0x4B000000  # the value bits and the exponent bits
+    qf = (src & KEEP).to(tl.float32, bitcast=True) - (_TWO23 + OFF * (1 << P))
+    if QT == 0 or QT == 1:
+        return qf * (scale * UNIT)
+    elif QT == 2:
+        return qf * (scale * UNIT) + shift
+    else:
+        return qf * (scale * UNIT) - shift
+
+
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    num_tokens,
+    x_stride,
+    out_stride,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    QT: tl.constexpr,
+    TS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    K_SCALE: tl.constexpr,
+    VALUE: tl.constexpr,
+):
+    # the chunk geometry of the format (module docstring)
+    if QT == 0:
+        CH: tl.constexpr = 32
+        U: tl.constexpr = 16
+        H: tl.constexpr = 1
+        W: tl.constexpr = 2
+    elif QT == 1:
+        CH: tl.constexpr = 32
+        U: tl.constexpr = 8
+        H: tl.constexpr = 2
+        W: tl.constexpr = 2
+    elif QT == 2:
+        CH: tl.constexpr = 32
+        U: tl.constexpr = 4
+        H: tl.constexpr = 2
+        W: tl.constexpr = 4
+    else:
+        CH: tl.constexpr = 64
+        U: tl.constexpr = 8
+        H: tl.constexpr = 2
+        W: tl.constexpr = 4
+    C: tl.constexpr = BLOCK_K // CH
+    HS: tl.constexpr = CH // 2
+    ROW_BYTES: tl.constexpr = K // (256 if QT == 5 else 32) * TS
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < num_tokens
+    # rows and tokens past the end read row / token 0 and are not stored: no masks in the loop
+    row_base = w_ptr + (tl.where(row_ok, rows, 0).to(tl.int64) * ROW_BYTES)[:, None]  # [BN, 1]
+    x_rows = x_ptr + (tl.where(tok_ok, toks, 0).to(tl.int64) * x_stride)[:, None, None]  # [BT, 1, 1]
+    c = tl.arange(0, C)
+    u = tl.arange(0, U)[None, None, :]  # [1, 1, U]: a chunk's words
+    x_unit = CH * c[:, None] + W * tl.arange(0, U)[None, :]  # [C, U]: the x index of each word's first weight
+    acc = tl.full((BLOCK_T, BLOCK_N, C, U), 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        chunk = k0 // CH + c  # [C]
+        if QT == 5:  # chunk i of block b: the block's bytes 16 + 32i on
+            start = (chunk // 4) * TS + 32 * (chunk % 4)
+        else:
+            start = chunk * TS
+        cp = row_base + start[None, :]  # [BN, C]: the chunk's (Q4_K: its block's) first byte
+        # the quant words [BN, C, U] and the chunk's scales [BN, C, 1] (Q4_K: one pair per half h)
+        if QT == 0 or QT == 1:
+            units = tl.load((cp + 2).to(tl.pointer_type(tl.uint16))[:, :, None] + u).to(tl.uint32)
+            d = tl.load(cp.to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
+        elif QT == 2:
+            units = tl.load((cp + 4).to(tl.pointer_type(tl.uint32))[:, :, None] + u)
+            d = tl.load(cp.to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
+            m = tl.load((cp + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
+        else:
+            block = row_base + ((chunk // 4) * TS)[None, :]  # [BN, C]
+            units = tl.load((cp + 16).to(tl.pointer_type(tl.uint32))[:, :, None] + u)
+            d = tl.load(block.to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
+            dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
+            dd0, dm0 = K_SCALE(block, 2 * (chunk % 4), d, dmin)
+            dd1, dm1 = K_SCALE(block, 2 * (chunk % 4) + 1, d, dmin)
+        if QT == 0:
+            units = units ^ 0x8080  # each byte q + 128
+        # a float's exponent bits over the value bits (see VALUE): bits 0-15 and (32-bit words) 16-31
+        high = (units >> 16) | _MAGIC
+        units = units | _MAGIC
+        for s in tl.static_range(H * W):  # the word's values: weight W*u + w + HS*h at bit 8w + 4h
+            if QT == 0 or QT == 1:
+                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d)
+            elif QT == 2:
+                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m)
+            elif s // W == 0:
+                wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0)
+            else:
+                wt = VALUE(units, high, 8 * (s % W) + 4, QT, dd1, dm1)
+            x = tl.load(x_rows + (k0 + x_unit + (s % W + HS * (s // W)))[None]).to(tl.float32)  # [BT, C, U]
+            acc = tl.fma(x[:, None], wt[None], acc)
+    total = tl.reduce(tl.reduce(acc, 3, _sum_combine), 2, _sum_combine)  # [BT, BN]
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + toks.to(tl.int64)[:, None] * out_stride + rows[None, :]
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
+
+
+k_scale_fn = LazyKernel(_k_scale)
+value_fn = LazyKernel(_value)
+gemv_kernel = LazyKernel(_gemv_kernel, do_not_specialize=("num_tokens",))
+
+_PER_PROGRAM = 4096  # accumulator elements per program: 32 per thread of 4 warps
+_MIN_PROGRAMS = 1024  # row blocks wanted for a weight (8 resident programs on each of ~132 SMs)
+
+
+def gemv_tiles(num_tokens: int, n: int, k: int, qtype: str) -> dict:
+    """BLOCK_T / BLOCK_N / BLOCK_K and launch options: rows per program as
+    few as keep ~1024 programs in the grid (a memory-bound GEMV wants many
+    loads in flight on every SM), K per step the largest power-of-two
+    multiple of the format's chunk that divides K within the accumulator's
+    budget (the loop has no K mask)."""
+    chunk = 64 if qtype == "Q4_K" else 32
+    if qtype not in GEMV_TYPES or k % chunk:
+        raise ValueError(f"the GEMV reads {', '.join(GEMV_TYPES)} with K a multiple of their chunk, "
+                         f"got {qtype} K={k}")
+    bt = triton.next_power_of_2(max(1, num_tokens))
+    bn = max(1, min(16, triton.next_power_of_2(max(1, n // _MIN_PROGRAMS))))
+    bk = chunk
+    while k % (2 * bk) == 0 and 2 * bk * bt * bn <= _PER_PROGRAM:
+        bk *= 2
+    return dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+
+
+def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, tile_config: dict | None = None) -> None:
+    """``out`` [T, N] = x [T, K] @ W.T (+ bias) for a decode batch (T <=
+    ``_triton_quant.GEMV_MAX_TOKENS``), W from GGUF blocks ``data`` [N, bytes]
+    of a ``GEMV_TYPES`` format. ``tile_config``: ``gemv_tiles``' answer to use
+    instead (its BLOCK_K must divide K)."""
+    num_tokens, k = x.shape
+    t = tile_config or gemv_tiles(num_tokens, n, k, qtype)
+    grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(num_tokens, t["BLOCK_T"]))
+    gemv_kernel.for_device(x.device)[grid](
+        x,
+        data,
+        out if bias is None else bias,
+        out,
+        num_tokens,
+        x.stride(0),
+        out.stride(0),
+        N=n,
+        K=k,
+        QT=QT_CODES[qtype],
+        TS=type_size,
+        HAS_BIAS=bias is not None,
+        K_SCALE=k_scale_fn.for_device(x.device),
+        VALUE=value_fn.for_device(x.device),
+        **t,
+        **_LAUNCH_OPTIONS,
+    )

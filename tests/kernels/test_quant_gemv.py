@@ -1,0 +1,175 @@
+"""The decode GEMV over GGUF blocks (``kvstrata.kernels._triton_quant_gemv``),
+run by the Triton interpreter on CPU, and compiled for sm_90 on this host.
+
+Pinned here:
+- the weights it multiplies are ``dequantize``'s, bit for bit: one-hot rows
+  of x read single weights back, on blocks whose fp16 scales are any finite
+  value (subnormals and 65504 included), at every position of a chunk (the
+  magic-number conversion and the scale * 2^-P trick are exact);
+- sums against ``x @ dequantize(W).T + b`` within the stated tolerance for
+  1-8 tokens (not only powers of two), float32 / bfloat16 / float16 x, with
+  and without bias, rows and tokens that do not fill their last block, K of one chunk
+  and K that is not a power of two (SmolLM2's 576);
+- ``quant_matmul`` sends decode batches of these formats here, and larger
+  batches and other formats to ``_triton_quant``;
+- ``gemv_tiles``: BLOCK_K divides K (the loop has no K mask), the
+  accumulator stays within its budget, a weight of N rows gets ~N / 1024-row
+  blocks; and the kernel compiles for sm_90 for every format, token count
+  and activation dtype, without local-memory spills, and with fewer
+  instructions per weight in its K loop than ``_triton_quant``'s GEMV tiles
+  (``tools/quant_gemv_sass.py`` prints the counts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.kernels import dequantize, pack_weight, quant_matmul
+from kvstrata.kernels.quant import QUANT_TYPES
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("gguf.quants")
+from test_quant_kernels import assert_within, random_blocks  # noqa: E402
+
+from kvstrata.kernels import _triton_quant_gemv as gemv  # noqa: E402
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+GEMV_TYPES = list(gemv.GEMV_TYPES)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _packed(qtype: str, rows: int, cols: int, seed: int, any_scale: bool = False):
+    return pack_weight(torch.from_numpy(random_blocks(qtype, rows, cols, seed, any_scale=any_scale)), qtype,
+                       (rows, cols))
+
+
+def _run(x, packed, bias=None, tiles=None) -> torch.Tensor:
+    qt = packed.qtype
+    out = torch.empty(x.shape[0], packed.out_features, dtype=torch.float32)
+    gemv.quant_gemv_triton(x, packed.data, qt.name, qt.type_size, packed.out_features, bias, out, tile_config=tiles)
+    return out
+
+
+@pytest.mark.parametrize("qtype", GEMV_TYPES)
+@pytest.mark.parametrize("tiles", [None, dict(BLOCK_T=8, BLOCK_N=2, BLOCK_K=128, num_warps=4)])
+def test_weights_are_dequantize_bit_for_bit(qtype, tiles):
+    # 8 one-hot rows per call; the columns cover all 64 positions of a chunk (Q4_K's chunk
+    # is two 32-weight groups) in 8 different chunks, and across the 6 rows every fp16 scale
+    # is any finite value: out[t, n] = 1 * W[n, col_t] + 0 + ... exactly
+    rows, cols = 6, 512
+    packed = _packed(qtype, rows, cols, seed=3, any_scale=True)
+    want = dequantize(packed)
+    for start in range(0, 64, 8):
+        col = torch.arange(start, start + 8) + 64 * torch.arange(8)
+        x = torch.zeros(8, cols)
+        x[torch.arange(8), col] = 1.0
+        got = _run(x, packed, tiles=tiles)
+        assert torch.equal(got, want[:, col].T), f"{qtype} columns {col.tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qtype", GEMV_TYPES)
+def test_quant_matmul_runs_decode_batches_here_within_tolerance(qtype, dtype, monkeypatch):
+    calls = []
+    real = gemv.quant_gemv_triton
+    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    gen = torch.Generator().manual_seed(11)
+    for tokens, rows, cols, bias in ((1, 6, 512, True), (3, 9, 576, False), (5, 5, 256, True), (8, 6, 512, False)):
+        if cols % QUANT_TYPES[qtype].block:
+            cols = 512
+        packed = _packed(qtype, rows, cols, seed=tokens)
+        x = torch.randn(tokens, cols, generator=gen).to(dtype)
+        b = torch.randn(rows, generator=gen).to(dtype) if bias else None
+        got = quant_matmul(x, packed, b, impl="triton")
+        want = x.double() @ dequantize(packed).double().T + (0 if b is None else b.double())
+        assert_within(got, want.to(dtype), x, packed, b)
+    assert calls == [qtype] * 4
+
+
+def test_larger_batches_and_other_formats_take_the_general_kernel(monkeypatch):
+    calls = []
+    real = gemv.quant_gemv_triton
+    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    for qtype, tokens in (("Q4_0", 9), ("Q6_K", 1), ("Q5_0", 2)):
+        packed = _packed(qtype, 8, 256, seed=1)
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(2))
+        assert_within(quant_matmul(x, packed, impl="triton"), x @ dequantize(packed).T, x, packed, None)
+    assert calls == []
+
+
+@pytest.mark.parametrize("qtype", GEMV_TYPES)
+def test_one_chunk_of_k_and_a_k_loop_of_many_steps(qtype):
+    chunk = 64 if qtype == "Q4_K" else 32
+    for cols, tiles in ((QUANT_TYPES[qtype].block, None),
+                        (1024, dict(BLOCK_T=1, BLOCK_N=4, BLOCK_K=chunk, num_warps=4))):
+        packed = _packed(qtype, 5, cols, seed=cols)
+        x = torch.randn(2, cols, generator=torch.Generator().manual_seed(cols))
+        assert_within(_run(x, packed, tiles=tiles), x @ dequantize(packed).T, x, packed, None)
+
+
+@pytest.mark.parametrize("qtype", GEMV_TYPES)
+def test_gemv_tiles_fit_k_and_the_budget(qtype):
+    chunk = 64 if qtype == "Q4_K" else 32
+    for tokens in range(1, 9):
+        for n in (1, 20, 576, 1024, 4096, 14336, 28672):
+            for k in (256, 576, 1536, 4096, 14336):
+                if k % chunk:
+                    continue
+                t = gemv.gemv_tiles(tokens, n, k, qtype)
+                bk, bn, bt = t["BLOCK_K"], t["BLOCK_N"], t["BLOCK_T"]
+                assert k % bk == 0 and bk % chunk == 0 and (bk // chunk) & (bk // chunk - 1) == 0
+                assert bt >= tokens and bt * bn * bk <= max(4096, bt * bn * chunk)
+                assert bn == max(1, min(16, triton.next_power_of_2(max(1, n // 1024))))
+    with pytest.raises(ValueError, match="got Q6_K K=256"):
+        gemv.gemv_tiles(1, 8, 256, "Q6_K")
+    with pytest.raises(ValueError, match="K=96"):
+        gemv.gemv_tiles(1, 8, 96, "Q4_K")
+
+
+def _sass_tool():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        return importlib.import_module("quant_gemv_sass")
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("qtype", GEMV_TYPES)
+def test_compiles_for_sm90_without_spills_and_with_fewer_instructions(qtype, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tool = _sass_tool()
+    for tokens, dtype in ((1, "bf16"), (2, "fp16"), (4, "fp32"), (8, "bf16")):
+        new = tool.count(tool.compile_gemv(qtype, tokens, 4096, 4096, dtype))
+        assert new["local_memory"] == 0, f"{qtype} {tokens} tokens {dtype}: spills"
+        assert new["k_loop"] > 0
+    old = tool.count(tool.compile_general(qtype, 1, 4096, 4096, "bf16"))
+    new = tool.count(tool.compile_gemv(qtype, 1, 4096, 4096, "bf16"))
+    per_old = old["k_loop"] / old["weights_per_thread_step"]
+    per_new = new["k_loop"] / new["weights_per_thread_step"]
+    assert per_new < 0.8 * per_old, (per_new, per_old)  # measured 0.3-0.55 (triton 3.9), 0.5-0.73 (3.6)
+
+
+def test_blocks_at_an_unaligned_address_take_the_byte_wise_kernel(monkeypatch):
+    calls = []
+    real = gemv.quant_gemv_triton
+    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    aligned = _packed("Q4_1", 4, 256, seed=5)
+    buffer = torch.zeros(aligned.data.numel() + 2, dtype=torch.uint8)
+    buffer[2:] = aligned.data.flatten()
+    shifted = type(aligned)(aligned.qtype, aligned.shape, buffer[2:].view(aligned.data.shape))
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5))
+    want = x @ dequantize(aligned).T
+    assert_within(quant_matmul(x, shifted, impl="triton"), want, x, aligned, None)
+    assert calls == []
+    assert_within(quant_matmul(x, aligned, impl="triton"), want, x, aligned, None)
+    assert calls == ["Q4_1"]

@@ -1,0 +1,168 @@
+"""Instructions per weight of the quantized decode GEMVs, compiled for sm_90
+on any host (triton's CUDA backend, its bundled ptxas and nvdisasm; no GPU);
+prints one JSON object.
+
+A decode GEMV over 4.5-bit weights is fast only while the SMs issue its
+instructions faster than HBM delivers the bytes: on an H200 (132 SMs, 4
+warp-instructions per clock each, ~1.8 GHz, 4.8 TB/s) a Q4_0 weight arrives
+every ~0.9 ps, and ~7 instructions per weight already take ~2 ps. So the
+figure that decides whether a kernel can reach the bandwidth is the SASS
+instruction count of its K loop per weight it handles, counted here for
+
+  general   _triton_quant's GEMV tiles (byte loads, I2F, a cross-thread sum every step)
+  gemv      _triton_quant_gemv (word loads, magic-number conversion, one sum after the loop)
+
+per format and token count: the loop's instructions (the largest backward
+branch's body; where ptxas unrolled the whole loop, all instructions over
+the trip count), weights one thread handles per loop step, their ratio, and
+the loop's global loads, shuffles, barriers and local-memory accesses
+(spills). This is a static proxy, not a timing: memory latency, occupancy
+and the issue of other warps are not in it; tools/bench_quant.py on a GPU
+times the same kernels.
+
+Usage: python tools/quant_gemv_sass.py [--types Q4_0,Q4_K] [--tokens 1,4,8] [--n 4096] [--k 4096] [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvstrata.kernels import _triton_quant as general  # noqa: E402
+from kvstrata.kernels import _triton_quant_gemv as gemv  # noqa: E402
+from kvstrata.kernels.quant import quant_type  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+_DOT = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+
+
+def _compile(raw, dtype: str, consts: dict, launch: dict):
+    fn = triton.jit(raw)
+    types = dict(x_ptr=_TYPES[dtype], w_ptr="*u8", bias_ptr=_TYPES[dtype], out_ptr=_TYPES[dtype], num_tokens="i32",
+                 x_stride="i32", out_stride="i32")
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
+    # what the launcher marks on real tensors: 16-byte aligned pointers
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("x_ptr", "w_ptr", "out_ptr")}
+    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(source, target=TARGET, options={**launch, **general._LAUNCH_OPTIONS})
+    kernel.tiles = consts
+    kernel.num_warps = launch.get("num_warps", 4)
+    return kernel
+
+
+def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str):
+    """_triton_quant_gemv's kernel with the tiles ``gemv_tiles`` picks."""
+    t = gemv.gemv_tiles(tokens, n, k, qtype)
+    launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
+    consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False,
+                  K_SCALE=triton.jit(gemv._k_scale), VALUE=triton.jit(gemv._value), **t)
+    return _compile(gemv._gemv_kernel, dtype, consts, launch)
+
+
+def compile_general(qtype: str, tokens: int, n: int, k: int, dtype: str):
+    """_triton_quant's kernel with the tiles ``tiles`` picks on CUDA."""
+    t = general.tiles(tokens, n, k, interpreted=False)
+    launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
+    qt = quant_type(qtype)
+    consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], QK=qt.block, TS=qt.type_size, DOT_DT=_DOT[dtype],
+                  HAS_BIAS=False, F16=triton.jit(general._f16), DEQUANT=triton.jit(general._dequant_tile), **t)
+    return _compile(general._quant_matmul_kernel, dtype, consts, launch)
+
+
+def sass(kernel) -> str:
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return subprocess.run([str(nvdisasm), "-c", path], check=True, capture_output=True, text=True).stdout
+
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def count(kernel) -> dict:
+    """The K loop's instruction counts (see the module docstring)."""
+    text = sass(kernel)
+    labels, insns, pending = {}, [], []
+    for line in text.splitlines():
+        m = re.match(r"\s*\.?(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSN.search(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            insns.append((addr, m.group(2)))
+    body = None
+    for addr, op in insns:
+        m = re.search(r"\bBRA\b.*\(\.?(L_x_\d+)\)", op)
+        if m and m.group(1) in labels and labels[m.group(1)] < addr:
+            start = labels[m.group(1)]
+            if body is None or addr - start > body[1] - body[0]:
+                body = (start, addr)
+    t = kernel.tiles
+    steps = t["K"] // t["BLOCK_K"]
+    if body is not None:
+        loop = [op for addr, op in insns if body[0] <= addr <= body[1]]
+        per_step = len(loop)
+    else:  # unrolled: every instruction, spread over the trip count
+        loop = [op for _, op in insns]
+        per_step = round(len(loop) / steps)
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in loop)
+    threads = 32 * kernel.num_warps
+    return {
+        "k_loop": per_step,
+        "unrolled": body is None,
+        "weights_per_thread_step": t["BLOCK_N"] * t["BLOCK_K"] // threads,
+        "tokens_per_program": t["BLOCK_T"],
+        "global_loads": ops["LDG"],
+        "shuffles": ops["SHFL"],
+        "barriers": ops["BAR"],
+        "local_memory": sum(op.split()[0].startswith(("LDL", "STL")) for _, op in insns),
+        "tiles": {key: t[key] for key in ("BLOCK_T", "BLOCK_N", "BLOCK_K")},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=",".join(gemv.GEMV_TYPES))
+    parser.add_argument("--tokens", default="1,4,8")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DOT))
+    args = parser.parse_args()
+    cases = []
+    for qtype in args.types.split(","):
+        for tokens in map(int, args.tokens.split(",")):
+            row = {"qtype": qtype, "tokens": tokens}
+            for name, build in (("general", compile_general), ("gemv", compile_gemv)):
+                c = count(build(qtype, tokens, args.n, args.k, args.dtype))
+                c["per_weight"] = round(c["k_loop"] / c["weights_per_thread_step"], 2)
+                row[name] = c
+            row["instructions_general_over_gemv"] = round(row["general"]["per_weight"] / row["gemv"]["per_weight"], 2)
+            cases.append(row)
+    print(json.dumps({"triton": triton.__version__, "target": "sm_90", "shape": [args.n, args.k],
+                      "dtype": args.dtype, "cases": cases}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
