@@ -9,8 +9,9 @@ sums the tile across threads every K step: compiled for sm_90, 15-22
 instructions per weight in its K loop. A decode GEMV over ~4.5-bit weights
 has to issue fewer than ~8 per weight to keep up with an H200's HBM, so
 instruction issue, not memory, was its limit. This kernel issues 7-9 (triton
-3.9) or 9-11 (3.6) per weight at one token, ~2x fewer
-(``tools/quant_gemv_sass.py`` counts them):
+3.9) or 9-11 (3.6) per weight at one token for the 32-weight formats and
+Q4_K, 13-17 for Q6_K, ~1.4-3x fewer (``tools/quant_gemv_sass.py`` counts
+them):
 
 - the quant bits come as 16/32-bit words, one load for 4-8 weights, and a
   weight's value is masked where it lies in the word: with the exponent bits
@@ -32,6 +33,10 @@ that order instead):
     Q4_0  CH 32 = the block   U  8 x 2 B  H 2 W 2  HS 16   (18-byte blocks: 2-aligned)
     Q4_1  CH 32 = the block   U  4 x 4 B  H 2 W 4  HS 16
     Q4_K  CH 64 = 2 groups    U  8 x 4 B  H 2 W 4  HS 32   group 2i + h has its own dd, dm
+    Q6_K  CH 128 = half h     U 32 x 2 B  H 2 W 2  HS 64   of the 64 low-bit bytes at 64h; word
+                                                         u's weights 32 (2h' + u // 16) + 2 (u % 16)
+                                                         + w, their 2 high bits in the 2 bytes at
+                                                         128 + 32h + 2 (u % 16), scales per 16
 
 Grids depend on shapes only; T is not specialised on.
 """
@@ -46,7 +51,7 @@ from kvstrata.kernels._triton_quant import _LAUNCH_OPTIONS, QT_CODES
 from kvstrata.kernels.dispatch import LazyKernel
 
 # the formats this kernel reads; the others take _triton_quant's GEMV tiles
-GEMV_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+GEMV_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: with value bits v below bit 23 it is 2^23 + v
 _TWO23 = tl.constexpr(8388608.0)
@@ -92,6 +97,14 @@ def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift):
         return qf * (scale * UNIT) - shift
 
 
+def _q6_value(units, qh, BIT: tl.constexpr, dd):
+    """Q6_K's weights [BN, C, U] at bit BIT of the low-bit words ``units``, whose 2 high bits sit
+    at BIT + 4 of ``qh`` (moved there by the caller): (q - 32) * dd as ``dequantize`` forms it,
+    the 6-bit q made a float by the magic-number trick."""
+    q = ((units >> BIT) & 15) | ((qh >> BIT) & 48)
+    return ((q | _MAGIC).to(tl.float32, bitcast=True) - (_TWO23 + 32.0)) * dd
+
+
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -110,6 +123,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     K_SCALE: tl.constexpr,
     VALUE: tl.constexpr,
+    Q6_VALUE: tl.constexpr,
 ):
     # the chunk geometry of the format (module docstring)
     if QT == 0:
@@ -127,14 +141,19 @@ def _gemv_kernel(
         U: tl.constexpr = 4
         H: tl.constexpr = 2
         W: tl.constexpr = 4
-    else:
+    elif QT == 5:
         CH: tl.constexpr = 64
         U: tl.constexpr = 8
         H: tl.constexpr = 2
         W: tl.constexpr = 4
+    else:  # Q6_K: its own word order (Q6_VALUE)
+        CH: tl.constexpr = 128
+        U: tl.constexpr = 32
+        H: tl.constexpr = 2
+        W: tl.constexpr = 2
     C: tl.constexpr = BLOCK_K // CH
     HS: tl.constexpr = CH // 2
-    ROW_BYTES: tl.constexpr = K // (256 if QT == 5 else 32) * TS
+    ROW_BYTES: tl.constexpr = K // (256 if QT >= 5 else 32) * TS
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < N
@@ -144,37 +163,79 @@ def _gemv_kernel(
     x_rows = x_ptr + (tl.where(tok_ok, toks, 0).to(tl.int64) * x_stride)[:, None, None]  # [BT, 1, 1]
     c = tl.arange(0, C)
     u = tl.arange(0, U)[None, None, :]  # [1, 1, U]: a chunk's words
-    x_unit = CH * c[:, None] + W * tl.arange(0, U)[None, :]  # [C, U]: the x index of each word's first weight
+    uu = tl.arange(0, U)[None, :]
+    if QT == 7:
+        x_unit = CH * c[:, None] + 32 * (uu // 16) + 2 * (uu % 16)  # [C, U]: the x index of each word's first weight
+    else:
+        x_unit = CH * c[:, None] + W * uu
+    # every pointer of the first K step, made once: a step moves them all by its blocks' bytes
+    # (BLOCK_K is a multiple of the block: ``gemv_tiles``), so the loop adds one offset a load
+    QK: tl.constexpr = 256 if QT >= 5 else 32
+    if QT == 5:  # chunk i of block b: the block's bytes 16 + 32i on
+        block = row_base + ((c // 4) * TS)[None, :]  # [BN, C]
+        cp = block + (32 * (c % 4))[None, :]
+    elif QT == 7:  # half h of block b: its low bits from byte 64h on
+        block = row_base + ((c // 2) * TS)[None, :]
+        cp = block + (64 * (c % 2))[None, :]
+    else:
+        block = row_base + (c * TS)[None, :]
+        cp = block  # [BN, C]: the chunk's first byte
+    if QT == 0 or QT == 1:
+        w_ptrs = (cp + 2).to(tl.pointer_type(tl.uint16))[:, :, None] + u
+        d_ptrs = cp.to(tl.pointer_type(tl.float16))
+    elif QT == 2:
+        w_ptrs = (cp + 4).to(tl.pointer_type(tl.uint32))[:, :, None] + u
+        d_ptrs = cp.to(tl.pointer_type(tl.float16))
+    elif QT == 5:
+        w_ptrs = (cp + 16).to(tl.pointer_type(tl.uint32))[:, :, None] + u
+        d_ptrs = block.to(tl.pointer_type(tl.float16))
+    else:  # Q6_K: the low-bit words, their 2 high-bit bytes, the scales of n = 0 (+4: n = 1)
+        half = (c % 2)[None, :, None]
+        w_ptrs = cp.to(tl.pointer_type(tl.uint16))[:, :, None] + u
+        h_ptrs = (block[:, :, None] + 128 + 32 * half + 2 * (u % 16)).to(tl.pointer_type(tl.uint16))
+        s_ptrs = block[:, :, None] + 192 + 8 * half + 2 * (u // 16) + (u % 16) // 8
+        d_ptrs = (block + 208).to(tl.pointer_type(tl.float16))
     acc = tl.full((BLOCK_T, BLOCK_N, C, U), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        chunk = k0 // CH + c  # [C]
-        if QT == 5:  # chunk i of block b: the block's bytes 16 + 32i on
-            start = (chunk // 4) * TS + 32 * (chunk % 4)
-        else:
-            start = chunk * TS
-        cp = row_base + start[None, :]  # [BN, C]: the chunk's (Q4_K: its block's) first byte
+        done = k0 // QK * TS  # bytes of each row's blocks before this step
         # the quant words [BN, C, U] and the chunk's scales [BN, C, 1] (Q4_K: one pair per half h)
         if QT == 0 or QT == 1:
-            units = tl.load((cp + 2).to(tl.pointer_type(tl.uint16))[:, :, None] + u).to(tl.uint32)
-            d = tl.load(cp.to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
+            units = tl.load(w_ptrs + done // 2).to(tl.uint32)
+            d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
         elif QT == 2:
-            units = tl.load((cp + 4).to(tl.pointer_type(tl.uint32))[:, :, None] + u)
-            d = tl.load(cp.to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
-            m = tl.load((cp + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
-        else:
-            block = row_base + ((chunk // 4) * TS)[None, :]  # [BN, C]
-            units = tl.load((cp + 16).to(tl.pointer_type(tl.uint32))[:, :, None] + u)
-            d = tl.load(block.to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
-            dmin = tl.load((block + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)[:, :, None]
-            dd0, dm0 = K_SCALE(block, 2 * (chunk % 4), d, dmin)
-            dd1, dm1 = K_SCALE(block, 2 * (chunk % 4) + 1, d, dmin)
+            units = tl.load(w_ptrs + done // 4)
+            d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
+            m = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
+        elif QT == 5:
+            units = tl.load(w_ptrs + done // 4)
+            d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
+            dmin = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
+            dd0, dm0 = K_SCALE(block + done, 2 * (c % 4), d, dmin)
+            dd1, dm1 = K_SCALE(block + done, 2 * (c % 4) + 1, d, dmin)
+        else:  # Q6_K (module docstring)
+            units = tl.load(w_ptrs + done // 2).to(tl.uint32)
+            # the 2-bit fields of weight r (= 2n + u // 16) sit at bit 2r of the byte: shifted down
+            # by 2 (u // 16) here, and up by 4 to where they join the low 4 bits
+            qh = (tl.load(h_ptrs + done // 2).to(tl.uint32) >> (2 * (u // 16))) << 4
+            d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
+            # the int8 scales as floats, exactly: bits(2^23 | (s ^ 128)) - 2^23 - 128 = s
+            sc0 = ((tl.load(s_ptrs + done).to(tl.uint32) ^ 128) | _MAGIC).to(tl.float32, bitcast=True)
+            sc1 = ((tl.load(s_ptrs + done + 4).to(tl.uint32) ^ 128) | _MAGIC).to(tl.float32, bitcast=True)
+            dd0 = d * (sc0 - (_TWO23 + 128.0))
+            dd1 = d * (sc1 - (_TWO23 + 128.0))
         if QT == 0:
             units = units ^ 0x8080  # each byte q + 128
-        # a float's exponent bits over the value bits (see VALUE): bits 0-15 and (32-bit words) 16-31
-        high = (units >> 16) | _MAGIC
-        units = units | _MAGIC
+        if QT != 7:
+            # a float's exponent bits over the value bits (see VALUE): bits 0-15 and (32-bit words) 16-31
+            high = (units >> 16) | _MAGIC
+            units = units | _MAGIC
         for s in tl.static_range(H * W):  # the word's values: weight W*u + w + HS*h at bit 8w + 4h
-            if QT == 0 or QT == 1:
+            if QT == 7:  # byte w of the word, nibble h: weight 32 (2h + u // 16) + 2 (u % 16) + w
+                if s // W == 0:
+                    wt = Q6_VALUE(units, qh, 8 * (s % W), dd0)
+                else:
+                    wt = Q6_VALUE(units, qh, 8 * (s % W) + 4, dd1)
+            elif QT == 0 or QT == 1:
                 wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d)
             elif QT == 2:
                 wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m)
@@ -193,6 +254,7 @@ def _gemv_kernel(
 
 k_scale_fn = LazyKernel(_k_scale)
 value_fn = LazyKernel(_value)
+q6_value_fn = LazyKernel(_q6_value)
 gemv_kernel = LazyKernel(_gemv_kernel, do_not_specialize=("num_tokens",))
 
 _PER_PROGRAM = 4096  # accumulator elements per program: 32 per thread of 4 warps
@@ -202,16 +264,17 @@ _MIN_PROGRAMS = 1024  # row blocks wanted for a weight (8 resident programs on e
 def gemv_tiles(num_tokens: int, n: int, k: int, qtype: str) -> dict:
     """BLOCK_T / BLOCK_N / BLOCK_K and launch options: rows per program as
     few as keep ~1024 programs in the grid (a memory-bound GEMV wants many
-    loads in flight on every SM), K per step the largest power-of-two
-    multiple of the format's chunk that divides K within the accumulator's
-    budget (the loop has no K mask)."""
-    chunk = 64 if qtype == "Q4_K" else 32
-    if qtype not in GEMV_TYPES or k % chunk:
-        raise ValueError(f"the GEMV reads {', '.join(GEMV_TYPES)} with K a multiple of their chunk, "
+    loads in flight on every SM; fewer where one block of K would not fit
+    the accumulator's budget), K per step the largest power-of-two multiple
+    of the format's block that divides K within that budget (the loop has no
+    K mask, and moves every pointer by whole blocks)."""
+    block = 256 if qtype in ("Q4_K", "Q6_K") else 32
+    if qtype not in GEMV_TYPES or k % block:
+        raise ValueError(f"the GEMV reads {', '.join(GEMV_TYPES)} with K a multiple of their block, "
                          f"got {qtype} K={k}")
     bt = triton.next_power_of_2(max(1, num_tokens))
-    bn = max(1, min(16, triton.next_power_of_2(max(1, n // _MIN_PROGRAMS))))
-    bk = chunk
+    bn = max(1, min(16, triton.next_power_of_2(max(1, n // _MIN_PROGRAMS)), _PER_PROGRAM // (bt * block)))
+    bk = block
     while k % (2 * bk) == 0 and 2 * bk * bt * bn <= _PER_PROGRAM:
         bk *= 2
     return dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
@@ -224,6 +287,9 @@ def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, ti
     instead (its BLOCK_K must divide K)."""
     num_tokens, k = x.shape
     t = tile_config or gemv_tiles(num_tokens, n, k, qtype)
+    block = 256 if QT_CODES[qtype] >= 5 else 32
+    if t["BLOCK_K"] % block or k % t["BLOCK_K"]:
+        raise ValueError(f"BLOCK_K {t['BLOCK_K']} must be a multiple of {qtype}'s block ({block}) dividing K={k}")
     grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(num_tokens, t["BLOCK_T"]))
     gemv_kernel.for_device(x.device)[grid](
         x,
@@ -240,6 +306,7 @@ def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, ti
         HAS_BIAS=bias is not None,
         K_SCALE=k_scale_fn.for_device(x.device),
         VALUE=value_fn.for_device(x.device),
+        Q6_VALUE=q6_value_fn.for_device(x.device),
         **t,
         **_LAUNCH_OPTIONS,
     )

@@ -8,7 +8,7 @@ Pinned here:
   magic-number conversion and the scale * 2^-P trick are exact);
 - sums against ``x @ dequantize(W).T + b`` within the stated tolerance for
   1-8 tokens (not only powers of two), float32 / bfloat16 / float16 x, with
-  and without bias, rows and tokens that do not fill their last block, K of one chunk
+  and without bias, rows and tokens that do not fill their last block, K of one block
   and K that is not a power of two (SmolLM2's 576);
 - ``quant_matmul`` sends decode batches of these formats here, and larger
   batches and other formats to ``_triton_quant``;
@@ -40,6 +40,7 @@ from kvstrata.kernels import _triton_quant_gemv as gemv  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 GEMV_TYPES = list(gemv.GEMV_TYPES)
+BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}  # weights per GGUF block
 
 
 @pytest.fixture(autouse=True)
@@ -60,11 +61,11 @@ def _run(x, packed, bias=None, tiles=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", GEMV_TYPES)
-@pytest.mark.parametrize("tiles", [None, dict(BLOCK_T=8, BLOCK_N=2, BLOCK_K=128, num_warps=4)])
+@pytest.mark.parametrize("tiles", [None, dict(BLOCK_T=8, BLOCK_N=2, BLOCK_K=256, num_warps=4)])
 def test_weights_are_dequantize_bit_for_bit(qtype, tiles):
-    # 8 one-hot rows per call; the columns cover all 64 positions of a chunk (Q4_K's chunk
-    # is two 32-weight groups) in 8 different chunks, and across the 6 rows every fp16 scale
-    # is any finite value: out[t, n] = 1 * W[n, col_t] + 0 + ... exactly
+    # 8 one-hot rows per call; over the 8 calls the columns cover all 256 positions of a
+    # K-quant block (so every position of every format's chunk), and across the 6 rows every
+    # fp16 scale is any finite value: out[t, n] = 1 * W[n, col_t] + 0 + ... exactly
     rows, cols = 6, 512
     packed = _packed(qtype, rows, cols, seed=3, any_scale=True)
     want = dequantize(packed)
@@ -99,7 +100,7 @@ def test_larger_batches_and_other_formats_take_the_general_kernel(monkeypatch):
     calls = []
     real = gemv.quant_gemv_triton
     monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    for qtype, tokens in (("Q4_0", 9), ("Q6_K", 1), ("Q5_0", 2)):
+    for qtype, tokens in (("Q4_0", 9), ("Q5_K", 1), ("Q5_0", 2)):
         packed = _packed(qtype, 8, 256, seed=1)
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(2))
         assert_within(quant_matmul(x, packed, impl="triton"), x @ dequantize(packed).T, x, packed, None)
@@ -107,10 +108,8 @@ def test_larger_batches_and_other_formats_take_the_general_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("qtype", GEMV_TYPES)
-def test_one_chunk_of_k_and_a_k_loop_of_many_steps(qtype):
-    chunk = 64 if qtype == "Q4_K" else 32
-    for cols, tiles in ((QUANT_TYPES[qtype].block, None),
-                        (1024, dict(BLOCK_T=1, BLOCK_N=4, BLOCK_K=chunk, num_warps=4))):
+def test_one_block_of_k_and_a_k_loop_of_many_steps(qtype):
+    for cols, tiles in ((BLOCK[qtype], None), (1024, dict(BLOCK_T=1, BLOCK_N=4, BLOCK_K=BLOCK[qtype], num_warps=4))):
         packed = _packed(qtype, 5, cols, seed=cols)
         x = torch.randn(2, cols, generator=torch.Generator().manual_seed(cols))
         assert_within(_run(x, packed, tiles=tiles), x @ dequantize(packed).T, x, packed, None)
@@ -118,21 +117,25 @@ def test_one_chunk_of_k_and_a_k_loop_of_many_steps(qtype):
 
 @pytest.mark.parametrize("qtype", GEMV_TYPES)
 def test_gemv_tiles_fit_k_and_the_budget(qtype):
-    chunk = 64 if qtype == "Q4_K" else 32
+    block = BLOCK[qtype]
     for tokens in range(1, 9):
         for n in (1, 20, 576, 1024, 4096, 14336, 28672):
             for k in (256, 576, 1536, 4096, 14336):
-                if k % chunk:
+                if k % block:
                     continue
                 t = gemv.gemv_tiles(tokens, n, k, qtype)
                 bk, bn, bt = t["BLOCK_K"], t["BLOCK_N"], t["BLOCK_T"]
-                assert k % bk == 0 and bk % chunk == 0 and (bk // chunk) & (bk // chunk - 1) == 0
-                assert bt >= tokens and bt * bn * bk <= max(4096, bt * bn * chunk)
-                assert bn == max(1, min(16, triton.next_power_of_2(max(1, n // 1024))))
-    with pytest.raises(ValueError, match="got Q6_K K=256"):
-        gemv.gemv_tiles(1, 8, 256, "Q6_K")
+                assert k % bk == 0 and bk % block == 0 and (bk // block) & (bk // block - 1) == 0
+                assert bt >= tokens and bt * bn * bk <= 4096
+                assert bn == max(1, min(16, triton.next_power_of_2(max(1, n // 1024)), 4096 // (bt * block)))
+    with pytest.raises(ValueError, match="got Q5_K K=256"):
+        gemv.gemv_tiles(1, 8, 256, "Q5_K")
     with pytest.raises(ValueError, match="K=96"):
         gemv.gemv_tiles(1, 8, 96, "Q4_K")
+    x, packed = torch.zeros(1, 512), _packed("Q4_K", 4, 512, seed=1)
+    for block_k in (128, 1024):  # not a multiple of the block; more than K
+        with pytest.raises(ValueError, match=f"BLOCK_K {block_k}"):
+            _run(x, packed, tiles=dict(BLOCK_T=1, BLOCK_N=1, BLOCK_K=block_k, num_warps=4))
 
 
 def _sass_tool():
