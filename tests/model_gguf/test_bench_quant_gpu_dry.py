@@ -35,9 +35,9 @@ def test_gpu_kernels_dry_run_on_a_cpu():
                           check=True)
     r = json.loads(proc.stdout)
     assert r["note"].startswith("no CUDA device: a dry run")
-    for qtype in ("Q4_0", "Q4_K"):
-        gpu = r["sets"]["tiny"][qtype]["gpu"]
-        assert sorted(gpu) == ["tokens_1", "tokens_16", "tokens_4", "tokens_8"]
-        for row in gpu.values():
-            assert row["packed_ms"] > 0 and row["general_ms"] > 0 and row["dense_bf16_ms"] > 0
-            assert row["max_err_over_S"] <= 2.0**-7  # bf16 output
+    assert list(r["sets"]["tiny"]) == ["Q4_K"]
+    gpu = r["sets"]["tiny"]["Q4_K"]["gpu"]
+    assert sorted(gpu) == ["tokens_1", "tokens_16", "tokens_4", "tokens_8"]
+    for row in gpu.values():
+        assert row["packed_ms"] > 0 and row["general_ms"] > 0 and row["dense_bf16_ms"] > 0
+        assert row["max_err_over_S"] <= 2.0**-7  # bf16 output
