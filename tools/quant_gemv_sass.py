@@ -69,8 +69,9 @@ def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str):
     """_triton_quant_gemv's kernel with the tiles ``gemv_tiles`` picks."""
     t = gemv.gemv_tiles(tokens, n, k, qtype)
     launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
-    consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False,
-                  K_SCALE=triton.jit(gemv._k_scale), VALUE=triton.jit(gemv._value),
+    ch, u, h, w = gemv.GEOMETRY[qtype]
+    consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False, CH=ch, U=u,
+                  H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), VALUE=triton.jit(gemv._value),
                   Q6_VALUE=triton.jit(gemv._q6_value), **t)
     return _compile(gemv._gemv_kernel, dtype, consts, launch)
 

@@ -185,6 +185,15 @@ def tiles(num_tokens: int, n: int, k: int, interpreted: bool) -> dict:
     return dict(BLOCK_T=bt, BLOCK_N=64, BLOCK_K=min(k_tile, 64), USE_DOT=True, num_warps=4, num_stages=3)
 
 
+def launch_args(x, data, bias, out, n: int, qtype: str, type_size: int) -> tuple[tuple, dict]:
+    """What this module's kernel and ``_triton_quant_gemv``'s both take: the
+    runtime arguments in their order (x, the blocks, bias (``out`` when there
+    is none: never read), out, the token count, the row strides) and the
+    shared constexprs N, K, QT, TS, HAS_BIAS."""
+    args = (x, data, out if bias is None else bias, out, x.shape[0], x.stride(0), out.stride(0))
+    return args, dict(N=n, K=x.shape[1], QT=QT_CODES[qtype], TS=type_size, HAS_BIAS=bias is not None)
+
+
 def quant_matmul_triton(
     x: torch.Tensor,
     data: torch.Tensor,
@@ -202,21 +211,12 @@ def quant_matmul_triton(
     interpreted = is_interpreted(x.device)
     t = tile_config or tiles(num_tokens, n, k, interpreted)
     grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(num_tokens, t["BLOCK_T"]))
+    args, shared = launch_args(x, data, bias, out, n, qtype, type_size)
     quant_matmul_kernel.for_device(x.device)[grid](
-        x,
-        data,
-        out if bias is None else bias,
-        out,
-        num_tokens,
-        x.stride(0),
-        out.stride(0),
-        N=n,
-        K=k,
-        QT=QT_CODES[qtype],
+        *args,
+        **shared,
         QK=block,
-        TS=type_size,
         DOT_DT=tl.float32 if interpreted else _DOT_DTYPES[x.dtype],
-        HAS_BIAS=bias is not None,
         F16=f16_fn.for_device(x.device),
         DEQUANT=dequant_tile_fn.for_device(x.device),
         **t,

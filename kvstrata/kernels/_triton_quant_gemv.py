@@ -47,11 +47,15 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from kvstrata.kernels._triton_quant import _LAUNCH_OPTIONS, QT_CODES
+from kvstrata.kernels._triton_quant import _LAUNCH_OPTIONS, launch_args
 from kvstrata.kernels.dispatch import LazyKernel
+from kvstrata.kernels.quant import quant_type
 
-# the formats this kernel reads; the others take _triton_quant's GEMV tiles
-GEMV_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# the formats this kernel reads, with their chunk geometry (CH, U, H, W: the module docstring);
+# the others take _triton_quant's GEMV tiles
+GEOMETRY = {"Q8_0": (32, 16, 1, 2), "Q4_0": (32, 8, 2, 2), "Q4_1": (32, 4, 2, 4), "Q4_K": (64, 8, 2, 4),
+            "Q6_K": (128, 32, 2, 2)}
+GEMV_TYPES = tuple(GEOMETRY)
 
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: with value bits v below bit 23 it is 2^23 + v
 _TWO23 = tl.constexpr(8388608.0)
@@ -121,36 +125,14 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    CH: tl.constexpr,
+    U: tl.constexpr,
+    H: tl.constexpr,
+    W: tl.constexpr,
     K_SCALE: tl.constexpr,
     VALUE: tl.constexpr,
     Q6_VALUE: tl.constexpr,
 ):
-    # the chunk geometry of the format (module docstring)
-    if QT == 0:
-        CH: tl.constexpr = 32
-        U: tl.constexpr = 16
-        H: tl.constexpr = 1
-        W: tl.constexpr = 2
-    elif QT == 1:
-        CH: tl.constexpr = 32
-        U: tl.constexpr = 8
-        H: tl.constexpr = 2
-        W: tl.constexpr = 2
-    elif QT == 2:
-        CH: tl.constexpr = 32
-        U: tl.constexpr = 4
-        H: tl.constexpr = 2
-        W: tl.constexpr = 4
-    elif QT == 5:
-        CH: tl.constexpr = 64
-        U: tl.constexpr = 8
-        H: tl.constexpr = 2
-        W: tl.constexpr = 4
-    else:  # Q6_K: its own word order (Q6_VALUE)
-        CH: tl.constexpr = 128
-        U: tl.constexpr = 32
-        H: tl.constexpr = 2
-        W: tl.constexpr = 2
     C: tl.constexpr = BLOCK_K // CH
     HS: tl.constexpr = CH // 2
     ROW_BYTES: tl.constexpr = K // (256 if QT >= 5 else 32) * TS
@@ -268,8 +250,8 @@ def gemv_tiles(num_tokens: int, n: int, k: int, qtype: str) -> dict:
     the accumulator's budget), K per step the largest power-of-two multiple
     of the format's block that divides K within that budget (the loop has no
     K mask, and moves every pointer by whole blocks)."""
-    block = 256 if qtype in ("Q4_K", "Q6_K") else 32
-    if qtype not in GEMV_TYPES or k % block:
+    block = quant_type(qtype).block if qtype in GEMV_TYPES else 0
+    if not block or k % block:
         raise ValueError(f"the GEMV reads {', '.join(GEMV_TYPES)} with K a multiple of their block, "
                          f"got {qtype} K={k}")
     bt = triton.next_power_of_2(max(1, num_tokens))
@@ -287,23 +269,19 @@ def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, ti
     instead (its BLOCK_K must divide K)."""
     num_tokens, k = x.shape
     t = tile_config or gemv_tiles(num_tokens, n, k, qtype)
-    block = 256 if QT_CODES[qtype] >= 5 else 32
+    block = quant_type(qtype).block
     if t["BLOCK_K"] % block or k % t["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {t['BLOCK_K']} must be a multiple of {qtype}'s block ({block}) dividing K={k}")
     grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(num_tokens, t["BLOCK_T"]))
+    ch, u, h, w = GEOMETRY[qtype]
+    args, shared = launch_args(x, data, bias, out, n, qtype, type_size)
     gemv_kernel.for_device(x.device)[grid](
-        x,
-        data,
-        out if bias is None else bias,
-        out,
-        num_tokens,
-        x.stride(0),
-        out.stride(0),
-        N=n,
-        K=k,
-        QT=QT_CODES[qtype],
-        TS=type_size,
-        HAS_BIAS=bias is not None,
+        *args,
+        **shared,
+        CH=ch,
+        U=u,
+        H=h,
+        W=w,
         K_SCALE=k_scale_fn.for_device(x.device),
         VALUE=value_fn.for_device(x.device),
         Q6_VALUE=q6_value_fn.for_device(x.device),
