@@ -27,7 +27,8 @@ Per set and type:
                    8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K), of _triton_quant's kernel
                    alone (the previous decode path: the GEMV's baseline) and of
                    torch.mm on bf16 weights, the packed reads in GB/s, and the
-                   speedups; device time from a CUDA graph cycling through
+                   speedups; at 16 tokens also _triton_quant with 16-row tiles
+                   (general_bn16: 4x its default's programs, an A/B for tiles()); device time from a CUDA graph cycling through
                    >= 256 MB of weight copies (reads from HBM, not L2), median
                    of --reps. --gpu-kernels runs only this, on the 8b set in
                    Q4_0, Q4_K, Q8_0 and Q6_K; without a GPU it is a dry run of
@@ -171,8 +172,11 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
     engine runs: the decode GEMV for up to 8 tokens of its formats), for
     ``_triton_quant``'s kernel alone (the previous decode path: the baseline
     of the GEMV), and for F.linear on bf16 weights; the packed reads in GB/s.
-    ``device`` "cpu": a dry run of this code under the Triton interpreter."""
-    from kvstrata.kernels._triton_quant import quant_matmul_triton
+    Above 8 tokens also ``_triton_quant`` with 16 weight rows a program
+    ("general_bn16": its tl.dot tiles take 64, so a 4096-row weight is 64
+    programs on a 132-SM GPU). ``device`` "cpu": a dry run of this code under
+    the Triton interpreter."""
+    from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, quant_matmul_triton, tiles
 
     res: dict = {}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -190,6 +194,12 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
                                           reps, device)
             ms["general"] += cold_graph_ms(lambda i: (lambda: quant_matmul_triton(
                 x, ring[i % len(ring)].data, qt.name, qt.block, qt.type_size, n, None, out)), nbytes, reps, device)
+            if tokens > GEMV_MAX_TOKENS:  # the tl.dot tiles with 16 rows a program: 4x the programs
+                narrow = {**tiles(tokens, n, w.in_features, interpreted=False), "BLOCK_N": 16}
+                ms.setdefault("general_bn16", 0.0)
+                ms["general_bn16"] += cold_graph_ms(lambda i: (lambda: quant_matmul_triton(
+                    x, ring[i % len(ring)].data, qt.name, qt.block, qt.type_size, n, None, out, narrow)), nbytes,
+                    reps, device)
             dense_bytes = 2 * n * w.in_features
             dense = [dequantize(w, torch.bfloat16) for _ in range(-(-ring_bytes // dense_bytes))]
             ms["dense_bf16"] += cold_graph_ms(lambda i: (lambda: torch.mm(x, dense[i % len(dense)].T, out=out)),
