@@ -24,7 +24,7 @@ Per set and type:
                    ("native" wherever our kernels build and run)
   gpu              (CUDA, or --gpu-kernels alone) per token count (1, 4, 8, 16):
                    the set's summed ms of quant_matmul (the decode GEMV for up to
-                   8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K), of _triton_quant's kernel
+                   8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K), of _triton_quant's kernel
                    alone (the previous decode path: the GEMV's baseline) and of
                    torch.mm on bf16 weights, the packed reads in GB/s, and the
                    speedups; at 16 tokens also _triton_quant with 16-row tiles

@@ -10,8 +10,8 @@ instructions per weight in its K loop. A decode GEMV over ~4.5-bit weights
 has to issue fewer than ~8 per weight to keep up with an H200's HBM, so
 instruction issue, not memory, was its limit. This kernel issues 7-9 (triton
 3.9) or 9-11 (3.6) per weight at one token for the 32-weight formats and
-Q4_K, 13-17 for Q6_K, ~1.4-3x fewer (``tools/quant_gemv_sass.py`` counts
-them):
+Q4_K, 11-12 for Q5_K, 13-17 for Q6_K, ~1.4-3x fewer
+(``tools/quant_gemv_sass.py`` counts them):
 
 - the quant bits come as 16/32-bit words, one load for 4-8 weights, and a
   weight's value is masked where it lies in the word: with the exponent bits
@@ -33,6 +33,7 @@ that order instead):
     Q4_0  CH 32 = the block   U  8 x 2 B  H 2 W 2  HS 16   (18-byte blocks: 2-aligned)
     Q4_1  CH 32 = the block   U  4 x 4 B  H 2 W 4  HS 16
     Q4_K  CH 64 = 2 groups    U  8 x 4 B  H 2 W 4  HS 32   group 2i + h has its own dd, dm
+    Q5_K  as Q4_K, words from byte 48 + 32i; the 5th bits: bit 2i + h of the byte at 16 + j
     Q6_K  CH 128 = half h     U 32 x 2 B  H 2 W 2  HS 64   of the 64 low-bit bytes at 64h; word
                                                          u's weights 32 (2h' + u // 16) + 2 (u % 16)
                                                          + w, their 2 high bits in the 2 bytes at
@@ -54,7 +55,7 @@ from kvstrata.kernels.quant import quant_type
 # the formats this kernel reads, with their chunk geometry (CH, U, H, W: the module docstring);
 # the others take _triton_quant's GEMV tiles
 GEOMETRY = {"Q8_0": (32, 16, 1, 2), "Q4_0": (32, 8, 2, 2), "Q4_1": (32, 4, 2, 4), "Q4_K": (64, 8, 2, 4),
-            "Q6_K": (128, 32, 2, 2)}
+            "Q5_K": (64, 8, 2, 4), "Q6_K": (128, 32, 2, 2)}
 GEMV_TYPES = tuple(GEOMETRY)
 
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: with value bits v below bit 23 it is 2^23 + v
@@ -74,11 +75,12 @@ def _k_scale(block, grp, d, dmin):
     return d * sc.to(tl.float32)[:, :, None], dmin * mn.to(tl.float32)[:, :, None]
 
 
-def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift):
+def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift, fifth):
     """The weights [BN, C, U] at bit BIT of the words (``units``: bits 0-15, ``high``: bits
     16-31 moved down; both with 2^23's exponent bits OR-ed in), dequantized as ``dequantize``
     does: (q - 8) * d (Q4_0), (q - 128) * d (Q8_0: ``units`` holds q + 128), q * d + m (Q4_1),
-    q * dd - dm (Q4_K); ``scale``, ``shift``: d or dd, m or dm. The value stays at bit P of its
+    q * dd - dm (Q4_K; Q5_K, its 5th bit at bit P + 4 of ``fifth``); ``scale``, ``shift``: d or
+    dd, m or dm. The value stays at bit P of its
     16 bits: the float 2^23 + q * 2^P, minus 2^23 + OFF * 2^P, is (q - OFF) * 2^P exactly, and
     times scale * 2^-P (exact: every scale here is >= 2^-24, far from fp32's subnormals) it is
     (q - OFF) * scale rounded once: the reference's product bit for bit, for one mask, one add
@@ -92,7 +94,11 @@ def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift):
     OFF: tl.constexpr = 128.0 if QT == 0 else (8.0 if QT == 1 else 0.0)
     UNIT: tl.constexpr = 1.0 / (1 << P)
     KEEP: tl.constexpr = MASK | 0x4B000000  # the value bits and the exponent bits
-    qf = (src & KEEP).to(tl.float32, bitcast=True) - (_TWO23 + OFF * (1 << P))
+    if QT == 6:
+        bits = (src & KEEP) | (fifth & (16 << P))
+    else:
+        bits = src & KEEP
+    qf = bits.to(tl.float32, bitcast=True) - (_TWO23 + OFF * (1 << P))
     if QT == 0 or QT == 1:
         return qf * (scale * UNIT)
     elif QT == 2:
@@ -153,7 +159,7 @@ def _gemv_kernel(
     # every pointer of the first K step, made once: a step moves them all by its blocks' bytes
     # (BLOCK_K is a multiple of the block: ``gemv_tiles``), so the loop adds one offset a load
     QK: tl.constexpr = 256 if QT >= 5 else 32
-    if QT == 5:  # chunk i of block b: the block's bytes 16 + 32i on
+    if QT == 5 or QT == 6:  # chunk i of block b: the block's bytes 16 + 32i on (Q5_K: 48 + 32i)
         block = row_base + ((c // 4) * TS)[None, :]  # [BN, C]
         cp = block + (32 * (c % 4))[None, :]
     elif QT == 7:  # half h of block b: its low bits from byte 64h on
@@ -170,6 +176,10 @@ def _gemv_kernel(
         d_ptrs = cp.to(tl.pointer_type(tl.float16))
     elif QT == 5:
         w_ptrs = (cp + 16).to(tl.pointer_type(tl.uint32))[:, :, None] + u
+        d_ptrs = block.to(tl.pointer_type(tl.float16))
+    elif QT == 6:  # Q5_K: the words and the 5th bits of the chunk's weights (byte j: weight j of each group)
+        w_ptrs = (cp + 48).to(tl.pointer_type(tl.uint32))[:, :, None] + u
+        h_ptrs = (block + 16).to(tl.pointer_type(tl.uint32))[:, :, None] + u
         d_ptrs = block.to(tl.pointer_type(tl.float16))
     else:  # Q6_K: the low-bit words, their 2 high-bit bytes, the scales of n = 0 (+4: n = 1)
         half = (c % 2)[None, :, None]
@@ -188,7 +198,7 @@ def _gemv_kernel(
             units = tl.load(w_ptrs + done // 4)
             d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
             m = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
-        elif QT == 5:
+        elif QT == 5 or QT == 6:
             units = tl.load(w_ptrs + done // 4)
             d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
             dmin = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
@@ -205,6 +215,19 @@ def _gemv_kernel(
             sc1 = ((tl.load(s_ptrs + done + 4).to(tl.uint32) ^ 128) | _MAGIC).to(tl.float32, bitcast=True)
             dd0 = d * (sc0 - (_TWO23 + 128.0))
             dd1 = d * (sc1 - (_TWO23 + 128.0))
+        if QT == 6:
+            # the 5th bit of group 2i + h is bit 2i + h of the byte: moved to bit P + 4 of the
+            # value at bit P (VALUE), for the word's low (w < 2) and high 16 bits and h = 0, 1
+            qh = tl.load(h_ptrs + done // 4) >> (2 * (c % 4))[None, :, None]
+            fifth_lo0 = qh << 4
+            fifth_lo1 = qh << 7
+            fifth_hi0 = qh >> 12
+            fifth_hi1 = qh >> 9
+        else:
+            fifth_lo0 = units
+            fifth_lo1 = units
+            fifth_hi0 = units
+            fifth_hi1 = units
         if QT == 0:
             units = units ^ 0x8080  # each byte q + 128
         if QT != 7:
@@ -218,13 +241,19 @@ def _gemv_kernel(
                 else:
                     wt = Q6_VALUE(units, qh, 8 * (s % W) + 4, dd1)
             elif QT == 0 or QT == 1:
-                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d)
+                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d, units)
             elif QT == 2:
-                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m)
+                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m, units)
             elif s // W == 0:
-                wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0)
+                if s % W < 2:
+                    wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0, fifth_lo0)
+                else:
+                    wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0, fifth_hi0)
             else:
-                wt = VALUE(units, high, 8 * (s % W) + 4, QT, dd1, dm1)
+                if s % W < 2:
+                    wt = VALUE(units, high, 8 * (s % W) + 4, QT, dd1, dm1, fifth_lo1)
+                else:
+                    wt = VALUE(units, high, 8 * (s % W) + 4, QT, dd1, dm1, fifth_hi1)
             x = tl.load(x_rows + (k0 + x_unit + (s % W + HS * (s // W)))[None]).to(tl.float32)  # [BT, C, U]
             acc = tl.fma(x[:, None], wt[None], acc)
     total = tl.reduce(tl.reduce(acc, 3, _sum_combine), 2, _sum_combine)  # [BT, BN]

@@ -6,7 +6,7 @@ on the fly, and the embedding lookup of packed rows.
     packed_embedding(ids [T], packed, dtype) -> [T, in]      the rows ``ids`` of the weight
 
 Which code runs: CUDA -> the Triton kernels (impl "auto"/"triton": decode
-batches of up to 8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q6_K take ``_triton_quant_gemv``,
+batches of up to 8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K take ``_triton_quant_gemv``,
 everything else ``_triton_quant``'s GEMV/GEMM) or the reference ("torch"); CPU -> the weight's CPU path
 (``packed.cpu_path``, ``quant_cpu``), or the Triton interpreter ("triton",
 or "auto" under TRITON_INTERPRET=1).
