@@ -22,10 +22,11 @@ Per set and type:
                    through ~64 MB of copies: a cold cache, as in a forward pass;
                    best of --reps runs), and the path it picks per layer
                    ("native" wherever our kernels build and run)
-  gpu              (CUDA, or --gpu-kernels alone) per token count (1, 4, 8, 16):
+  gpu              (CUDA, or --gpu-kernels alone) per token count (1, 4, 8, 16, 512):
                    the set's summed ms of quant_matmul (the decode GEMV for up to
-                   8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K), of _triton_quant's kernel
-                   alone (the previous decode path: the GEMV's baseline) and of
+                   8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K; from 128 tokens the
+                   weight dequantized in chunks, then torch), of _triton_quant's kernel
+                   alone (the previous decode and prefill path: the baseline) and of
                    torch.mm on bf16 weights, the packed reads in GB/s, and the
                    speedups; at 16 tokens also _triton_quant with 16-row tiles
                    (general_bn16: 4x its default's programs, an A/B for tiles()); device time from a CUDA graph cycling through
@@ -150,7 +151,7 @@ def bench_cpu(layers: dict[str, PackedWeight], reps: int) -> dict:
     return out
 
 
-GPU_TOKENS = (1, 4, 8, 16)
+GPU_TOKENS = (1, 4, 8, 16, 512)
 RING_BYTES = 256 << 20  # weight copies cycled per timed call: > 2x an H200's 50 MB L2, so reads come from HBM
 
 
@@ -169,14 +170,16 @@ def cold_graph_ms(make_call, nbytes: int, reps: int, device: str = "cuda") -> fl
 
 def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") -> dict:
     """Per token count: the set's summed ms for ``quant_matmul`` (what the
-    engine runs: the decode GEMV for up to 8 tokens of its formats), for
+    engine runs: the decode GEMV for up to 8 tokens of its formats, the
+    dequantize-then-mm path from 128), for
     ``_triton_quant``'s kernel alone (the previous decode path: the baseline
     of the GEMV), and for F.linear on bf16 weights; the packed reads in GB/s.
-    Above 8 tokens also ``_triton_quant`` with 16 weight rows a program
+    From 9 to 127 tokens also ``_triton_quant`` with 16 weight rows a program
     ("general_bn16": its tl.dot tiles take 64, so a 4096-row weight is 64
     programs on a 132-SM GPU). ``device`` "cpu": a dry run of this code under
     the Triton interpreter."""
     from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, quant_matmul_triton, tiles
+    from kvstrata.kernels.quant_linear import PREFILL_DEQUANT_TOKENS
 
     res: dict = {}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -194,7 +197,7 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
                                           reps, device)
             ms["general"] += cold_graph_ms(lambda i: (lambda: quant_matmul_triton(
                 x, ring[i % len(ring)].data, qt.name, qt.block, qt.type_size, n, None, out)), nbytes, reps, device)
-            if tokens > GEMV_MAX_TOKENS:  # the tl.dot tiles with 16 rows a program: 4x the programs
+            if GEMV_MAX_TOKENS < tokens < PREFILL_DEQUANT_TOKENS:  # tl.dot tiles of 16 rows: 4x the programs
                 narrow = {**tiles(tokens, n, w.in_features, interpreted=False), "BLOCK_N": 16}
                 ms.setdefault("general_bn16", 0.0)
                 ms["general_bn16"] += cold_graph_ms(lambda i: (lambda: quant_matmul_triton(

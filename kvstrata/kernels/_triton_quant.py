@@ -163,6 +163,40 @@ def _quant_matmul_kernel(
 
 quant_matmul_kernel = LazyKernel(_quant_matmul_kernel, do_not_specialize=("num_tokens",))
 
+
+def _dequant_rows_kernel(
+    w_ptr,
+    out_ptr,
+    first_row,
+    num_rows,
+    K: tl.constexpr,
+    QK: tl.constexpr,
+    QT: tl.constexpr,
+    TS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    F16: tl.constexpr,
+    DEQUANT: tl.constexpr,
+):
+    """out [num_rows, K] (out's dtype) = rows first_row.. of the weight: ``dequantize``'s
+    float32 values (the same DEQUANT as the matmul's), rounded once to out's dtype."""
+    S: tl.constexpr = BLOCK_K // 32
+    ROW_BYTES: tl.constexpr = K // QK * TS
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    row_base = w_ptr + ((first_row + rows).to(tl.int64) * ROW_BYTES)[:, None, None]  # [BN, 1, 1]
+    k_group = tl.program_id(1) * BLOCK_K + 32 * tl.arange(0, S)[None, :, None]  # [1, S, 1]
+    gmask = row_ok[:, None, None] & (k_group < K)
+    w = DEQUANT(row_base + (k_group // QK) * TS, (k_group % QK) // 32, tl.arange(0, 32)[None, None, :], gmask, QT,
+                F16)
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
+    tl.store(ptrs, tl.reshape(w, (BLOCK_N, BLOCK_K)).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (kk < K)[None, :])
+
+
+dequant_rows_kernel = LazyKernel(_dequant_rows_kernel, do_not_specialize=("first_row", "num_rows"))
+
 _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 # Tokens up to this count take the GEMV tiles on CUDA (memory-bound decode batches).
@@ -222,3 +256,18 @@ def quant_matmul_triton(
         **t,
         **_LAUNCH_OPTIONS,
     )
+
+
+def dequantize_rows_triton(data: torch.Tensor, qtype: str, block: int, type_size: int, k: int, first_row: int,
+                           out: torch.Tensor) -> None:
+    """``out`` [rows, K] (contiguous; float32, bf16 or fp16) = rows ``first_row``.. of the weight
+    in GGUF blocks ``data``: ``dequantize(packed, out.dtype)``'s rows, bit for bit (float32 values,
+    one rounding). The interpreter's own float32 -> bf16/fp16 cast truncates: there ``out`` must
+    be float32 (the caller rounds with torch)."""
+    rows = out.shape[0]
+    block_n, block_k = 16, min(256, triton.next_power_of_2(k))
+    grid = (triton.cdiv(rows, block_n), triton.cdiv(k, block_k))
+    dequant_rows_kernel.for_device(out.device)[grid](
+        data, out, first_row, rows, K=k, QK=block, QT=QT_CODES[qtype], TS=type_size, BLOCK_N=block_n,
+        BLOCK_K=block_k, F16=f16_fn.for_device(out.device), DEQUANT=dequant_tile_fn.for_device(out.device),
+        num_warps=4, **_LAUNCH_OPTIONS)

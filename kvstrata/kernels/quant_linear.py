@@ -6,8 +6,11 @@ on the fly, and the embedding lookup of packed rows.
     packed_embedding(ids [T], packed, dtype) -> [T, in]      the rows ``ids`` of the weight
 
 Which code runs: CUDA -> the Triton kernels (impl "auto"/"triton": decode
-batches of up to 8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K take ``_triton_quant_gemv``,
-everything else ``_triton_quant``'s GEMV/GEMM) or the reference ("torch"); CPU -> the weight's CPU path
+batches of up to 8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K take ``_triton_quant_gemv``;
+from PREFILL_DEQUANT_TOKENS (128) tokens, row chunks of the weight are
+dequantized into the scratch buffer by ``_triton_quant.dequantize_rows_triton``
+and multiplied by F.linear; everything else takes ``_triton_quant``'s
+GEMV/GEMM) or the reference ("torch"); CPU -> the weight's CPU path
 (``packed.cpu_path``, ``quant_cpu``), or the Triton interpreter ("triton",
 or "auto" under TRITON_INTERPRET=1).
 
@@ -16,6 +19,8 @@ Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms)
     CPU "dequant" path         bit-equal to quant_matmul_ref
     Triton kernels             fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
                                bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
+    Triton, >= 128 tokens      F.linear on ``dequantize(W, x.dtype)``'s very values, by row chunks:
+                               bit-equal to quant_matmul_ref where one chunk holds W (CPU, tested)
     CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S)
     CPU "native" path          weights exact, x as given (float32 x: float32 FMAs; bf16 x: bf16 dot
                                products), float32 sums: |err| <= K * 2^-24 * S (3e-8 - 7e-8 S measured
@@ -93,7 +98,7 @@ def _run(x, packed, bias, out, scratch, triton: bool) -> None:
     if x.shape[0] == 0:
         return
     if triton:
-        _matmul_triton(x, packed, bias, out)
+        _matmul_triton(x, packed, bias, out, scratch)
     elif x.device.type == "cpu":
         CPU_PATHS[packed.cpu_path].matmul(x, packed, bias, out, scratch)
     else:
@@ -105,11 +110,24 @@ def quant_matmul_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     return F.linear(x, dequantize(packed, x.dtype), bias)
 
 
-def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+# Token counts from which the Triton path dequantizes the weight into a scratch buffer (chunks of
+# up to PREFILL_CHUNK weights, in x's dtype) and multiplies with torch: a prefill. The dequantizing
+# GEMM re-reads and re-converts every weight once per 64 tokens, the dequantize-then-GEMM path once
+# per call (the crossover by instruction counts is ~100 tokens; not yet timed on a GPU:
+# ``tools/bench_quant.py --gpu-kernels`` times both at 512 tokens).
+PREFILL_DEQUANT_TOKENS = 128
+PREFILL_CHUNK = 1 << 25  # weights: 64 MB of bf16 scratch; a [4096, 4096] weight in one chunk
+
+
+def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor,
+                   scratch: QuantScratch | None = None) -> None:
     from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, quant_matmul_triton
     from kvstrata.kernels._triton_quant_gemv import GEMV_TYPES, quant_gemv_triton
 
     qt = packed.qtype
+    if x.shape[0] >= PREFILL_DEQUANT_TOKENS:
+        _dequantize_then_mm(x, packed, bias, out, scratch)
+        return
     # the interpreter's fp32 -> bf16/fp16 casts truncate: it writes fp32, torch rounds
     direct = out.dtype == torch.float32 or not is_interpreted(x.device)
     dest = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
@@ -121,6 +139,29 @@ def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
         quant_matmul_triton(x, packed.data, qt.name, qt.block, qt.type_size, packed.out_features, bias, dest)
     if not direct:
         out.copy_(dest)
+
+
+def _dequantize_then_mm(x, packed: PackedWeight, bias, out, scratch: QuantScratch | None) -> None:
+    """``out`` = x @ W.T + bias by row chunks of W dequantized by the Triton kernel into the
+    scratch buffer, in x's dtype (``dequantize(packed, x.dtype)``'s values, bit for bit), then
+    F.linear: what the dequantize-at-load model computes, chunk by chunk."""
+    from kvstrata.kernels._triton_quant import dequantize_rows_triton
+
+    qt, (n, k) = packed.qtype, packed.shape
+    rows = max(1, min(n, PREFILL_CHUNK // k))
+    scratch = scratch if scratch is not None else QuantScratch()
+    # the interpreter's float32 -> bf16 cast truncates: there the kernel writes float32, torch rounds
+    interpreted = is_interpreted(x.device)
+    w_dtype = torch.float32 if interpreted else x.dtype
+    buf = scratch.get(rows * k, w_dtype, x.device)
+    low = scratch.get(rows * k, x.dtype, x.device) if w_dtype != x.dtype else None
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        w = buf[: (stop - start) * k].view(stop - start, k)
+        dequantize_rows_triton(packed.data, qt.name, qt.block, qt.type_size, k, start, w)
+        if low is not None:
+            w = low[: w.numel()].view(w.shape).copy_(w)
+        out[:, start:stop].copy_(F.linear(x, w, None if bias is None else bias[start:stop]))
 
 
 def _check_matmul_args(x, packed, bias, out, scratch, need_blocks: bool) -> None:

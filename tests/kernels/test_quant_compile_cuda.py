@@ -2,7 +2,8 @@
 (no GPU needed: triton's CUDA backend and its bundled ptxas), for every
 packed type with the tiles ``tiles`` picks on CUDA: the GEMV tiles of
 decode batches and the tl.dot tiles of prefill, with bf16 and fp32
-activations. A kernel the interpreter runs can still fail to compile
+activations; and the prefill path's row dequantizer for every type and
+scratch dtype. A kernel the interpreter runs can still fail to compile
 (shapes of tl.dot, layouts of the reshape of the dequantized tile)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from sm90 import compile_sm90  # noqa: E402
 
 from kvstrata.kernels._triton_quant import (  # noqa: E402
     QT_CODES,
+    _dequant_rows_kernel,
     _dequant_tile,
     _f16,
     _LAUNCH_OPTIONS,
@@ -48,3 +50,15 @@ def test_quant_matmul_compiles_for_sm90(qtype, tokens, dtype):
     ptx = kernel.asm["ptx"]
     if t["USE_DOT"] and dtype == "bf16":
         assert "mma" in ptx  # prefill tiles run on tensor cores
+
+
+@pytest.mark.parametrize("qtype", sorted(QT_CODES))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_dequantize_rows_compiles_for_sm90(qtype, dtype):
+    # the prefill path's kernel: the weight's rows into a scratch buffer of x's dtype
+    qt = quant_type(qtype)
+    types = dict(w_ptr="*u8", out_ptr=f"*{dtype}", first_row="i32", num_rows="i32")
+    consts = dict(K=4096, QK=qt.block, QT=QT_CODES[qtype], TS=qt.type_size, BLOCK_N=16, BLOCK_K=256,
+                  F16=triton.jit(_f16), DEQUANT=triton.jit(_dequant_tile))
+    kernel = compile_sm90(_dequant_rows_kernel, types, consts, div16=("out_ptr",), num_warps=4, **_LAUNCH_OPTIONS)
+    assert "cubin" in kernel.asm

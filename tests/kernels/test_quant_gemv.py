@@ -17,7 +17,11 @@ Pinned here:
   blocks; and the kernel compiles for sm_90 for every format, token count
   and activation dtype, without local-memory spills, and with fewer
   instructions per weight in its K loop than ``_triton_quant``'s GEMV tiles
-  (``tools/quant_gemv_sass.py`` prints the counts).
+  (``tools/quant_gemv_sass.py`` prints the counts);
+- prefill batches (128 tokens and more) dequantize row chunks of the weight
+  into the scratch buffer with ``_triton_quant.dequantize_rows_triton``
+  (bit-equal to ``dequantize`` for every packed type) and multiply with
+  F.linear: the reference's very result where one chunk holds the weight.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata.kernels import dequantize, pack_weight, quant_matmul
+from kvstrata.kernels import QuantScratch, dequantize, pack_weight, quant_matmul, quant_matmul_ref
 from kvstrata.kernels.quant import QUANT_TYPES
 
 triton = pytest.importorskip("triton")
@@ -176,3 +180,49 @@ def test_blocks_at_an_unaligned_address_take_the_byte_wise_kernel(monkeypatch):
     assert calls == []
     assert_within(quant_matmul(x, aligned, impl="triton"), want, x, aligned, None)
     assert calls == ["Q4_1"]
+
+
+# ---- prefill: dequantize row chunks, then F.linear --------------------------------------
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TYPES))
+def test_dequantize_rows_kernel_is_dequantize_bit_for_bit(qtype):
+    from kvstrata.kernels._triton_quant import dequantize_rows_triton
+
+    qt = QUANT_TYPES[qtype]
+    packed = _packed(qtype, 21, 512, seed=7, any_scale=True)
+    want = dequantize(packed)
+    for first, rows in ((0, 21), (5, 9), (20, 1)):
+        out = torch.empty(rows, 512)
+        dequantize_rows_triton(packed.data, qtype, qt.block, qt.type_size, 512, first, out)
+        assert torch.equal(out, want[first:first + rows]), (first, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_batches_dequantize_then_multiply(dtype, monkeypatch):
+    from kvstrata.kernels import quant_linear
+
+    calls = []
+    real = gemv.quant_gemv_triton
+    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    packed = _packed("Q4_K", 40, 512, seed=8)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(quant_linear.PREFILL_DEQUANT_TOKENS, 512, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    scratch = QuantScratch()
+    # one chunk holds the weight: the reference's very computation
+    assert torch.equal(quant_matmul(x, packed, bias, scratch=scratch, impl="triton"),
+                       quant_matmul_ref(x, packed, bias))
+    assert scratch.nbytes == 40 * 512 * (4 if dtype == torch.float32 else 4 + 2)  # interpreted: fp32, then x's
+    # chunks of 6 rows (the last one 4): within the tolerance, the scratch sized for one chunk
+    monkeypatch.setattr(quant_linear, "PREFILL_CHUNK", 6 * 512)
+    small = QuantScratch()
+    got = quant_matmul(x, packed, bias, scratch=small, impl="triton")
+    assert_within(got, quant_matmul_ref(x, packed, bias), x, packed, bias)
+    assert small.nbytes == 6 * 512 * (4 if dtype == torch.float32 else 6)
+    # one token fewer takes the dequantizing GEMM (no scratch)
+    unused = QuantScratch()
+    fewer = x[:-1]
+    assert_within(quant_matmul(fewer, packed, bias, scratch=unused, impl="triton"),
+                  quant_matmul_ref(fewer, packed, bias), fewer, packed, bias)
+    assert unused.nbytes == 0 and calls == []

@@ -1,6 +1,7 @@
 """The dequantizing matmul compiled on CUDA: ``quant_matmul`` (Triton: the
-decode GEMV up to 8 tokens of its formats, else GEMV tiles up to 8 tokens and
-tl.dot tiles above) against ``x @ dequantize(W).T + b`` within the tolerance
+decode GEMV up to 8 tokens of its formats, else GEMV tiles up to 8 tokens,
+tl.dot tiles above, and from 128 tokens the weight dequantized then F.linear,
+bit-equal to the reference) against ``x @ dequantize(W).T + b`` within the tolerance
 ``test_quant_kernels`` states, at decode and prefill token counts and a
 realistic width; the decode GEMV's weights bit-equal to ``dequantize``'s;
 ``dequantize`` on the device bit-equal to the CPU one; no host sync, and a
@@ -90,3 +91,11 @@ def test_decode_gemv_multiplies_by_the_exact_weights(qtype):
         x = torch.zeros(tokens, cols, device="cuda")
         x[torch.arange(tokens, device="cuda"), col] = 1.0
         assert torch.equal(quant_matmul(x, packed), want[:, col].T), f"{qtype}, {tokens} tokens"
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_prefill_is_the_dequantized_models_matmul(qtype):
+    # from 128 tokens: the weight dequantized to x's dtype in one chunk, then F.linear:
+    # the very operands (and cuBLAS call) of the dequantize-at-load model
+    x, packed, bias = _inputs(qtype, 300, torch.bfloat16, seed=4)
+    assert torch.equal(quant_matmul(x, packed, bias), quant_matmul_ref(x, packed, bias))

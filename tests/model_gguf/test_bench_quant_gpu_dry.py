@@ -37,8 +37,9 @@ def test_gpu_kernels_dry_run_on_a_cpu():
     assert r["note"].startswith("no CUDA device: a dry run")
     assert list(r["sets"]["tiny"]) == ["Q4_K"]
     gpu = r["sets"]["tiny"]["Q4_K"]["gpu"]
-    assert sorted(gpu) == ["tokens_1", "tokens_16", "tokens_4", "tokens_8"]
+    assert sorted(gpu) == ["tokens_1", "tokens_16", "tokens_4", "tokens_512", "tokens_8"]
     assert "general_bn16_ms" in gpu["tokens_16"] and "general_bn16_ms" not in gpu["tokens_8"]
+    assert "general_bn16_ms" not in gpu["tokens_512"]
     for row in gpu.values():
         assert row["packed_ms"] > 0 and row["general_ms"] > 0 and row["dense_bf16_ms"] > 0
         assert row["max_err_over_S"] <= 2.0**-7  # bf16 output
