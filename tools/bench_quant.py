@@ -24,7 +24,7 @@ Per set and type:
                    ("native" wherever our kernels build and run)
   gpu              (CUDA, or --gpu-kernels alone) per token count (1, 4, 8, 16, 512):
                    the set's summed ms of quant_matmul (the decode GEMV for up to
-                   8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K; from 128 tokens the
+                   8 tokens of every packed type; from 128 tokens the
                    weight dequantized in chunks, then torch), of _triton_quant's kernel
                    alone (the previous decode and prefill path: the baseline) and of
                    torch.mm on bf16 weights, the packed reads in GB/s, and the
@@ -97,7 +97,7 @@ SETS = {
     "8b": {"gate": (14336, 4096), "down": (4096, 14336)},
     "tiny": {"gate": (24, 256), "down": (8, 512)},  # --gpu-kernels' dry run on a CPU
 }
-GPU_KERNEL_TYPES = ("Q4_0", "Q4_K", "Q8_0", "Q6_K")  # --gpu-kernels: the decode GEMV's formats and Q4_K_M's Q6_K
+GPU_KERNEL_TYPES = ("Q4_0", "Q4_K", "Q8_0", "Q6_K")  # --gpu-kernels: the goal's Q4_0, a Q4_K_M file's two, Q8_0
 QUICK_8B = {"types": ("Q4_K", "Q6_K", "Q8_0"), "layers": ("gate",)}  # a Q4_K_M file: Q4_K and Q6_K
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

@@ -72,7 +72,7 @@ def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str):
     ch, u, h, w = gemv.GEOMETRY[qtype]
     consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False, CH=ch, U=u,
                   H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), VALUE=triton.jit(gemv._value),
-                  Q6_VALUE=triton.jit(gemv._q6_value), **t)
+                  Q6_VALUE=triton.jit(gemv._q6_value), FIFTH=triton.jit(gemv._fifth), **t)
     return _compile(gemv._gemv_kernel, dtype, consts, launch)
 
 

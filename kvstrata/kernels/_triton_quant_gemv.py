@@ -1,5 +1,5 @@
 """Triton GEMV of ``quant_matmul`` for decode batches (1-8 tokens) on the
-GGUF blocks as they are: out = x @ W.T + bias (torch reference and checks:
+GGUF blocks as they are, for every packed type: out = x @ W.T + bias (torch reference and checks:
 ``quant.py``; the general kernel, and the one prefill takes: ``_triton_quant``).
 Only the dispatcher imports this module: it imports triton.
 
@@ -9,8 +9,8 @@ sums the tile across threads every K step: compiled for sm_90, 15-22
 instructions per weight in its K loop. A decode GEMV over ~4.5-bit weights
 has to issue fewer than ~8 per weight to keep up with an H200's HBM, so
 instruction issue, not memory, was its limit. This kernel issues 7-9 (triton
-3.9) or 9-11 (3.6) per weight at one token for the 32-weight formats and
-Q4_K, 11-12 for Q5_K, 13-17 for Q6_K, ~1.4-3x fewer
+3.9) or 9-11 (3.6) per weight at one token for the 4- and 8-bit formats,
+10-14 for the Q5 kinds, 13-17 for Q6_K: ~1.4-3x fewer
 (``tools/quant_gemv_sass.py`` counts them):
 
 - the quant bits come as 16/32-bit words, one load for 4-8 weights, and a
@@ -33,6 +33,8 @@ that order instead):
     Q4_0  CH 32 = the block   U  8 x 2 B  H 2 W 2  HS 16   (18-byte blocks: 2-aligned)
     Q4_1  CH 32 = the block   U  4 x 4 B  H 2 W 4  HS 16
     Q4_K  CH 64 = 2 groups    U  8 x 4 B  H 2 W 4  HS 32   group 2i + h has its own dd, dm
+    Q5_0  as Q4_0, words from byte 6; the 5th bit of weight j: bit j of the 4 bytes at 2
+    Q5_1  as Q4_1, words from byte 8; the 5th bits at byte 4
     Q5_K  as Q4_K, words from byte 48 + 32i; the 5th bits: bit 2i + h of the byte at 16 + j
     Q6_K  CH 128 = half h     U 32 x 2 B  H 2 W 2  HS 64   of the 64 low-bit bytes at 64h; word
                                                          u's weights 32 (2h' + u // 16) + 2 (u % 16)
@@ -52,10 +54,10 @@ from kvstrata.kernels._triton_quant import _LAUNCH_OPTIONS, launch_args
 from kvstrata.kernels.dispatch import LazyKernel
 from kvstrata.kernels.quant import quant_type
 
-# the formats this kernel reads, with their chunk geometry (CH, U, H, W: the module docstring);
-# the others take _triton_quant's GEMV tiles
-GEOMETRY = {"Q8_0": (32, 16, 1, 2), "Q4_0": (32, 8, 2, 2), "Q4_1": (32, 4, 2, 4), "Q4_K": (64, 8, 2, 4),
-            "Q5_K": (64, 8, 2, 4), "Q6_K": (128, 32, 2, 2)}
+# the formats this kernel reads (every packed type), with their chunk geometry (CH, U, H, W:
+# the module docstring)
+GEOMETRY = {"Q8_0": (32, 16, 1, 2), "Q4_0": (32, 8, 2, 2), "Q4_1": (32, 4, 2, 4), "Q5_0": (32, 8, 2, 2),
+            "Q5_1": (32, 4, 2, 4), "Q4_K": (64, 8, 2, 4), "Q5_K": (64, 8, 2, 4), "Q6_K": (128, 32, 2, 2)}
 GEMV_TYPES = tuple(GEOMETRY)
 
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: with value bits v below bit 23 it is 2^23 + v
@@ -79,8 +81,9 @@ def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift, fifth
     """The weights [BN, C, U] at bit BIT of the words (``units``: bits 0-15, ``high``: bits
     16-31 moved down; both with 2^23's exponent bits OR-ed in), dequantized as ``dequantize``
     does: (q - 8) * d (Q4_0), (q - 128) * d (Q8_0: ``units`` holds q + 128), q * d + m (Q4_1),
-    q * dd - dm (Q4_K; Q5_K, its 5th bit at bit P + 4 of ``fifth``); ``scale``, ``shift``: d or
-    dd, m or dm. The value stays at bit P of its
+    q * dd - dm (Q4_K), (q - 16) * d (Q5_0), q * d + m (Q5_1), q * dd - dm (Q5_K): the Q5 kinds'
+    5th bit at bit P + 4 of ``fifth``; ``scale``, ``shift``: d or dd, m or dm. The value stays at
+    bit P of its
     16 bits: the float 2^23 + q * 2^P, minus 2^23 + OFF * 2^P, is (q - OFF) * 2^P exactly, and
     times scale * 2^-P (exact: every scale here is >= 2^-24, far from fp32's subnormals) it is
     (q - OFF) * scale rounded once: the reference's product bit for bit, for one mask, one add
@@ -91,20 +94,39 @@ def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift, fifth
     else:
         src = high
     MASK: tl.constexpr = (255 if QT == 0 else 15) << P
-    OFF: tl.constexpr = 128.0 if QT == 0 else (8.0 if QT == 1 else 0.0)
+    OFF: tl.constexpr = 128.0 if QT == 0 else (8.0 if QT == 1 else (16.0 if QT == 3 else 0.0))
     UNIT: tl.constexpr = 1.0 / (1 << P)
     KEEP: tl.constexpr = MASK | 0x4B000000  # the value bits and the exponent bits
-    if QT == 6:
+    if QT == 3 or QT == 4 or QT == 6:
         bits = (src & KEEP) | (fifth & (16 << P))
     else:
         bits = src & KEEP
     qf = bits.to(tl.float32, bitcast=True) - (_TWO23 + OFF * (1 << P))
-    if QT == 0 or QT == 1:
+    if QT == 0 or QT == 1 or QT == 3:
         return qf * (scale * UNIT)
-    elif QT == 2:
+    elif QT == 2 or QT == 4:
         return qf * (scale * UNIT) + shift
     else:
         return qf * (scale * UNIT) - shift
+
+
+def _fifth(qh_lo, qh_hi, W_: tl.constexpr, H_: tl.constexpr, QT: tl.constexpr):
+    """Q5_0 / Q5_1: the 5th bit of the value at byte W_, nibble H_ of a word, moved to bit P + 4
+    (P: the value's bit in its 16-bit half, as VALUE takes it). Q5_0: bit W_ of ``qh_lo`` (H_ = 0)
+    or ``qh_hi`` (H_ = 1); Q5_1: bit W_ + 16 H_ of ``qh_lo``."""
+    if QT == 3:
+        SRC: tl.constexpr = W_
+    else:
+        SRC: tl.constexpr = W_ + 16 * H_
+    DST: tl.constexpr = (8 * W_ + 4 * H_) % 16 + 4
+    if QT == 3 and H_ == 1:
+        src = qh_hi
+    else:
+        src = qh_lo
+    if DST >= SRC:
+        return src << (DST - SRC)
+    else:
+        return src >> (SRC - DST)
 
 
 def _q6_value(units, qh, BIT: tl.constexpr, dd):
@@ -138,6 +160,7 @@ def _gemv_kernel(
     K_SCALE: tl.constexpr,
     VALUE: tl.constexpr,
     Q6_VALUE: tl.constexpr,
+    FIFTH: tl.constexpr,
 ):
     C: tl.constexpr = BLOCK_K // CH
     HS: tl.constexpr = CH // 2
@@ -174,6 +197,14 @@ def _gemv_kernel(
     elif QT == 2:
         w_ptrs = (cp + 4).to(tl.pointer_type(tl.uint32))[:, :, None] + u
         d_ptrs = cp.to(tl.pointer_type(tl.float16))
+    elif QT == 3:  # Q5_0: d | qh (4 B) | qs: 2-aligned, qh as two 16-bit halves
+        w_ptrs = (cp + 6).to(tl.pointer_type(tl.uint16))[:, :, None] + u
+        h_ptrs = (cp + 2).to(tl.pointer_type(tl.uint16))
+        d_ptrs = cp.to(tl.pointer_type(tl.float16))
+    elif QT == 4:  # Q5_1: d m | qh | qs: 8-aligned
+        w_ptrs = (cp + 8).to(tl.pointer_type(tl.uint32))[:, :, None] + u
+        h_ptrs = (cp + 4).to(tl.pointer_type(tl.uint32))
+        d_ptrs = cp.to(tl.pointer_type(tl.float16))
     elif QT == 5:
         w_ptrs = (cp + 16).to(tl.pointer_type(tl.uint32))[:, :, None] + u
         d_ptrs = block.to(tl.pointer_type(tl.float16))
@@ -196,6 +227,20 @@ def _gemv_kernel(
             d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
         elif QT == 2:
             units = tl.load(w_ptrs + done // 4)
+            d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
+            m = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
+        elif QT == 3:
+            # weight j's 5th bit is bit j of the 32-bit qh; word u's weights are 2u + w (+ 16h):
+            # each half moved down by 2u, so weight (u, w, h)'s bit is bit w of half h
+            units = tl.load(w_ptrs + done // 2).to(tl.uint32)
+            qh_lo = tl.load(h_ptrs + done // 2).to(tl.uint32)[:, :, None] >> (2 * u)
+            qh_hi = tl.load(h_ptrs + done // 2 + 1).to(tl.uint32)[:, :, None] >> (2 * u)
+            d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
+        elif QT == 4:
+            # word u's weights are 4u + w + 16h: qh moved down by 4u puts their 5th bits at w + 16h
+            units = tl.load(w_ptrs + done // 4)
+            qh_lo = tl.load(h_ptrs + done // 4)[:, :, None] >> (4 * u)
+            qh_hi = qh_lo
             d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
             m = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
         elif QT == 5 or QT == 6:
@@ -244,6 +289,10 @@ def _gemv_kernel(
                 wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d, units)
             elif QT == 2:
                 wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m, units)
+            elif QT == 3:
+                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d, FIFTH(qh_lo, qh_hi, s % W, s // W, QT))
+            elif QT == 4:
+                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m, FIFTH(qh_lo, qh_hi, s % W, s // W, QT))
             elif s // W == 0:
                 if s % W < 2:
                     wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0, fifth_lo0)
@@ -266,6 +315,7 @@ def _gemv_kernel(
 k_scale_fn = LazyKernel(_k_scale)
 value_fn = LazyKernel(_value)
 q6_value_fn = LazyKernel(_q6_value)
+fifth_fn = LazyKernel(_fifth)
 gemv_kernel = LazyKernel(_gemv_kernel, do_not_specialize=("num_tokens",))
 
 _PER_PROGRAM = 4096  # accumulator elements per program: 32 per thread of 4 warps
@@ -314,6 +364,7 @@ def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, ti
         K_SCALE=k_scale_fn.for_device(x.device),
         VALUE=value_fn.for_device(x.device),
         Q6_VALUE=q6_value_fn.for_device(x.device),
+        FIFTH=fifth_fn.for_device(x.device),
         **t,
         **_LAUNCH_OPTIONS,
     )

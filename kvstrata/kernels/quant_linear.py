@@ -6,7 +6,7 @@ on the fly, and the embedding lookup of packed rows.
     packed_embedding(ids [T], packed, dtype) -> [T, in]      the rows ``ids`` of the weight
 
 Which code runs: CUDA -> the Triton kernels (impl "auto"/"triton": decode
-batches of up to 8 tokens of Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K take ``_triton_quant_gemv``;
+batches of up to 8 tokens take ``_triton_quant_gemv`` (every packed type);
 from PREFILL_DEQUANT_TOKENS (128) tokens, row chunks of the weight are
 dequantized into the scratch buffer by ``_triton_quant.dequantize_rows_triton``
 and multiplied by F.linear; everything else takes ``_triton_quant``'s

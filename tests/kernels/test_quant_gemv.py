@@ -10,8 +10,8 @@ Pinned here:
   1-8 tokens (not only powers of two), float32 / bfloat16 / float16 x, with
   and without bias, rows and tokens that do not fill their last block, K of one block
   and K that is not a power of two (SmolLM2's 576);
-- ``quant_matmul`` sends decode batches of these formats here, and larger
-  batches, Q5_0, Q5_1 and unaligned blocks to ``_triton_quant``;
+- ``quant_matmul`` sends decode batches of every packed format here, and
+  larger batches and unaligned blocks to ``_triton_quant``;
 - ``gemv_tiles``: BLOCK_K divides K (the loop has no K mask), the
   accumulator stays within its budget, a weight of N rows gets ~N / 1024-row
   blocks; and the kernel compiles for sm_90 for every format, token count
@@ -44,7 +44,7 @@ from kvstrata.kernels import _triton_quant_gemv as gemv  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 GEMV_TYPES = list(gemv.GEMV_TYPES)
-BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # weights per GGUF block
+BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # weights per GGUF block
 
 
 @pytest.fixture(autouse=True)
@@ -81,8 +81,8 @@ def test_weights_are_dequantize_bit_for_bit(qtype, tiles):
         assert torch.equal(got, want[:, col].T), f"{qtype} columns {col.tolist()}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("qtype", GEMV_TYPES)
+@pytest.mark.parametrize(("qtype", "dtype"), [(q, torch.float32) for q in GEMV_TYPES]
+                         + [("Q4_0", torch.bfloat16), ("Q4_K", torch.float16), ("Q6_K", torch.bfloat16)])
 def test_quant_matmul_runs_decode_batches_here_within_tolerance(qtype, dtype, monkeypatch):
     calls = []
     real = gemv.quant_gemv_triton
@@ -100,11 +100,11 @@ def test_quant_matmul_runs_decode_batches_here_within_tolerance(qtype, dtype, mo
     assert calls == [qtype] * 4
 
 
-def test_larger_batches_and_other_formats_take_the_general_kernel(monkeypatch):
+def test_larger_batches_take_the_general_kernel(monkeypatch):
     calls = []
     real = gemv.quant_gemv_triton
     monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    for qtype, tokens in (("Q4_0", 9), ("Q5_1", 1), ("Q5_0", 2)):
+    for qtype, tokens in (("Q4_0", 9), ("Q5_1", 12), ("Q6_K", 9)):
         packed = _packed(qtype, 8, 256, seed=1)
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(2))
         assert_within(quant_matmul(x, packed, impl="triton"), x @ dequantize(packed).T, x, packed, None)
@@ -132,8 +132,8 @@ def test_gemv_tiles_fit_k_and_the_budget(qtype):
                 assert k % bk == 0 and bk % block == 0 and (bk // block) & (bk // block - 1) == 0
                 assert bt >= tokens and bt * bn * bk <= 4096
                 assert bn == max(1, min(16, triton.next_power_of_2(max(1, n // 1024)), 4096 // (bt * block)))
-    with pytest.raises(ValueError, match="got Q5_0 K=256"):
-        gemv.gemv_tiles(1, 8, 256, "Q5_0")
+    with pytest.raises(ValueError, match="got Q2_K K=256"):
+        gemv.gemv_tiles(1, 8, 256, "Q2_K")
     with pytest.raises(ValueError, match="K=96"):
         gemv.gemv_tiles(1, 8, 96, "Q4_K")
     x, packed = torch.zeros(1, 512), _packed("Q4_K", 4, 512, seed=1)
@@ -155,7 +155,8 @@ def _sass_tool():
 def test_compiles_for_sm90_without_spills_and_with_fewer_instructions(qtype, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     tool = _sass_tool()
-    for tokens, dtype in ((1, "bf16"), (2, "fp16"), (4, "fp32"), (8, "bf16")):
+    combos = ((1, "bf16"), (2, "fp16"), (4, "fp32"), (8, "bf16")) if qtype == "Q4_K" else ((1, "bf16"), (8, "fp32"))
+    for tokens, dtype in combos:
         new = tool.count(tool.compile_gemv(qtype, tokens, 4096, 4096, dtype))
         assert new["local_memory"] == 0, f"{qtype} {tokens} tokens {dtype}: spills"
         assert new["k_loop"] > 0
