@@ -1,11 +1,12 @@
-"""Triton GEMV of ``quant_matmul`` for decode batches (1-8 tokens) on the
-GGUF blocks as they are, for every packed type: out = x @ W.T + bias (torch reference and checks:
-``quant.py``; the general kernel, and the one prefill takes: ``_triton_quant``).
-Only the dispatcher imports this module: it imports triton.
+"""Triton GEMV of ``quant_matmul`` for decode batches (1-8 tokens), on the
+GGUF blocks as they are, for every packed type: out = x @ W.T + bias (torch
+reference and checks: ``quant.py``; the general kernel: ``_triton_quant``).
+Within kvstrata only the dispatcher (``quant_linear``) imports this module:
+it imports triton.
 
 Why a second kernel: ``_triton_quant``'s tile rebuilds each weight from
 single bytes (its fp16 scales from two), converts each integer with I2F and
-sums the tile across threads every K step: compiled for sm_90, 15-22
+sums the tile across threads every K step: compiled for sm_90, 15-35
 instructions per weight in its K loop. A decode GEMV over ~4.5-bit weights
 has to issue fewer than ~8 per weight to keep up with an H200's HBM, so
 instruction issue, not memory, was its limit. This kernel issues 7-9 (triton
