@@ -57,7 +57,9 @@ Per set and type:
                    here; one engine per mode (dequantize: bf16 weights; packed:
                    the Triton kernel on the blocks), CUDA graphs on (the
                    default), modes in turn --engine-repeats times; greedy decode
-                   tok/s single-stream and at batch 16 (as "engine"), resident
+                   tok/s single-stream and at batch 16 (as "engine"), the seconds
+                   to the first token of a 480-token prompt alone (its prefill:
+                   packed dequantizes then multiplies from 128 tokens), resident
                    weight bytes, and packed over dequantize. On a CPU it runs a
                    tiny shape with float32 activations and says so (a dry run of
                    the code, not a GPU figure).
@@ -310,16 +312,21 @@ async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: i
 
     engine = await start_engine(path, mode, dtype, threads, batch)
     try:
-        ttft = None
-        if ttft_prompt:
-            start = time.perf_counter()
-            ids = [1 + (13 * j) % 2000 for j in range(ttft_prompt)]
-            async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
-                ttft = time.perf_counter() - start
-                break
+        ttft = await prompt_ttft(engine, ttft_prompt) if ttft_prompt else None
         return await decode_tok_s(engine, batch, tokens), ttft
     finally:
         await engine.aclose()
+
+
+async def prompt_ttft(engine, tokens: int) -> float:
+    """Seconds to the first token of one ``tokens``-token prompt alone on the engine (its prefill)."""
+    from kvstrata.types import SamplingParams
+
+    start = time.perf_counter()
+    ids = [1 + (13 * j) % 250 for j in range(tokens)]  # ids every model here has (the dry run's vocab is 512)
+    async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
+        break
+    return time.perf_counter() - start
 
 
 def _medians(entries) -> None:
@@ -407,7 +414,8 @@ def bench_engine_gpu(args) -> dict:
         res["write_s"] = round(time.perf_counter() - t0, 1)
         tokenizer = f"{tmp}/bytes"  # the random model has no tokenizer: byte-level, token-id prompts
         os.mkdir(tokenizer)
-        res["modes"] = {mode: {"single_runs": [], "batch16_runs": [], "start_s": []} for mode in ("dequantize", "packed")}
+        res["modes"] = {mode: {"single_runs": [], "batch16_runs": [], "ttft_runs_s": [], "start_s": []}
+                        for mode in ("dequantize", "packed")}
 
         async def one_engine(mode: str, entry: dict) -> None:
             t0 = time.perf_counter()
@@ -417,6 +425,7 @@ def bench_engine_gpu(args) -> dict:
                 entry["weight_bytes"] = engine.core.runner.weight_bytes
                 entry["single_runs"].append(round(await decode_tok_s(engine, 1, tokens[0], True), 2))
                 entry["batch16_runs"].append(round(await decode_tok_s(engine, 16, tokens[1], True), 2))
+                entry["ttft_runs_s"].append(round(await prompt_ttft(engine, TTFT_PROMPT), 4))
             finally:
                 await engine.aclose()
 
@@ -430,6 +439,7 @@ def bench_engine_gpu(args) -> dict:
     res["packed_over_dequantize"] = {
         "single": round(packed["single_tok_s"] / base["single_tok_s"], 2),
         "batch16": round(packed["batch16_tok_s"] / base["batch16_tok_s"], 2),
+        "ttft_speed": round(base["ttft_s"] / packed["ttft_s"], 2),
         "weight_bytes": round(packed["weight_bytes"] / base["weight_bytes"], 3)}
     return res
 

@@ -25,8 +25,9 @@ def test_engine_gpu_dry_run_on_a_cpu():
     assert r["device"].startswith("cpu (dry run") and r["qtype"] == "Q4_0"
     for mode in ("dequantize", "packed"):
         m = r["modes"][mode]
-        assert len(m["single_runs"]) == len(m["batch16_runs"]) == 1 and m["single_tok_s"] > 0 < m["batch16_tok_s"]
-    assert r["packed_over_dequantize"]["weight_bytes"] < 0.5
+        assert len(m["single_runs"]) == len(m["batch16_runs"]) == len(m["ttft_runs_s"]) == 1
+        assert m["single_tok_s"] > 0 < m["batch16_tok_s"] and m["ttft_s"] > 0
+    assert r["packed_over_dequantize"]["weight_bytes"] < 0.5 and r["packed_over_dequantize"]["ttft_speed"] > 0
     assert r["file_tensor_bytes"] > 0
 
 
