@@ -308,8 +308,6 @@ async def engine_decode(path: str, mode: str, dtype: str, threads: int, batch: i
     """Greedy decode tok/s of ``batch`` concurrent chats on a fresh engine,
     and first (when ``ttft_prompt``) the seconds to the first token of one
     ``ttft_prompt``-token prompt (its prefill, alone on the engine)."""
-    from kvstrata.types import SamplingParams
-
     engine = await start_engine(path, mode, dtype, threads, batch)
     try:
         ttft = await prompt_ttft(engine, ttft_prompt) if ttft_prompt else None
