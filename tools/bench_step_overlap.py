@@ -17,7 +17,8 @@ N runs), pipelined (``scheduler.pipelined_steps``: N+1 launched before N's
 tokens are read back). ``host_only`` runs with a device time of ~0: the
 host's own cost per step. The tiny model's real forward never runs, so
 this measures no kernel; it is a CPU stand-in for the GPU's idle gaps
-(tools/bench_gpu.py measures those on a GPU).
+(tools/bench_gpu.py measures those on a GPU). The event loop is the engine's
+own: uvloop where it is installed, as ``kvstrata run`` and the server use.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from kvstrata.enginecore.async_engine import AsyncEngine  # noqa: E402
+from kvstrata.enginecore.async_engine import run as run_loop  # noqa: E402  (uvloop where installed, as the CLI)
 from kvstrata.types import SamplingParams  # noqa: E402
 from kvstrata.worker import model_runner, pending_step, sampler  # noqa: E402
 from kvstrata.worker.model.default_model import DEFAULT_MODEL_CONFIG, default_model_dir  # noqa: E402
@@ -138,6 +140,7 @@ async def run(args: argparse.Namespace) -> dict:
         device.uninstall()
     return {"tool": "bench_step_overlap", "command": " ".join(["python", "tools/bench_step_overlap.py", *sys.argv[1:]]),
             "host": {"python": platform.python_version(), "torch": torch.__version__,
+                     "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
                      "load_avg": [round(x, 2) for x in __import__("os").getloadavg()]},
             "note": "simulated device; the 0.0 ms rows are the host's own cost per step", "rows": rows}
 
@@ -154,7 +157,7 @@ def main() -> None:
     configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report
     if args.quick:
         args.batches, args.steps = [2, 8], 24
-    print(json.dumps(asyncio.run(run(args)), indent=1))
+    print(json.dumps(run_loop(run(args)), indent=1))
 
 
 if __name__ == "__main__":

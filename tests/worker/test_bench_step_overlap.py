@@ -18,6 +18,7 @@ def test_quick_run_reports_every_mode_and_the_device_bounds_each_step():
                           capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
+    assert report["host"]["event_loop"] in ("uvloop", "asyncio")  # the engine's own loop (uvloop where installed)
     rows = report["rows"]
     assert [(r["batch"], r["device_ms"]) for r in rows] == [(2, 0.0), (2, 3.0), (8, 0.0), (8, 3.0)]
     for r in rows:
