@@ -58,7 +58,10 @@ def _compile(raw, dtype: str, consts: dict, launch: dict):
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
     # what the launcher marks on real tensors: 16-byte aligned pointers
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("x_ptr", "w_ptr", "out_ptr")}
-    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    try:
+        source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    except TypeError as e:  # triton < 3.3 spells this API differently
+        raise NotImplementedError(f"triton {triton.__version__}'s ASTSource takes no constexprs: {e}") from e
     kernel = triton.compile(source, target=TARGET, options={**launch, **general._LAUNCH_OPTIONS})
     kernel.tiles = consts
     kernel.num_warps = launch.get("num_warps", 4)

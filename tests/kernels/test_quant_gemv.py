@@ -155,6 +155,10 @@ def _sass_tool():
 def test_compiles_for_sm90_without_spills_and_with_fewer_instructions(qtype, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     tool = _sass_tool()
+    try:
+        tool.compile_gemv(qtype, 1, 256, 256, "bf16")
+    except NotImplementedError as e:  # triton < 3.3 (as tests/kernels/sm90.py)
+        pytest.skip(str(e))
     combos = ((1, "bf16"), (2, "fp16"), (4, "fp32"), (8, "bf16")) if qtype == "Q4_K" else ((1, "bf16"), (8, "fp32"))
     for tokens, dtype in combos:
         new = tool.count(tool.compile_gemv(qtype, tokens, 4096, 4096, dtype))

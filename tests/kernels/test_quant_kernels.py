@@ -349,16 +349,14 @@ def test_a_non_packed_weight_is_a_type_error():
     ("Q8_0", "bf16", 1), ("Q4_1", "fp32", 64), ("Q5_0", "bf16", 4), ("Q5_K", "bf16", 64), ("Q6_K", "fp32", 2),
 ])
 def test_kernel_compiles_for_sm90(qtype, dtype, tokens):
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90 import compile_sm90  # skips where this triton cannot compile for CUDA here
 
     from kvstrata.kernels import _triton_quant as k
 
     qt, cuda = QUANT_TYPES[qtype], torch.device("cuda")
     tiles = k.tiles(tokens, 4096, 4096, interpreted=False)
-    fn = triton.jit(k._quant_matmul_kernel)
     ptr = f"*{dtype}"
     types = dict(x_ptr=ptr, w_ptr="*u8", bias_ptr=ptr, out_ptr=ptr, num_tokens="i32", x_stride="i32",
                  out_stride="i32")
@@ -366,14 +364,6 @@ def test_kernel_compiles_for_sm90(qtype, dtype, tokens):
                   DOT_DT=tl.bfloat16 if dtype == "bf16" else tl.float32, HAS_BIAS=True,
                   F16=k.f16_fn.for_device(cuda), DEQUANT=k.dequant_tile_fn.for_device(cuda),
                   **{name: v for name, v in tiles.items() if name.isupper()})
-    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    options = dict(num_warps=tiles["num_warps"], num_stages=tiles.get("num_stages", 1), enable_fp_fusion=False)
-    try:
-        kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                                options=options)
-    except RuntimeError as e:  # pragma: no cover - only without the bundled ptxas
-        if "ptxas" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
+    kernel = compile_sm90(k._quant_matmul_kernel, types, consts, num_warps=tiles["num_warps"],
+                          num_stages=tiles.get("num_stages", 1), enable_fp_fusion=False)
     assert "cubin" in kernel.asm
