@@ -144,19 +144,29 @@ class DequantPath:
 
     @staticmethod
     def matmul(x, packed, bias, out, scratch) -> None:
-        n, k = packed.shape
-        rows = max(1, min(n, _CHUNK_WEIGHTS // k))
-        scratch = scratch if scratch is not None else QuantScratch()
-        f32 = scratch.get(rows * k, torch.float32, x.device)
-        low = None if x.dtype == torch.float32 else scratch.get(rows * k, x.dtype, x.device)
-        for start in range(0, n, rows):
-            stop = min(n, start + rows)
-            w = f32[: (stop - start) * k].view(stop - start, k)
-            dequantize_rows_into(packed, start, stop, w)
-            if low is not None:
-                w = low[: w.numel()].view(w.shape).copy_(w)
-            b = None if bias is None else bias[start:stop]
-            out[:, start:stop].copy_(F.linear(x, w, b))
+        dequantized_linear(x, packed, bias, out, scratch, _CHUNK_WEIGHTS, torch.float32,
+                           lambda start, w: dequantize_rows_into(packed, start, start + w.shape[0], w))
+
+
+def dequantized_linear(x, packed: PackedWeight, bias, out, scratch: QuantScratch | None, chunk_weights: int,
+                       w_dtype: torch.dtype, fill) -> None:
+    """``out`` = x @ W.T + bias by row chunks of W (up to ``chunk_weights``
+    weights each): ``fill(start, w)`` writes rows ``start``.. of W into ``w``
+    (``w_dtype``, a view of the scratch buffer), rounded to x's dtype in a
+    second scratch buffer where the two differ, then F.linear into ``out``'s
+    columns. The CPU "dequant" path and the Triton path's prefill."""
+    n, k = packed.shape
+    rows = max(1, min(n, chunk_weights // k))
+    scratch = scratch if scratch is not None else QuantScratch()
+    buf = scratch.get(rows * k, w_dtype, x.device)
+    low = scratch.get(rows * k, x.dtype, x.device) if w_dtype != x.dtype else None
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        w = buf[: (stop - start) * k].view(stop - start, k)
+        fill(start, w)
+        if low is not None:
+            w = low[: w.numel()].view(w.shape).copy_(w)
+        out[:, start:stop].copy_(F.linear(x, w, None if bias is None else bias[start:stop]))
 
 
 # Q types as int4 planes: w = sum over planes of (q_p - 8) * s_p + z_p, per 32

@@ -55,7 +55,7 @@ from kvstrata.kernels._checks import (
 )
 from kvstrata.kernels.dispatch import is_interpreted, use_triton
 from kvstrata.kernels.quant import PackedWeight, check_packed, dequantize
-from kvstrata.kernels.quant_cpu import CPU_PATHS, QuantScratch, planes_rows
+from kvstrata.kernels.quant_cpu import CPU_PATHS, QuantScratch, dequantized_linear, planes_rows
 
 def quant_matmul(
     x: torch.Tensor,
@@ -147,21 +147,12 @@ def _dequantize_then_mm(x, packed: PackedWeight, bias, out, scratch: QuantScratc
     F.linear: what the dequantize-at-load model computes, chunk by chunk."""
     from kvstrata.kernels._triton_quant import dequantize_rows_triton
 
-    qt, (n, k) = packed.qtype, packed.shape
-    rows = max(1, min(n, PREFILL_CHUNK // k))
-    scratch = scratch if scratch is not None else QuantScratch()
+    qt, k = packed.qtype, packed.in_features
     # the interpreter's float32 -> bf16 cast truncates: there the kernel writes float32, torch rounds
-    interpreted = is_interpreted(x.device)
-    w_dtype = torch.float32 if interpreted else x.dtype
-    buf = scratch.get(rows * k, w_dtype, x.device)
-    low = scratch.get(rows * k, x.dtype, x.device) if w_dtype != x.dtype else None
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        w = buf[: (stop - start) * k].view(stop - start, k)
-        dequantize_rows_triton(packed.data, qt.name, qt.block, qt.type_size, k, start, w)
-        if low is not None:
-            w = low[: w.numel()].view(w.shape).copy_(w)
-        out[:, start:stop].copy_(F.linear(x, w, None if bias is None else bias[start:stop]))
+    w_dtype = torch.float32 if is_interpreted(x.device) else x.dtype
+    dequantized_linear(x, packed, bias, out, scratch, PREFILL_CHUNK, w_dtype,
+                       lambda start, w: dequantize_rows_triton(packed.data, qt.name, qt.block, qt.type_size, k,
+                                                               start, w))
 
 
 def _check_matmul_args(x, packed, bias, out, scratch, need_blocks: bool) -> None:
