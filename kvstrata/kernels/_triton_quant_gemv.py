@@ -112,13 +112,15 @@ def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift, fifth
 
 
 def _fifth(qh_lo, qh_hi, W_: tl.constexpr, H_: tl.constexpr, QT: tl.constexpr):
-    """Q5_0 / Q5_1: the 5th bit of the value at byte W_, nibble H_ of a word, moved to bit P + 4
+    """The Q5 kinds: the 5th bit of the value at byte W_, nibble H_ of a word, moved to bit P + 4
     (P: the value's bit in its 16-bit half, as VALUE takes it). Q5_0: bit W_ of ``qh_lo`` (H_ = 0)
-    or ``qh_hi`` (H_ = 1); Q5_1: bit W_ + 16 H_ of ``qh_lo``."""
+    or ``qh_hi`` (H_ = 1); Q5_1: bit W_ + 16 H_ of ``qh_lo``; Q5_K: bit 8 W_ + H_ of ``qh_lo``."""
     if QT == 3:
         SRC: tl.constexpr = W_
-    else:
+    elif QT == 4:
         SRC: tl.constexpr = W_ + 16 * H_
+    else:
+        SRC: tl.constexpr = 8 * W_ + H_
     DST: tl.constexpr = (8 * W_ + 4 * H_) % 16 + 4
     if QT == 3 and H_ == 1:
         src = qh_hi
@@ -262,18 +264,10 @@ def _gemv_kernel(
             dd0 = d * (sc0 - (_TWO23 + 128.0))
             dd1 = d * (sc1 - (_TWO23 + 128.0))
         if QT == 6:
-            # the 5th bit of group 2i + h is bit 2i + h of the byte: moved to bit P + 4 of the
-            # value at bit P (VALUE), for the word's low (w < 2) and high 16 bits and h = 0, 1
-            qh = tl.load(h_ptrs + done // 4) >> (2 * (c % 4))[None, :, None]
-            fifth_lo0 = qh << 4
-            fifth_lo1 = qh << 7
-            fifth_hi0 = qh >> 12
-            fifth_hi1 = qh >> 9
-        else:
-            fifth_lo0 = units
-            fifth_lo1 = units
-            fifth_hi0 = units
-            fifth_hi1 = units
+            # the 5th bit of group 2i + h is bit 2i + h of the byte: moved down by 2i, bit 8w + h
+            # of the word for weight (w, h) (FIFTH)
+            qh_lo = tl.load(h_ptrs + done // 4) >> (2 * (c % 4))[None, :, None]
+            qh_hi = qh_lo
         if QT == 0:
             units = units ^ 0x8080  # each byte q + 128
         if QT != 7:
@@ -286,24 +280,20 @@ def _gemv_kernel(
                     wt = Q6_VALUE(units, qh, 8 * (s % W), dd0)
                 else:
                     wt = Q6_VALUE(units, qh, 8 * (s % W) + 4, dd1)
-            elif QT == 0 or QT == 1:
-                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d, units)
-            elif QT == 2:
-                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m, units)
-            elif QT == 3:
-                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d, FIFTH(qh_lo, qh_hi, s % W, s // W, QT))
-            elif QT == 4:
-                wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m, FIFTH(qh_lo, qh_hi, s % W, s // W, QT))
-            elif s // W == 0:
-                if s % W < 2:
-                    wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0, fifth_lo0)
-                else:
-                    wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0, fifth_hi0)
             else:
-                if s % W < 2:
-                    wt = VALUE(units, high, 8 * (s % W) + 4, QT, dd1, dm1, fifth_lo1)
+                if QT == 3 or QT == 4 or QT == 6:
+                    fifth = FIFTH(qh_lo, qh_hi, s % W, s // W, QT)
                 else:
-                    wt = VALUE(units, high, 8 * (s % W) + 4, QT, dd1, dm1, fifth_hi1)
+                    fifth = units  # no 5th bit: VALUE does not read it
+                if QT == 5 or QT == 6:  # nibble h: group 2i + h, its own dd and dm
+                    if s // W == 0:
+                        wt = VALUE(units, high, 8 * (s % W), QT, dd0, dm0, fifth)
+                    else:
+                        wt = VALUE(units, high, 8 * (s % W) + 4, QT, dd1, dm1, fifth)
+                elif QT == 2 or QT == 4:
+                    wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, m, fifth)
+                else:
+                    wt = VALUE(units, high, 8 * (s % W) + 4 * (s // W), QT, d, d, fifth)
             x = tl.load(x_rows + (k0 + x_unit + (s % W + HS * (s // W)))[None]).to(tl.float32)  # [BT, C, U]
             acc = tl.fma(x[:, None], wt[None], acc)
     total = tl.reduce(tl.reduce(acc, 3, _sum_combine), 2, _sum_combine)  # [BT, BN]
