@@ -29,7 +29,8 @@ Per set and type:
                    alone (the previous decode and prefill path: the baseline) and of
                    torch.mm on bf16 weights, the packed reads in GB/s, and the
                    speedups; at 16 tokens also _triton_quant with 16-row tiles
-                   (general_bn16: 4x its default's programs, an A/B for tiles()); device time from a CUDA graph cycling through
+                   (general_bn16: 4x its default's programs, an A/B for tiles());
+                   device time from a CUDA graph cycling through
                    >= 256 MB of weight copies (reads from HBM, not L2), median
                    of --reps. --gpu-kernels runs only this, on the 8b set in
                    Q4_0, Q4_K, Q8_0 and Q6_K; without a GPU it is a dry run of
@@ -78,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -157,17 +159,21 @@ GPU_TOKENS = (1, 4, 8, 16, 512)
 RING_BYTES = 256 << 20  # weight copies cycled per timed call: > 2x an H200's 50 MB L2, so reads come from HBM
 
 
-def cold_graph_ms(make_call, nbytes: int, reps: int, device: str = "cuda") -> float:
-    """ms per call of ``make_call(i)()`` (a call on copy i of the weights,
-    ``nbytes`` each), replayed from one CUDA graph over enough copies that
-    the weights come from HBM, not L2: the device's time, as in the engine's
-    captured decode steps. On a CPU (a dry run): two copies, wall time."""
-    copies = max(2, -(-RING_BYTES // max(1, nbytes))) if device == "cuda" else 2
-    calls = [make_call(i) for i in range(copies)]
+def ring_copies(nbytes: int, device: str) -> int:
+    """How many copies of a weight of ``nbytes`` one timed call cycles
+    through: together over RING_BYTES on CUDA, so reads come from HBM, not
+    L2; two on a CPU (a dry run)."""
+    return max(2, -(-RING_BYTES // max(1, nbytes))) if device == "cuda" else 2
+
+
+def cold_ms(calls, reps: int, device: str = "cuda") -> float:
+    """ms per call of ``calls`` (one per weight copy), replayed from one
+    CUDA graph: the device's time, as in the engine's captured decode steps.
+    On a CPU (a dry run): wall time."""
     run = lambda: [c() for c in calls]  # noqa: E731
     if device != "cuda":
-        return cpu_time(run, reps) * 1e3 / copies
-    return cuda_graph_time(run, 1, reps) * 1e3 / copies
+        return cpu_time(run, reps) * 1e3 / len(calls)
+    return cuda_graph_time(run, 1, reps) * 1e3 / len(calls)
 
 
 def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") -> dict:
@@ -185,30 +191,28 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
 
     res: dict = {}
     gen = torch.Generator(device=device).manual_seed(0)
-    ring_bytes = RING_BYTES if device == "cuda" else 1
     for tokens in GPU_TOKENS:
         ms = {"packed": 0.0, "general": 0.0, "dense_bf16": 0.0}
         packed_bytes, worst = 0, 0.0
         for packed in layers.values():
             w = packed.to(device)
             qt, n, nbytes = w.qtype, w.out_features, w.nbytes
-            ring = [w] + [PackedWeight(qt, w.shape, w.data.clone()) for _ in range(-(-ring_bytes // nbytes) - 1)]
+            ring = [w] + [PackedWeight(qt, w.shape, w.data.clone()) for _ in range(ring_copies(nbytes, device) - 1)]
             x = torch.randn(tokens, w.in_features, generator=gen, device=device).to(torch.bfloat16)
             out = torch.empty(tokens, n, device=device, dtype=torch.bfloat16)
-            ms["packed"] += cold_graph_ms(lambda i: (lambda: quant_matmul(x, ring[i % len(ring)], out=out)), nbytes,
-                                          reps, device)
-            ms["general"] += cold_graph_ms(lambda i: (lambda: quant_matmul_triton(
-                x, ring[i % len(ring)].data, qt.name, qt.block, qt.type_size, n, None, out)), nbytes, reps, device)
+
+            def general(tiles_=None):  # _triton_quant's kernel on every copy
+                return [functools.partial(quant_matmul_triton, x, c.data, qt.name, qt.block, qt.type_size, n, None,
+                                          out, tiles_) for c in ring]
+
+            ms["packed"] += cold_ms([functools.partial(quant_matmul, x, c, out=out) for c in ring], reps, device)
+            ms["general"] += cold_ms(general(), reps, device)
             if GEMV_MAX_TOKENS < tokens < PREFILL_DEQUANT_TOKENS:  # tl.dot tiles of 16 rows: 4x the programs
                 narrow = {**tiles(tokens, n, w.in_features, interpreted=False), "BLOCK_N": 16}
-                ms.setdefault("general_bn16", 0.0)
-                ms["general_bn16"] += cold_graph_ms(lambda i: (lambda: quant_matmul_triton(
-                    x, ring[i % len(ring)].data, qt.name, qt.block, qt.type_size, n, None, out, narrow)), nbytes,
-                    reps, device)
+                ms["general_bn16"] = ms.get("general_bn16", 0.0) + cold_ms(general(narrow), reps, device)
             dense_bytes = 2 * n * w.in_features
-            dense = [dequantize(w, torch.bfloat16) for _ in range(-(-ring_bytes // dense_bytes))]
-            ms["dense_bf16"] += cold_graph_ms(lambda i: (lambda: torch.mm(x, dense[i % len(dense)].T, out=out)),
-                                              dense_bytes, reps, device)
+            dense = [dequantize(w, torch.bfloat16) for _ in range(ring_copies(dense_bytes, device))]
+            ms["dense_bf16"] += cold_ms([functools.partial(torch.mm, x, d.T, out=out) for d in dense], reps, device)
             ref = F.linear(x.float(), dequantize(w)).double()
             scale = x.double().abs() @ dequantize(w).double().abs().T
             worst = max(worst, ((quant_matmul(x, w).double() - ref).abs() / scale).max().item())
