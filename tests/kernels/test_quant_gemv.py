@@ -52,6 +52,15 @@ def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def calls(monkeypatch) -> list[str]:
+    """The qtype of every call ``quant_matmul`` makes to the GEMV (a spy on the real function)."""
+    seen: list[str] = []
+    real = gemv.quant_gemv_triton
+    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    return seen
+
+
 def _packed(qtype: str, rows: int, cols: int, seed: int, any_scale: bool = False):
     return pack_weight(torch.from_numpy(random_blocks(qtype, rows, cols, seed, any_scale=any_scale)), qtype,
                        (rows, cols))
@@ -83,10 +92,7 @@ def test_weights_are_dequantize_bit_for_bit(qtype, tiles):
 
 @pytest.mark.parametrize(("qtype", "dtype"), [(q, torch.float32) for q in GEMV_TYPES]
                          + [("Q4_0", torch.bfloat16), ("Q4_K", torch.float16), ("Q6_K", torch.bfloat16)])
-def test_quant_matmul_runs_decode_batches_here_within_tolerance(qtype, dtype, monkeypatch):
-    calls = []
-    real = gemv.quant_gemv_triton
-    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+def test_quant_matmul_runs_decode_batches_here_within_tolerance(qtype, dtype, calls):
     gen = torch.Generator().manual_seed(11)
     for tokens, rows, cols, bias in ((1, 6, 512, True), (3, 9, 576, False), (5, 5, 256, True), (8, 6, 512, False)):
         if cols % QUANT_TYPES[qtype].block:
@@ -100,10 +106,7 @@ def test_quant_matmul_runs_decode_batches_here_within_tolerance(qtype, dtype, mo
     assert calls == [qtype] * 4
 
 
-def test_larger_batches_take_the_general_kernel(monkeypatch):
-    calls = []
-    real = gemv.quant_gemv_triton
-    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+def test_larger_batches_take_the_general_kernel(calls):
     for qtype, tokens in (("Q4_0", 9), ("Q5_1", 12), ("Q6_K", 9)):
         packed = _packed(qtype, 8, 256, seed=1)
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(2))
@@ -171,10 +174,7 @@ def test_compiles_for_sm90_without_spills_and_with_fewer_instructions(qtype, mon
     assert per_new < 0.8 * per_old, (per_new, per_old)  # measured 0.3-0.55 (triton 3.9), 0.5-0.73 (3.6)
 
 
-def test_blocks_at_an_unaligned_address_take_the_byte_wise_kernel(monkeypatch):
-    calls = []
-    real = gemv.quant_gemv_triton
-    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+def test_blocks_at_an_unaligned_address_take_the_byte_wise_kernel(calls):
     aligned = _packed("Q4_1", 4, 256, seed=5)
     buffer = torch.zeros(aligned.data.numel() + 2, dtype=torch.uint8)
     buffer[2:] = aligned.data.flatten()
@@ -204,12 +204,9 @@ def test_dequantize_rows_kernel_is_dequantize_bit_for_bit(qtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_batches_dequantize_then_multiply(dtype, monkeypatch):
+def test_prefill_batches_dequantize_then_multiply(dtype, calls, monkeypatch):
     from kvstrata.kernels import quant_linear
 
-    calls = []
-    real = gemv.quant_gemv_triton
-    monkeypatch.setattr(gemv, "quant_gemv_triton", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     packed = _packed("Q4_K", 40, 512, seed=8)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(quant_linear.PREFILL_DEQUANT_TOKENS, 512, generator=gen).to(dtype)

@@ -1,7 +1,6 @@
 """The dequantizing matmul compiled on CUDA: ``quant_matmul`` (Triton: the
-decode GEMV up to 8 tokens of its formats, else GEMV tiles up to 8 tokens,
-tl.dot tiles above, and from 128 tokens the weight dequantized then F.linear,
-bit-equal to the reference) against ``x @ dequantize(W).T + b`` within the tolerance
+decode GEMV up to 8 tokens, tl.dot tiles above, and from 128 tokens the
+weight dequantized then F.linear, bit-equal to the reference) against ``x @ dequantize(W).T + b`` within the tolerance
 ``test_quant_kernels`` states, at decode and prefill token counts and a
 realistic width; the decode GEMV's weights bit-equal to ``dequantize``'s;
 ``dequantize`` on the device bit-equal to the CPU one; no host sync, and a
@@ -79,7 +78,7 @@ def test_no_host_sync_and_graph_replay_equals_eager():
     assert torch.equal(out, quant_matmul(x, packed, bias))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_decode_gemv_multiplies_by_the_exact_weights(qtype):
     # compiled: one-hot float32 rows read the weights back bit for bit, for 1-8 tokens
     # (every token tile), at a width of several K steps and a row count of several programs
