@@ -28,8 +28,10 @@ Per set and type:
                    weight dequantized in chunks, then torch), of _triton_quant's kernel
                    alone (the previous decode and prefill path: the baseline) and of
                    torch.mm on bf16 weights, the packed reads in GB/s, and the
-                   speedups; at 16 tokens also _triton_quant with 16-row tiles
-                   (general_bn16: 4x its default's programs, an A/B for tiles());
+                   speedups; at 1 token also the multi-token GEMV kernel (gemv_many:
+                   what the one-token kernel replaced); at 16 tokens also _triton_quant
+                   with 16-row tiles (general_bn16: 4x its default's programs, an A/B
+                   for tiles());
                    device time from a CUDA graph cycling through
                    >= 256 MB of weight copies (reads from HBM, not L2), median
                    of --reps. --gpu-kernels runs only this, on the 8b set in
@@ -182,11 +184,13 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
     dequantize-then-mm path from 128), for
     ``_triton_quant``'s kernel alone (the previous decode path: the baseline
     of the GEMV), and for F.linear on bf16 weights; the packed reads in GB/s.
-    From 9 to 127 tokens also ``_triton_quant`` with 16 weight rows a program
+    At one token also the multi-token GEMV kernel ("gemv_many": the one-token
+    kernel's baseline). From 9 to 127 tokens also ``_triton_quant`` with 16 weight rows a program
     ("general_bn16": its tl.dot tiles take 64, so a 4096-row weight is 64
     programs on a 132-SM GPU). ``device`` "cpu": a dry run of this code under
     the Triton interpreter."""
     from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, quant_matmul_triton, tiles
+    from kvstrata.kernels._triton_quant_gemv import quant_gemv_triton
     from kvstrata.kernels.quant_linear import PREFILL_DEQUANT_TOKENS
 
     res: dict = {}
@@ -207,6 +211,10 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
 
             ms["packed"] += cold_ms([functools.partial(quant_matmul, x, c, out=out) for c in ring], reps, device)
             ms["general"] += cold_ms(general(), reps, device)
+            if tokens == 1:  # the multi-token GEMV at one token: the one-token kernel's baseline
+                many = [functools.partial(quant_gemv_triton, x, c.data, qt.name, qt.type_size, n, None, out, many=True)
+                        for c in ring]
+                ms["gemv_many"] = ms.get("gemv_many", 0.0) + cold_ms(many, reps, device)
             if GEMV_MAX_TOKENS < tokens < PREFILL_DEQUANT_TOKENS:  # tl.dot tiles of 16 rows: 4x the programs
                 narrow = {**tiles(tokens, n, w.in_features, interpreted=False), "BLOCK_N": 16}
                 ms["general_bn16"] = ms.get("general_bn16", 0.0) + cold_ms(general(narrow), reps, device)
@@ -223,6 +231,7 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
             "packed_gb_s": round(packed_bytes / ms["packed"] / 1e6, 1),
             "packed_speedup_vs_dense_bf16": round(ms["dense_bf16"] / ms["packed"], 2),
             "packed_speedup_vs_general": round(ms["general"] / ms["packed"], 2),
+            **({"packed_speedup_vs_gemv_many": round(ms["gemv_many"] / ms["packed"], 2)} if "gemv_many" in ms else {}),
             "max_err_over_S": worst,
         }
     return res

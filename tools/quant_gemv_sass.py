@@ -9,14 +9,18 @@ every ~0.9 ps, and ~7 instructions per weight already take ~2 ps. So the
 figure that decides whether a kernel can reach the bandwidth is the SASS
 instruction count of its K loop per weight it handles, counted here for
 
-  general   _triton_quant's GEMV tiles (byte loads, I2F, a cross-thread sum every step)
-  gemv      _triton_quant_gemv (word loads, magic-number conversion, one sum after the loop)
+  general    _triton_quant's GEMV tiles (byte loads, I2F, a cross-thread sum every step)
+  gemv       what quant_matmul runs: _triton_quant_gemv's one-token kernel at 1 token
+             (one layout, scale per word), its multi-token kernel at more
+  gemv_many  (1 token only) the multi-token kernel at one token: what the one-token
+             kernel replaced
 
-per format and token count: the loop's instructions (the largest backward
-branch's body; where ptxas unrolled the whole loop, all instructions over
-the trip count), weights one thread handles per loop step, their ratio, and
-the loop's global loads, shuffles, barriers and local-memory accesses
-(spills). This is a static proxy, not a timing: memory latency, occupancy
+per format and token count: the loop's instructions per K step (the largest
+backward branch's body over the K steps one pass makes, where ptxas unrolled
+it (steps_per_loop_body); where ptxas unrolled the whole loop, all
+instructions over the trip count), weights one thread handles per step,
+their ratio, and the loop's global loads, shuffles, barriers and
+local-memory accesses (spills) per pass. This is a static proxy, not a timing: memory latency, occupancy
 and the issue of other warps are not in it; tools/bench_quant.py on a GPU
 times the same kernels.
 
@@ -53,7 +57,7 @@ _TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 def _compile(raw, dtype: str, consts: dict, launch: dict):
     fn = triton.jit(raw)
     types = dict(x_ptr=_TYPES[dtype], w_ptr="*u8", bias_ptr=_TYPES[dtype], out_ptr=_TYPES[dtype], num_tokens="i32",
-                 x_stride="i32", out_stride="i32")
+                 x_stride="i32", out_stride="i32", one="i32")
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
     # what the launcher marks on real tensors: 16-byte aligned pointers
@@ -68,14 +72,21 @@ def _compile(raw, dtype: str, consts: dict, launch: dict):
     return kernel
 
 
-def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str):
-    """_triton_quant_gemv's kernel with the tiles ``gemv_tiles`` picks."""
-    t = gemv.gemv_tiles(tokens, n, k, qtype)
+def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str, many: bool = False):
+    """The kernel ``quant_gemv_triton`` runs for ``tokens`` (one: _gemv_one_kernel, more:
+    _gemv_kernel; ``many``: _gemv_kernel even for one) with the tiles it picks."""
+    one = tokens == 1 and not many
+    t = gemv.gemv_one_tiles(n, k, qtype) if one else gemv.gemv_tiles(tokens, n, k, qtype)
     launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
     ch, u, h, w = gemv.GEOMETRY[qtype]
     consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False, CH=ch, U=u,
-                  H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), VALUE=triton.jit(gemv._value),
-                  Q6_VALUE=triton.jit(gemv._q6_value), FIFTH=triton.jit(gemv._fifth), **t)
+                  H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), FIFTH=triton.jit(gemv._fifth), **t)
+    if one:
+        consts["C_LAST"] = gemv.C_LAST
+        kernel = _compile(gemv._gemv_one_kernel, dtype, consts, launch)
+        kernel.tiles["BLOCK_T"] = 1
+        return kernel
+    consts.update(VALUE=triton.jit(gemv._value), Q6_VALUE=triton.jit(gemv._q6_value))
     return _compile(gemv._gemv_kernel, dtype, consts, launch)
 
 
@@ -99,6 +110,23 @@ def sass(kernel) -> str:
 
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def _unroll(loop: list[str], block_k: int) -> int:
+    """K steps one pass of the loop body makes (ptxas may unroll the K loop): the
+    counter the loop's exit test compares, stepped by a multiple of BLOCK_K."""
+    tested = set()
+    for op in loop:
+        m = re.match(r"U?ISETP\S*\s+\S+,\s+\S+,\s+(U?R\d+),\s+0x[0-9a-f]+", op)
+        if m:
+            tested.add(m.group(1))
+    for op in loop:
+        m = re.match(r"U?IADD3\s+(U?R\d+),\s+U?P\d+,\s+(U?R\d+),\s+0x([0-9a-f]+)", op)
+        if m and m.group(1) == m.group(2) and m.group(1) in tested:
+            inc = int(m.group(3), 16)
+            if inc % block_k == 0:
+                return inc // block_k
+    return 1
 
 
 def count(kernel) -> dict:
@@ -126,17 +154,20 @@ def count(kernel) -> dict:
                 body = (start, addr)
     t = kernel.tiles
     steps = t["K"] // t["BLOCK_K"]
+    unroll = 1
     if body is not None:
         loop = [op for addr, op in insns if body[0] <= addr <= body[1]]
-        per_step = len(loop)
+        unroll = _unroll(loop, t["BLOCK_K"])
+        per_step = len(loop) / unroll
     else:  # unrolled: every instruction, spread over the trip count
         loop = [op for _, op in insns]
         per_step = round(len(loop) / steps)
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in loop)
     threads = 32 * kernel.num_warps
     return {
-        "k_loop": per_step,
+        "k_loop": round(per_step, 2),
         "unrolled": body is None,
+        "steps_per_loop_body": unroll,
         "weights_per_thread_step": t["BLOCK_N"] * t["BLOCK_K"] // threads,
         "tokens_per_program": t["BLOCK_T"],
         "global_loads": ops["LDG"],
@@ -159,11 +190,16 @@ def main() -> None:
     for qtype in args.types.split(","):
         for tokens in map(int, args.tokens.split(",")):
             row = {"qtype": qtype, "tokens": tokens}
-            for name, build in (("general", compile_general), ("gemv", compile_gemv)):
+            builds = [("general", compile_general), ("gemv", compile_gemv)]
+            if tokens == 1:  # the multi-token GEMV at one token: what _gemv_one_kernel replaced
+                builds.append(("gemv_many", lambda *a: compile_gemv(*a, many=True)))
+            for name, build in builds:
                 c = count(build(qtype, tokens, args.n, args.k, args.dtype))
                 c["per_weight"] = round(c["k_loop"] / c["weights_per_thread_step"], 2)
                 row[name] = c
             row["instructions_general_over_gemv"] = round(row["general"]["per_weight"] / row["gemv"]["per_weight"], 2)
+            if tokens == 1:
+                row["instructions_many_over_one"] = round(row["gemv_many"]["per_weight"] / row["gemv"]["per_weight"], 2)
             cases.append(row)
     print(json.dumps({"triton": triton.__version__, "target": "sm_90", "shape": [args.n, args.k],
                       "dtype": args.dtype, "cases": cases}, indent=1))

@@ -1,29 +1,43 @@
-"""Triton GEMV of ``quant_matmul`` for decode batches (1-8 tokens), on the
+"""Triton GEMVs of ``quant_matmul`` for decode batches (1-8 tokens), on the
 GGUF blocks as they are, for every packed type: out = x @ W.T + bias (torch
 reference and checks: ``quant.py``; the general kernel: ``_triton_quant``).
 Within kvstrata only the dispatcher (``quant_linear``) imports this module:
 it imports triton.
 
-Why a second kernel: ``_triton_quant``'s tile rebuilds each weight from
-single bytes (its fp16 scales from two), converts each integer with I2F and
-sums the tile across threads every K step: compiled for sm_90, 15-35
+Why not the general kernel: ``_triton_quant``'s tile rebuilds each weight
+from single bytes (its fp16 scales from two), converts each integer with I2F
+and sums the tile across threads every K step: compiled for sm_90, 15-35
 instructions per weight in its K loop. A decode GEMV over ~4.5-bit weights
 has to issue fewer than ~8 per weight to keep up with an H200's HBM, so
-instruction issue, not memory, was its limit. This kernel issues 7-9 (triton
-3.9) or 9-11 (3.6) per weight at one token for the 4- and 8-bit formats,
-10-14 for the Q5 kinds, 13-17 for Q6_K: ~1.4-3x fewer
-(``tools/quant_gemv_sass.py`` counts them):
+instruction issue, not memory, was its limit. Two kernels here
+(``tools/quant_gemv_sass.py`` counts them; 1 token, [4096, 4096], bf16 x):
 
-- the quant bits come as 16/32-bit words, one load for 4-8 weights, and a
-  weight's value is masked where it lies in the word: with the exponent bits
-  of 2^23 OR-ed into the word once, ``bits & (mask | exponent)`` is the float
-  2^23 + q * 2^P, and one FADD leaves (q - offset) * 2^P exactly; times
-  scale * 2^-P (exact) it is ``dequantize``'s product, rounded once: the
-  weights are the reference's bit for bit (fp-contraction off);
-- one explicit FMA per weight and token into a per-thread accumulator; the
-  sum across threads happens once, after the K loop;
-- ~1024 row blocks per weight (1-16 rows each), so every SM has loads in
-  flight.
+- ``_gemv_kernel`` (2-8 tokens; one token where x's row is not 4-byte
+  aligned): the quant bits come as 16/32-bit words, one load for 4-8
+  weights, and a weight's value is masked where it lies in the word: with
+  the exponent bits of 2^23 OR-ed into the word once, ``bits & (mask |
+  exponent)`` is the float 2^23 + q * 2^P, and one FADD leaves (q - offset) *
+  2^P exactly; times scale * 2^-P (exact) it is ``dequantize``'s product,
+  rounded once: the weights are the reference's bit for bit (fp-contraction
+  off); one explicit FMA per weight and token into a per-thread accumulator,
+  summed across threads once, after the K loop. Converting a weight once for
+  every token of the batch is what it is for; at one token triton moves its
+  words, scales and x between the layouts of its [BN, C, U] and [BT, BN, C,
+  U] tensors through shared memory (on triton 3.6 12-38 barriers a step,
+  Q4_1 148; on 3.9 up to 22): 7.2-16.7 (triton 3.9) or 9.0-13.7 (3.6)
+  instructions per weight.
+- ``_gemv_one_kernel`` (one token): every tensor has the one tile's shape,
+  so nothing moves between threads; the exponent of 2^(23 - P) makes the
+  value's bits count units (q - offset exactly, one LOP3 and one FADD); a
+  word's weights are summed against x before its scale multiplies them
+  once; bf16 x comes two values a load: 5.3-12.8 (3.9) or 6.3-12.9 (3.6)
+  per weight, 1.1-1.5x fewer than ``_gemv_kernel`` at one token for Q4_0,
+  Q4_1, Q5_1, Q4_K and Q6_K on 3.9 (Q8_0 0.88x, Q5_0 and Q5_K 0.96x: they
+  read 5.5-8.5 bits a weight, so they wait on memory sooner) and 1.1-1.5x for
+  all but Q6_K (0.98x) on 3.6.
+
+Both run ~1024 row blocks per weight (1-16 rows each), so every SM has loads
+in flight.
 
 A chunk is CH consecutive weights of one row whose quant bits sit in U
 aligned words; word u holds, at bit 8*w + 4*h, the weight W*u + w + HS*h of
@@ -47,6 +61,7 @@ Grids depend on shapes only; T is not specialised on.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
@@ -66,16 +81,17 @@ _TWO23 = tl.constexpr(8388608.0)
 
 
 def _k_scale(block, grp, d, dmin):
-    """(d * sc, dmin * mn) [BN, C, 1] of group ``grp`` [C] (0..7) of the Q4_K
-    blocks at ``block`` [BN, C]: gguf's get_scale_min, then ``dequantize``'s products."""
-    bp = block + (grp % 4)[None, :]
+    """(d * sc, dmin * mn) of group ``grp`` (0..7, broadcastable to ``block``) of the Q4_K
+    blocks at ``block``, shaped as ``block``: gguf's get_scale_min, then ``dequantize``'s
+    products."""
+    bp = block + grp % 4
     a = tl.load(bp + 4).to(tl.int32)
     b = tl.load(bp + 8).to(tl.int32)
     hi = tl.load(bp + 12).to(tl.int32)
-    low = (grp < 4)[None, :]
+    low = grp < 4
     sc = tl.where(low, a & 63, (hi & 15) | ((a >> 2) & 48))
     mn = tl.where(low, b & 63, (hi >> 4) | ((b >> 2) & 48))
-    return d * sc.to(tl.float32)[:, :, None], dmin * mn.to(tl.float32)[:, :, None]
+    return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
 
 
 def _value(units, high, BIT: tl.constexpr, QT: tl.constexpr, scale, shift, fifth):
@@ -248,10 +264,11 @@ def _gemv_kernel(
             m = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
         elif QT == 5 or QT == 6:
             units = tl.load(w_ptrs + done // 4)
-            d = tl.load(d_ptrs + done // 2).to(tl.float32)[:, :, None]
-            dmin = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)[:, :, None]
-            dd0, dm0 = K_SCALE(block + done, 2 * (c % 4), d, dmin)
-            dd1, dm1 = K_SCALE(block + done, 2 * (c % 4) + 1, d, dmin)
+            d = tl.load(d_ptrs + done // 2).to(tl.float32)
+            dmin = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)
+            dd0, dm0 = K_SCALE(block + done, (2 * (c % 4))[None, :], d, dmin)
+            dd1, dm1 = K_SCALE(block + done, (2 * (c % 4) + 1)[None, :], d, dmin)
+            dd0, dm0, dd1, dm1 = dd0[:, :, None], dm0[:, :, None], dd1[:, :, None], dm1[:, :, None]
         else:  # Q6_K (module docstring)
             units = tl.load(w_ptrs + done // 2).to(tl.uint32)
             # the 2-bit fields of weight r (= 2n + u // 16) sit at bit 2r of the byte: shifted down
@@ -303,11 +320,192 @@ def _gemv_kernel(
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
 
 
+def _gemv_one_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    num_tokens,
+    x_stride,
+    out_stride,
+    one,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    QT: tl.constexpr,
+    TS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CH: tl.constexpr,
+    U: tl.constexpr,
+    H: tl.constexpr,
+    W: tl.constexpr,
+    K_SCALE: tl.constexpr,
+    FIFTH: tl.constexpr,
+    C_LAST: tl.constexpr,
+):
+    """``_gemv_kernel`` for one token (same words, geometry and result within the
+    same bound; x's ``num_tokens``, strides unused): a [BN, NC, U] or [BN, U, NC] tile
+    (C_LAST), an element per word, so no value moves between threads.
+
+    - Layout: every tensor, x's pointers and a chunk's fields included, has the tile's
+      shape (broadcast over rows or words), so triton gives every load the layout the
+      arithmetic uses (no shared-memory round trips), and a chunk's fields (scales,
+      Q5 high bits) are one value per thread, loaded once. The word offsets are
+      multiplied by ``one`` (a runtime 1) so the compiler sees no contiguity: every
+      load then gets the same layout. Triton 3.7 turned the order it gives such loads
+      around (first dimension fastest before, last after): C_LAST puts the chunks on
+      the side that spreads them over threads.
+    - Exact integers: with the exponent bits of 2^(23 - P) (``e150 - (P << 23)``, a
+      runtime value, so mask-and-exponent is one LOP3 with it in a register) the
+      value's bits at P count units: one FADD leaves q - OFF exactly.
+    - The scale waits: x . (q - OFF) of a word is summed first (one FMA a weight),
+      then times d (dd) once, plus x's sum times m (minus dm): on one-hot x that is
+      ``dequantize``'s rounding, bit for bit. bf16 x comes two values a 32-bit load.
+    """
+    NC: tl.constexpr = BLOCK_K // CH  # chunks of a row per step
+    HS: tl.constexpr = CH // 2
+    QK: tl.constexpr = 256 if QT >= 5 else 32
+    ROW_BYTES: tl.constexpr = K // QK * TS
+    if C_LAST:
+        SHAPE: tl.constexpr = (BLOCK_N, U, NC)
+    else:
+        SHAPE: tl.constexpr = (BLOCK_N, NC, U)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    row_base = w_ptr + (tl.where(row_ok, rows, 0).to(tl.int64) * ROW_BYTES)[:, None, None]  # [BN, 1, 1]
+    if C_LAST:
+        c = tl.arange(0, NC)[None, None, :]  # the chunk of the step [1, 1, NC]
+        u = tl.arange(0, U)[None, :, None]  # the word of the chunk [1, U, 1]
+    else:
+        c = tl.arange(0, NC)[None, :, None]
+        u = tl.arange(0, U)[None, None, :]
+    uw = u * one  # the same, with no contiguity the compiler can see (see the docstring)
+    e150 = one * 1258291200  # 150 << 23 at run time: kept in a register
+    if QT == 7:
+        x_unit = CH * c + 32 * (u // 16) + 2 * (u % 16)
+    else:
+        x_unit = CH * c + W * u
+    x_ptrs = tl.broadcast_to(x_ptr + x_unit, SHAPE)  # the word's first weight's x
+    if QT == 5 or QT == 6:
+        block = row_base + (c // 4) * TS  # [BN, 1, NC]
+        cp = block + 32 * (c % 4)
+    elif QT == 7:
+        block = row_base + (c // 2) * TS
+        cp = block + 64 * (c % 2)
+    else:
+        block = row_base + c * TS
+        cp = block
+    # a chunk's fields: one pointer broadcast over its words (the same value: loaded once)
+    d_ptrs = tl.broadcast_to((block + 208 if QT == 7 else cp if QT < 5 else block).to(tl.pointer_type(tl.float16)), SHAPE)
+    if QT == 0 or QT == 1:
+        w_ptrs = (cp + 2).to(tl.pointer_type(tl.uint16)) + uw
+    elif QT == 2:
+        w_ptrs = (cp + 4).to(tl.pointer_type(tl.uint32)) + uw
+    elif QT == 3:
+        w_ptrs = (cp + 6).to(tl.pointer_type(tl.uint16)) + uw
+        h_ptrs = tl.broadcast_to((cp + 2).to(tl.pointer_type(tl.uint16)), SHAPE)
+    elif QT == 4:
+        w_ptrs = (cp + 8).to(tl.pointer_type(tl.uint32)) + uw
+        h_ptrs = tl.broadcast_to((cp + 4).to(tl.pointer_type(tl.uint32)), SHAPE)
+    elif QT == 5:
+        w_ptrs = (cp + 16).to(tl.pointer_type(tl.uint32)) + uw
+        g_ptrs = tl.broadcast_to(block, SHAPE)  # K_SCALE's blocks
+    elif QT == 6:
+        w_ptrs = (cp + 48).to(tl.pointer_type(tl.uint32)) + uw
+        h_ptrs = (block + 16).to(tl.pointer_type(tl.uint32)) + uw
+        g_ptrs = tl.broadcast_to(block, SHAPE)
+    else:
+        half = c % 2
+        w_ptrs = cp.to(tl.pointer_type(tl.uint16)) + uw
+        h_ptrs = (block + 128 + 32 * half + 2 * (u % 16)).to(tl.pointer_type(tl.uint16))
+        s_ptrs = block + 192 + 8 * half + 2 * (u // 16) + (u % 16) // 8
+    acc = tl.full(SHAPE, 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        done = k0 // QK * TS
+        if QT == 0 or QT == 1 or QT == 3 or QT == 7:
+            units = tl.load(w_ptrs + done // 2).to(tl.uint32)
+        else:
+            units = tl.load(w_ptrs + done // 4)
+        if QT == 0:
+            units = units ^ 0x8080  # each byte q + 128
+        high = units >> 16
+        d = tl.load(d_ptrs + done // 2).to(tl.float32)
+        if QT == 3:  # as _gemv_kernel
+            qh_lo = tl.load(h_ptrs + done // 2).to(tl.uint32) >> (2 * u)
+            qh_hi = tl.load(h_ptrs + done // 2 + 1).to(tl.uint32) >> (2 * u)
+        elif QT == 4:
+            qh_lo = tl.load(h_ptrs + done // 4) >> (4 * u)
+            qh_hi = qh_lo
+        elif QT == 6:
+            qh_lo = tl.load(h_ptrs + done // 4) >> (2 * (c % 4))
+            qh_hi = qh_lo
+        elif QT == 7:
+            qh = (tl.load(h_ptrs + done // 2).to(tl.uint32) >> (2 * (u // 16))) << 4
+        p0 = tl.full(SHAPE, 0.0, tl.float32)  # x . (q - OFF) of the word (Q4_K/Q5_K, Q6_K: nibble 0)
+        p1 = p0  # nibble 1
+        s0 = p0  # x sums, for the formats with a min
+        s1 = p0
+        for s in tl.static_range(H * W):  # weight W*u + w + HS*h of the chunk at bit 8w + 4h
+            BIT = 8 * (s % W) + 4 * (s // W)
+            P = BIT % 16
+            if BIT < 16:
+                src = units
+            else:
+                src = high
+            MASK = (255 if QT == 0 else 15) << P
+            OFF = 128.0 if QT == 0 else (8.0 if QT == 1 else (16.0 if QT == 3 else (32.0 if QT == 7 else 0.0)))
+            bits = src & MASK
+            if QT == 3 or QT == 4 or QT == 6:
+                bits = bits | (FIFTH(qh_lo, qh_hi, s % W, s // W, QT) & (16 << P))
+            elif QT == 7:
+                bits = bits | (qh & (48 << P))
+            # with the exponent 150 - P the value's bits count units: 2^(23 - P) + q, exactly
+            qf = (bits | (e150 - (P << 23))).to(tl.float32, bitcast=True) - ((1 << (23 - P)) + OFF)
+            if x_ptr.dtype.element_ty == tl.bfloat16:  # x of weights w and w + 1: one 32-bit load
+                if s % 2 == 0:
+                    pair = tl.load((x_ptrs + (k0 + s % W + HS * (s // W))).to(tl.pointer_type(tl.uint32)))
+                    x = (pair << 16).to(tl.float32, bitcast=True)
+                else:
+                    x = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+            else:
+                x = tl.load(x_ptrs + (k0 + s % W + HS * (s // W))).to(tl.float32)
+            if (QT == 5 or QT == 6 or QT == 7) and s // W == 1:
+                p1 = tl.fma(x, qf, p1)
+                if QT != 7:
+                    s1 += x
+            else:
+                p0 = tl.fma(x, qf, p0)
+                if QT == 2 or QT == 4 or QT == 5 or QT == 6:
+                    s0 += x
+        if QT == 2 or QT == 4:
+            m = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)
+            acc = tl.fma(s0, m, tl.fma(p0, d, acc))
+        elif QT == 5 or QT == 6:
+            dmin = tl.load(d_ptrs + done // 2 + 1).to(tl.float32)
+            dd0, dm0 = K_SCALE(g_ptrs + done, 2 * (c % 4), d, dmin)
+            dd1, dm1 = K_SCALE(g_ptrs + done, 2 * (c % 4) + 1, d, dmin)
+            acc = tl.fma(s0, -dm0, tl.fma(p0, dd0, acc))
+            acc = tl.fma(s1, -dm1, tl.fma(p1, dd1, acc))
+        elif QT == 7:
+            sc0 = ((tl.load(s_ptrs + done).to(tl.uint32) ^ 128) | _MAGIC).to(tl.float32, bitcast=True)
+            sc1 = ((tl.load(s_ptrs + done + 4).to(tl.uint32) ^ 128) | _MAGIC).to(tl.float32, bitcast=True)
+            acc = tl.fma(p0, d * (sc0 - (_TWO23 + 128.0)), acc)
+            acc = tl.fma(p1, d * (sc1 - (_TWO23 + 128.0)), acc)
+        else:
+            acc = tl.fma(p0, d, acc)
+    total = tl.reduce(tl.reduce(acc, 2, _sum_combine), 1, _sum_combine)  # [BN]
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
 k_scale_fn = LazyKernel(_k_scale)
 value_fn = LazyKernel(_value)
 q6_value_fn = LazyKernel(_q6_value)
 fifth_fn = LazyKernel(_fifth)
 gemv_kernel = LazyKernel(_gemv_kernel, do_not_specialize=("num_tokens",))
+gemv_one_kernel = LazyKernel(_gemv_one_kernel, do_not_specialize=("num_tokens", "one"))
 
 _PER_PROGRAM = 4096  # accumulator elements per program: 32 per thread of 4 warps
 _MIN_PROGRAMS = 1024  # row blocks wanted for a weight (8 resident programs on each of ~132 SMs)
@@ -332,30 +530,60 @@ def gemv_tiles(num_tokens: int, n: int, k: int, qtype: str) -> dict:
     return dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
 
 
-def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, tile_config: dict | None = None) -> None:
+_WORDS_PER_PROGRAM = 1024  # the one-token kernel's words per step: 8 per thread of 4 warps
+# where the one-token tile puts its chunks (``_gemv_one_kernel``): measured with
+# tools/quant_gemv_sass.py on triton 3.5-3.9, the order triton gives loads without
+# contiguity flipped in 3.7
+C_LAST = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
+
+
+def gemv_one_tiles(n: int, k: int, qtype: str) -> dict:
+    """The one-token kernel's BLOCK_N / BLOCK_K: rows per program as
+    ``gemv_tiles`` picks them for one token, K per step the largest
+    power-of-two multiple of the block dividing K with at most
+    ``_WORDS_PER_PROGRAM`` words in the step's tile."""
+    t = gemv_tiles(1, n, k, qtype)
+    ch, u = GEOMETRY[qtype][:2]
+    bn, bk = t["BLOCK_N"], quant_type(qtype).block
+    while k % (2 * bk) == 0 and 2 * bk // ch * u * bn <= _WORDS_PER_PROGRAM:
+        bk *= 2
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+
+
+def one_token_kernel_reads(x) -> bool:
+    """Whether ``quant_gemv_triton`` gives ``x`` [T, K] to ``_gemv_one_kernel``: one
+    token, and (bf16: it reads x two values a 32-bit load) a 4-byte aligned row."""
+    return x.shape[0] == 1 and (x.dtype != torch.bfloat16 or x.data_ptr() % 4 == 0)
+
+
+def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, tile_config: dict | None = None,
+                      many: bool = False) -> None:
     """``out`` [T, N] = x [T, K] @ W.T (+ bias) for a decode batch (T <=
     ``_triton_quant.GEMV_MAX_TOKENS``), W from GGUF blocks ``data`` [N, bytes]
-    of a ``GEMV_TYPES`` format. ``tile_config``: ``gemv_tiles``' answer to use
-    instead (its BLOCK_K must divide K)."""
+    of a ``GEMV_TYPES`` format: one token by ``_gemv_one_kernel`` (see
+    ``one_token_kernel_reads``), more by ``_gemv_kernel`` (``many``: that one
+    for one token too, as benchmarks compare them). ``tile_config``:
+    ``gemv_one_tiles``' or ``gemv_tiles``' answer (for the kernel that runs) to
+    use instead (its BLOCK_K must divide K)."""
     num_tokens, k = x.shape
-    t = tile_config or gemv_tiles(num_tokens, n, k, qtype)
+    one = not many and one_token_kernel_reads(x)
+    t = tile_config or (gemv_one_tiles(n, k, qtype) if one else gemv_tiles(num_tokens, n, k, qtype))
     block = quant_type(qtype).block
     if t["BLOCK_K"] % block or k % t["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {t['BLOCK_K']} must be a multiple of {qtype}'s block ({block}) dividing K={k}")
-    grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(num_tokens, t["BLOCK_T"]))
     ch, u, h, w = GEOMETRY[qtype]
     args, shared = launch_args(x, data, bias, out, n, qtype, type_size)
+    shared.update(CH=ch, U=u, H=h, W=w, K_SCALE=k_scale_fn.for_device(x.device), FIFTH=fifth_fn.for_device(x.device))
+    if one:
+        grid = (triton.cdiv(n, t["BLOCK_N"]),)
+        gemv_one_kernel.for_device(x.device)[grid](*args, 1, **shared, **t, C_LAST=C_LAST, **_LAUNCH_OPTIONS)
+        return
+    grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(num_tokens, t["BLOCK_T"]))
     gemv_kernel.for_device(x.device)[grid](
         *args,
         **shared,
-        CH=ch,
-        U=u,
-        H=h,
-        W=w,
-        K_SCALE=k_scale_fn.for_device(x.device),
         VALUE=value_fn.for_device(x.device),
         Q6_VALUE=q6_value_fn.for_device(x.device),
-        FIFTH=fifth_fn.for_device(x.device),
         **t,
         **_LAUNCH_OPTIONS,
     )

@@ -1,8 +1,8 @@
 """tools/bench_quant.py --engine-gpu and --gpu-kernels, run as users run
 them (their own process), on this CPU: the engine dry run writes a tiny
 random Q4_0 GGUF and times both modes through real engines, the kernel dry
-run times the decode GEMV, the general kernel and torch.mm in the Triton
-interpreter, so the GPU run has no untried code path."""
+run times the decode GEMVs (one token: both kernels), the general kernel and
+torch.mm in the Triton interpreter, so the GPU run has no untried code path."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def test_gpu_kernels_dry_run_on_a_cpu():
     assert sorted(gpu) == ["tokens_1", "tokens_16", "tokens_4", "tokens_512", "tokens_8"]
     assert "general_bn16_ms" in gpu["tokens_16"] and "general_bn16_ms" not in gpu["tokens_8"]
     assert "general_bn16_ms" not in gpu["tokens_512"]
+    assert gpu["tokens_1"]["gemv_many_ms"] > 0 and gpu["tokens_1"]["packed_speedup_vs_gemv_many"] > 0
+    assert all("gemv_many_ms" not in gpu[k] for k in gpu if k != "tokens_1")
     for row in gpu.values():
         assert row["packed_ms"] > 0 and row["general_ms"] > 0 and row["dense_bf16_ms"] > 0
         assert row["max_err_over_S"] <= 2.0**-7  # bf16 output
