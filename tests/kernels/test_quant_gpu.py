@@ -90,6 +90,15 @@ def test_decode_gemv_multiplies_by_the_exact_weights(qtype):
         x = torch.zeros(tokens, cols, device="cuda")
         x[torch.arange(tokens, device="cuda"), col] = 1.0
         assert torch.equal(quant_matmul(x, packed), want[:, col].T), f"{qtype}, {tokens} tokens"
+    # one token (the one-token kernel: scale after each word's sum), float32 and bf16 x (two
+    # values a 32-bit load; the sum rounds to bf16 as torch rounds): every position of a chunk
+    for j in range(64):
+        col = 37 * j % cols
+        x = torch.zeros(1, cols, device="cuda")
+        x[0, col] = 1.0
+        assert torch.equal(quant_matmul(x, packed)[0], want[:, col]), f"{qtype}, column {col}"
+        got = quant_matmul(x.to(torch.bfloat16), packed)[0]
+        assert torch.equal(got, want[:, col].to(torch.bfloat16)), f"{qtype}, column {col}, bf16"
 
 
 @pytest.mark.parametrize("qtype", TYPES)
