@@ -20,9 +20,9 @@ backward branch's body over the K steps one pass makes, where ptxas unrolled
 it (steps_per_loop_body); where ptxas unrolled the whole loop, all
 instructions over the trip count), weights one thread handles per step,
 their ratio, and the loop's global loads, shuffles, barriers and
-local-memory accesses (spills) per pass. This is a static proxy, not a timing: memory latency, occupancy
-and the issue of other warps are not in it; tools/bench_quant.py on a GPU
-times the same kernels.
+local-memory accesses (spills) per pass. This is a static proxy, not a
+timing: memory latency, occupancy and the issue of other warps are not in
+it; tools/bench_quant.py on a GPU times the same kernels.
 
 Usage: python tools/quant_gemv_sass.py [--types Q4_0,Q4_K] [--tokens 1,4,8] [--n 4096] [--k 4096] [--dtype bf16]
 """

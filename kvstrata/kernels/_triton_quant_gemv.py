@@ -397,7 +397,12 @@ def _gemv_one_kernel(
         block = row_base + c * TS
         cp = block
     # a chunk's fields: one pointer broadcast over its words (the same value: loaded once)
-    d_ptrs = tl.broadcast_to((block + 208 if QT == 7 else cp if QT < 5 else block).to(tl.pointer_type(tl.float16)), SHAPE)
+    if QT == 7:
+        d_ptrs = tl.broadcast_to((block + 208).to(tl.pointer_type(tl.float16)), SHAPE)
+    elif QT == 5 or QT == 6:
+        d_ptrs = tl.broadcast_to(block.to(tl.pointer_type(tl.float16)), SHAPE)
+    else:
+        d_ptrs = tl.broadcast_to(cp.to(tl.pointer_type(tl.float16)), SHAPE)
     if QT == 0 or QT == 1:
         w_ptrs = (cp + 2).to(tl.pointer_type(tl.uint16)) + uw
     elif QT == 2:
@@ -429,7 +434,7 @@ def _gemv_one_kernel(
             units = tl.load(w_ptrs + done // 4)
         if QT == 0:
             units = units ^ 0x8080  # each byte q + 128
-        high = units >> 16
+        high = units >> 16  # 32-bit words: their values at bits 16-31 (16-bit words: unused)
         d = tl.load(d_ptrs + done // 2).to(tl.float32)
         if QT == 3:  # as _gemv_kernel
             qh_lo = tl.load(h_ptrs + done // 2).to(tl.uint32) >> (2 * u)

@@ -253,6 +253,17 @@ def _sass_tool():
         sys.path.remove(str(TOOLS))
 
 
+def test_sass_tool_counts_the_k_steps_an_unrolled_loop_body_makes():
+    # ptxas may unroll the K loop: its exit test's counter then steps by a multiple of BLOCK_K
+    unroll = _sass_tool()._unroll
+    body = ["LDG.E.U16 R51, desc[UR6][R12.64+0x2]", "IADD3 R43, P0, R43, 0x400, RZ",
+            "IADD3 R39, P1, R39, 0x240, RZ", "ISETP.GE.U32.AND P1, PT, R43, 0xf00, PT", "@!P1 BRA `(.L_x_0)"]
+    assert unroll(body, 256) == 4 and unroll(body, 1024) == 1
+    assert unroll(body, 384) == 1  # 0x400 is no multiple: one step, as before the tool counted steps
+    assert unroll(["UIADD3 UR15, UP0, UR15, 0x800, URZ", "UISETP.GE.U32.AND UP0, UPT, UR15, 0xf00, UPT"], 512) == 4
+    assert unroll(body[:3], 256) == 1  # no exit test on that register: one step
+
+
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("qtype", GEMV_TYPES)
 def test_compiles_for_sm90_without_spills_and_with_fewer_instructions(qtype, monkeypatch):
