@@ -78,7 +78,7 @@ def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str, many: bool
     one = tokens == 1 and not many
     t = gemv.gemv_one_tiles(n, k, qtype) if one else gemv.gemv_tiles(tokens, n, k, qtype)
     launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
-    ch, u, h, w = gemv.GEOMETRY[qtype]
+    ch, u, h, w = (gemv.ONE_GEOMETRY if one else gemv.GEOMETRY)[qtype]
     consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False, CH=ch, U=u,
                   H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), FIFTH=triton.jit(gemv._fifth), **t)
     if one:

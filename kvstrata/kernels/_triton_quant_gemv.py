@@ -30,11 +30,11 @@ instruction issue, not memory, was its limit. Two kernels here
   so nothing moves between threads; the exponent of 2^(23 - P) makes the
   value's bits count units (q - offset exactly, one LOP3 and one FADD); a
   word's weights are summed against x before its scale multiplies them
-  once; bf16 x comes two values a load: 5.3-12.8 (3.9) or 6.3-12.9 (3.6)
+  once; bf16 x comes two values a load: 5.3-12.6 (3.9) or 6.3-10.6 (3.6)
   per weight, 1.1-1.5x fewer than ``_gemv_kernel`` at one token for Q4_0,
   Q4_1, Q5_1, Q4_K and Q6_K on 3.9 (Q8_0 0.88x, Q5_0 and Q5_K 0.96x: they
   read 5.5-8.5 bits a weight, so they wait on memory sooner) and 1.1-1.5x for
-  all but Q6_K (0.98x) on 3.6.
+  every format on 3.6.
 
 Both run ~1024 row blocks per weight (1-16 rows each), so every SM has loads
 in flight.
@@ -74,6 +74,9 @@ from kvstrata.kernels.quant import quant_type
 # the module docstring)
 GEOMETRY = {"Q8_0": (32, 16, 1, 2), "Q4_0": (32, 8, 2, 2), "Q4_1": (32, 4, 2, 4), "Q5_0": (32, 8, 2, 2),
             "Q5_1": (32, 4, 2, 4), "Q4_K": (64, 8, 2, 4), "Q5_K": (64, 8, 2, 4), "Q6_K": (128, 32, 2, 2)}
+# the one-token kernel's: Q6_K in chunks of the 8 words one scale (per nibble) covers (weights
+# 32 (2h' + g // 2) + 16 (g % 2) + 2u + w of half n for group g; x read as ``_gemv_one_kernel`` says)
+ONE_GEOMETRY = {**GEOMETRY, "Q6_K": (32, 8, 2, 2)}
 GEMV_TYPES = tuple(GEOMETRY)
 
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: with value bits v below bit 23 it is 2^23 + v
@@ -364,7 +367,7 @@ def _gemv_one_kernel(
       ``dequantize``'s rounding, bit for bit. bf16 x comes two values a 32-bit load.
     """
     NC: tl.constexpr = BLOCK_K // CH  # chunks of a row per step
-    HS: tl.constexpr = CH // 2
+    HS: tl.constexpr = 64 if QT == 7 else CH // 2  # Q6_K: ONE_GEOMETRY's chunks
     QK: tl.constexpr = 256 if QT >= 5 else 32
     ROW_BYTES: tl.constexpr = K // QK * TS
     if C_LAST:
@@ -382,8 +385,8 @@ def _gemv_one_kernel(
         u = tl.arange(0, U)[None, None, :]
     uw = u * one  # the same, with no contiguity the compiler can see (see the docstring)
     e150 = one * 1258291200  # 150 << 23 at run time: kept in a register
-    if QT == 7:
-        x_unit = CH * c + 32 * (u // 16) + 2 * (u % 16)
+    if QT == 7:  # chunk c: group g (c % 4) of half n ((c // 4) % 2) of block c // 8 (ONE_GEOMETRY)
+        x_unit = 256 * (c // 8) + 128 * ((c // 4) % 2) + 32 * (c % 4 // 2) + 16 * (c % 2) + 2 * u
     else:
         x_unit = CH * c + W * u
     x_ptrs = tl.broadcast_to(x_ptr + x_unit, SHAPE)  # the word's first weight's x
@@ -391,8 +394,8 @@ def _gemv_one_kernel(
         block = row_base + (c // 4) * TS  # [BN, 1, NC]
         cp = block + 32 * (c % 4)
     elif QT == 7:
-        block = row_base + (c // 2) * TS
-        cp = block + 64 * (c % 2)
+        block = row_base + (c // 8) * TS
+        cp = block + 64 * ((c // 4) % 2) + 16 * (c % 4)  # the group's 16 low-bit bytes
     else:
         block = row_base + c * TS
         cp = block
@@ -420,11 +423,11 @@ def _gemv_one_kernel(
         w_ptrs = (cp + 48).to(tl.pointer_type(tl.uint32)) + uw
         h_ptrs = (block + 16).to(tl.pointer_type(tl.uint32)) + uw
         g_ptrs = tl.broadcast_to(block, SHAPE)
-    else:
-        half = c % 2
+    else:  # Q6_K: the high bits of weights l, l + 1 at bits 2 (c % 4 // 2) of bytes 128 + 32 n + l, l + 1
+        half = (c // 4) % 2
         w_ptrs = cp.to(tl.pointer_type(tl.uint16)) + uw
-        h_ptrs = (block + 128 + 32 * half + 2 * (u % 16)).to(tl.pointer_type(tl.uint16))
-        s_ptrs = block + 192 + 8 * half + 2 * (u // 16) + (u % 16) // 8
+        h_ptrs = (block + 128 + 32 * half + 16 * (c % 2)).to(tl.pointer_type(tl.uint16)) + uw
+        s_ptrs = tl.broadcast_to(block + 192 + 8 * half + 2 * (c % 4 // 2) + c % 2, SHAPE)  # the scale of nibble 0
     acc = tl.full(SHAPE, 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         done = k0 // QK * TS
@@ -446,7 +449,7 @@ def _gemv_one_kernel(
             qh_lo = tl.load(h_ptrs + done // 4) >> (2 * (c % 4))
             qh_hi = qh_lo
         elif QT == 7:
-            qh = (tl.load(h_ptrs + done // 2).to(tl.uint32) >> (2 * (u // 16))) << 4
+            qh = (tl.load(h_ptrs + done // 2).to(tl.uint32) >> (2 * (c % 4 // 2))) << 4
         p0 = tl.full(SHAPE, 0.0, tl.float32)  # x . (q - OFF) of the word (Q4_K/Q5_K, Q6_K: nibble 0)
         p1 = p0  # nibble 1
         s0 = p0  # x sums, for the formats with a min
@@ -548,7 +551,7 @@ def gemv_one_tiles(n: int, k: int, qtype: str) -> dict:
     power-of-two multiple of the block dividing K with at most
     ``_WORDS_PER_PROGRAM`` words in the step's tile."""
     t = gemv_tiles(1, n, k, qtype)
-    ch, u = GEOMETRY[qtype][:2]
+    ch, u = ONE_GEOMETRY[qtype][:2]
     bn, bk = t["BLOCK_N"], quant_type(qtype).block
     while k % (2 * bk) == 0 and 2 * bk // ch * u * bn <= _WORDS_PER_PROGRAM:
         bk *= 2
@@ -576,7 +579,7 @@ def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, ti
     block = quant_type(qtype).block
     if t["BLOCK_K"] % block or k % t["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {t['BLOCK_K']} must be a multiple of {qtype}'s block ({block}) dividing K={k}")
-    ch, u, h, w = GEOMETRY[qtype]
+    ch, u, h, w = (ONE_GEOMETRY if one else GEOMETRY)[qtype]
     args, shared = launch_args(x, data, bias, out, n, qtype, type_size)
     shared.update(CH=ch, U=u, H=h, W=w, K_SCALE=k_scale_fn.for_device(x.device), FIFTH=fifth_fn.for_device(x.device))
     if one:
