@@ -29,7 +29,7 @@ Per set and type:
                    alone (the previous decode and prefill path: the baseline) and of
                    torch.mm on bf16 weights, the packed reads in GB/s, and the
                    speedups; at 1 token also the multi-token GEMV kernel (gemv_many:
-                   what the one-token kernel replaced); at 16 tokens also _triton_quant
+                   what the few-token kernel replaced); at 16 tokens also _triton_quant
                    with 16-row tiles (general_bn16: 4x its default's programs, an A/B
                    for tiles());
                    device time from a CUDA graph cycling through
@@ -184,7 +184,7 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
     dequantize-then-mm path from 128), for
     ``_triton_quant``'s kernel alone (the previous decode path: the baseline
     of the GEMV), and for F.linear on bf16 weights; the packed reads in GB/s.
-    At one token also the multi-token GEMV kernel ("gemv_many": the one-token
+    At one token also the multi-token GEMV kernel ("gemv_many": the few-token
     kernel's baseline). From 9 to 127 tokens also ``_triton_quant`` with 16 weight rows a program
     ("general_bn16": its tl.dot tiles take 64, so a 4096-row weight is 64
     programs on a 132-SM GPU). ``device`` "cpu": a dry run of this code under
@@ -211,7 +211,7 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
 
             ms["packed"] += cold_ms([functools.partial(quant_matmul, x, c, out=out) for c in ring], reps, device)
             ms["general"] += cold_ms(general(), reps, device)
-            if tokens == 1:  # the multi-token GEMV at one token: the one-token kernel's baseline
+            if tokens == 1:  # the multi-token GEMV at one token: the few-token kernel's baseline
                 many = [functools.partial(quant_gemv_triton, x, c.data, qt.name, qt.type_size, n, None, out, many=True)
                         for c in ring]
                 ms["gemv_many"] = ms.get("gemv_many", 0.0) + cold_ms(many, reps, device)

@@ -10,9 +10,9 @@ figure that decides whether a kernel can reach the bandwidth is the SASS
 instruction count of its K loop per weight it handles, counted here for
 
   general    _triton_quant's GEMV tiles (byte loads, I2F, a cross-thread sum every step)
-  gemv       what quant_matmul runs: _triton_quant_gemv's one-token kernel at 1 token
-             (one layout, scale per word), its multi-token kernel at more
-  gemv_many  (1 token only) the multi-token kernel at one token: what the one-token
+  gemv       what quant_matmul runs: _triton_quant_gemv's few-token kernel at 1-2
+             tokens (one layout, scale per word), its multi-token kernel at more
+  gemv_many  (1-2 tokens only) the multi-token kernel there: what the few-token
              kernel replaced
 
 per format and token count: the loop's instructions per K step (the largest
@@ -24,7 +24,7 @@ local-memory accesses (spills) per pass. This is a static proxy, not a
 timing: memory latency, occupancy and the issue of other warps are not in
 it; tools/bench_quant.py on a GPU times the same kernels.
 
-Usage: python tools/quant_gemv_sass.py [--types Q4_0,Q4_K] [--tokens 1,4,8] [--n 4096] [--k 4096] [--dtype bf16]
+Usage: python tools/quant_gemv_sass.py [--types Q4_0,Q4_K] [--tokens 1,2,4,8] [--n 4096] [--k 4096] [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def _compile(raw, dtype: str, consts: dict, launch: dict):
                  x_stride="i32", out_stride="i32", one="i32")
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    # what the launcher marks on real tensors: 16-byte aligned pointers
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("x_ptr", "w_ptr", "out_ptr")}
+    # what the launcher marks on real tensors: 16-byte aligned pointers, and x's row stride (K:
+    # a multiple of every format's block, so of 16)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ("x_ptr", "w_ptr", "out_ptr", "x_stride")}
     try:
         source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     except TypeError as e:  # triton < 3.3 spells this API differently
@@ -73,19 +75,17 @@ def _compile(raw, dtype: str, consts: dict, launch: dict):
 
 
 def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str, many: bool = False):
-    """The kernel ``quant_gemv_triton`` runs for ``tokens`` (one: _gemv_one_kernel, more:
-    _gemv_kernel; ``many``: _gemv_kernel even for one) with the tiles it picks."""
-    one = tokens == 1 and not many
-    t = gemv.gemv_one_tiles(n, k, qtype) if one else gemv.gemv_tiles(tokens, n, k, qtype)
+    """The kernel ``quant_gemv_triton`` runs for ``tokens`` (1-2: _gemv_few_kernel, more:
+    _gemv_kernel; ``many``: _gemv_kernel for any count) with the tiles it picks."""
+    few = not many and tokens <= gemv.FEW_MAX_TOKENS
+    t = gemv.gemv_few_tiles(tokens, n, k, qtype) if few else gemv.gemv_tiles(tokens, n, k, qtype)
     launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
-    ch, u, h, w = (gemv.ONE_GEOMETRY if one else gemv.GEOMETRY)[qtype]
+    ch, u, h, w = (gemv.FEW_GEOMETRY if few else gemv.GEOMETRY)[qtype]
     consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False, CH=ch, U=u,
                   H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), FIFTH=triton.jit(gemv._fifth), **t)
-    if one:
+    if few:
         consts["C_LAST"] = gemv.C_LAST
-        kernel = _compile(gemv._gemv_one_kernel, dtype, consts, launch)
-        kernel.tiles["BLOCK_T"] = 1
-        return kernel
+        return _compile(gemv._gemv_few_kernel, dtype, consts, launch)
     consts.update(VALUE=triton.jit(gemv._value), Q6_VALUE=triton.jit(gemv._q6_value))
     return _compile(gemv._gemv_kernel, dtype, consts, launch)
 
@@ -181,7 +181,7 @@ def count(kernel) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join(gemv.GEMV_TYPES))
-    parser.add_argument("--tokens", default="1,4,8")
+    parser.add_argument("--tokens", default="1,2,4,8")
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DOT))
@@ -191,15 +191,15 @@ def main() -> None:
         for tokens in map(int, args.tokens.split(",")):
             row = {"qtype": qtype, "tokens": tokens}
             builds = [("general", compile_general), ("gemv", compile_gemv)]
-            if tokens == 1:  # the multi-token GEMV at one token: what _gemv_one_kernel replaced
+            if tokens <= gemv.FEW_MAX_TOKENS:  # the multi-token GEMV there: what _gemv_few_kernel replaced
                 builds.append(("gemv_many", lambda *a: compile_gemv(*a, many=True)))
             for name, build in builds:
                 c = count(build(qtype, tokens, args.n, args.k, args.dtype))
                 c["per_weight"] = round(c["k_loop"] / c["weights_per_thread_step"], 2)
                 row[name] = c
             row["instructions_general_over_gemv"] = round(row["general"]["per_weight"] / row["gemv"]["per_weight"], 2)
-            if tokens == 1:
-                row["instructions_many_over_one"] = round(row["gemv_many"]["per_weight"] / row["gemv"]["per_weight"], 2)
+            if tokens <= gemv.FEW_MAX_TOKENS:
+                row["instructions_many_over_few"] = round(row["gemv_many"]["per_weight"] / row["gemv"]["per_weight"], 2)
             cases.append(row)
     print(json.dumps({"triton": triton.__version__, "target": "sm_90", "shape": [args.n, args.k],
                       "dtype": args.dtype, "cases": cases}, indent=1))

@@ -12,7 +12,7 @@ has to issue fewer than ~8 per weight to keep up with an H200's HBM, so
 instruction issue, not memory, was its limit. Two kernels here
 (``tools/quant_gemv_sass.py`` counts them; 1 token, [4096, 4096], bf16 x):
 
-- ``_gemv_kernel`` (2-8 tokens; one token where x's row is not 4-byte
+- ``_gemv_kernel`` (3-8 tokens; 1-2 where x's rows are not 4-byte
   aligned): the quant bits come as 16/32-bit words, one load for 4-8
   weights, and a weight's value is masked where it lies in the word: with
   the exponent bits of 2^23 OR-ed into the word once, ``bits & (mask |
@@ -21,20 +21,22 @@ instruction issue, not memory, was its limit. Two kernels here
   rounded once: the weights are the reference's bit for bit (fp-contraction
   off); one explicit FMA per weight and token into a per-thread accumulator,
   summed across threads once, after the K loop. Converting a weight once for
-  every token of the batch is what it is for; at one token triton moves its
+  every token of the batch is what it is for; at 1-2 tokens triton moves its
   words, scales and x between the layouts of its [BN, C, U] and [BT, BN, C,
   U] tensors through shared memory (on triton 3.6 12-38 barriers a step,
-  Q4_1 148; on 3.9 up to 22): 7.2-16.7 (triton 3.9) or 9.0-13.7 (3.6)
-  instructions per weight.
-- ``_gemv_one_kernel`` (one token): every tensor has the one tile's shape,
+  Q4_1 148; on 3.9 up to 32): at one token 7.2-16.7 (triton 3.9) or 9.0-13.7
+  (3.6) instructions per weight.
+- ``_gemv_few_kernel`` (1-2 tokens): every tensor has the one tile's shape,
   so nothing moves between threads; the exponent of 2^(23 - P) makes the
   value's bits count units (q - offset exactly, one LOP3 and one FADD); a
   word's weights are summed against x before its scale multiplies them
-  once; bf16 x comes two values a load: 5.3-12.6 (3.9) or 6.3-10.6 (3.6)
-  per weight, 1.1-1.5x fewer than ``_gemv_kernel`` at one token for Q4_0,
-  Q4_1, Q5_1, Q4_K and Q6_K on 3.9 (Q8_0 0.88x, Q5_0 and Q5_K 0.96x: they
-  read 5.5-8.5 bits a weight, so they wait on memory sooner) and 1.1-1.5x for
-  every format on 3.6.
+  once; bf16 x comes two values a load: at one token 5.3-12.7 (3.9) or
+  6.3-10.6 (3.6) per weight, 1.1-1.5x fewer than ``_gemv_kernel`` there but
+  for Q8_0, Q5_0 and Q5_K on 3.9 (0.83-0.97x: 5.5-8.5 bits a weight wait on
+  memory sooner); at two tokens 1.0-1.4x fewer per weight and token (Q8_0
+  on 3.9: 0.83x; docs/quantization.md has the tables). From 4 tokens on ``_gemv_kernel``,
+  which converts a weight once for all its tokens, is as good or better on
+  3.9: FEW_MAX_TOKENS is 2.
 
 Both run ~1024 row blocks per weight (1-16 rows each), so every SM has loads
 in flight.
@@ -74,9 +76,9 @@ from kvstrata.kernels.quant import quant_type
 # the module docstring)
 GEOMETRY = {"Q8_0": (32, 16, 1, 2), "Q4_0": (32, 8, 2, 2), "Q4_1": (32, 4, 2, 4), "Q5_0": (32, 8, 2, 2),
             "Q5_1": (32, 4, 2, 4), "Q4_K": (64, 8, 2, 4), "Q5_K": (64, 8, 2, 4), "Q6_K": (128, 32, 2, 2)}
-# the one-token kernel's: Q6_K in chunks of the 8 words one scale (per nibble) covers (weights
-# 32 (2h' + g // 2) + 16 (g % 2) + 2u + w of half n for group g; x read as ``_gemv_one_kernel`` says)
-ONE_GEOMETRY = {**GEOMETRY, "Q6_K": (32, 8, 2, 2)}
+# the few-token kernel's: Q6_K in chunks of the 8 words one scale (per nibble) covers (weights
+# 32 (2h' + g // 2) + 16 (g % 2) + 2u + w of half n for group g; x read as ``_gemv_few_kernel`` says)
+FEW_GEOMETRY = {**GEOMETRY, "Q6_K": (32, 8, 2, 2)}
 GEMV_TYPES = tuple(GEOMETRY)
 
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: with value bits v below bit 23 it is 2^23 + v
@@ -323,7 +325,7 @@ def _gemv_kernel(
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
 
 
-def _gemv_one_kernel(
+def _gemv_few_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
@@ -336,6 +338,7 @@ def _gemv_one_kernel(
     K: tl.constexpr,
     QT: tl.constexpr,
     TS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -347,51 +350,71 @@ def _gemv_one_kernel(
     FIFTH: tl.constexpr,
     C_LAST: tl.constexpr,
 ):
-    """``_gemv_kernel`` for one token (same words, geometry and result within the
-    same bound; x's ``num_tokens``, strides unused): a [BN, NC, U] or [BN, U, NC] tile
-    (C_LAST), an element per word, so no value moves between threads.
+    """``_gemv_kernel`` for 1-2 tokens (same words, geometry and result within the
+    same bound): a [BN, NC, U] or [BN, U, NC] tile for one token, [BN, NC, U, BT] or
+    [BT, BN, U, NC] for more (C_LAST), an element per word (and token), so no value
+    moves between threads.
 
     - Layout: every tensor, x's pointers and a chunk's fields included, has the tile's
-      shape (broadcast over rows or words), so triton gives every load the layout the
-      arithmetic uses (no shared-memory round trips), and a chunk's fields (scales,
-      Q5 high bits) are one value per thread, loaded once. The word offsets are
-      multiplied by ``one`` (a runtime 1) so the compiler sees no contiguity: every
-      load then gets the same layout. Triton 3.7 turned the order it gives such loads
-      around (first dimension fastest before, last after): C_LAST puts the chunks on
-      the side that spreads them over threads.
+      shape (broadcast over rows, words or tokens), so triton gives every load the
+      layout the arithmetic uses (no shared-memory round trips), and what is broadcast
+      (a chunk's scales and Q5 high bits over its words, a word and its conversion
+      over the tokens) is one value per thread, loaded and computed once. The word
+      offsets are multiplied by ``one`` (a runtime 1) so the compiler sees no
+      contiguity: every load then gets the same layout. Triton 3.7 turned the order it
+      gives such loads around (first dimension fastest before, last after): C_LAST
+      puts the chunks on the side that spreads them over threads, and the tokens on
+      the side that keeps them in one.
     - Exact integers: with the exponent bits of 2^(23 - P) (``e150 - (P << 23)``, a
       runtime value, so mask-and-exponent is one LOP3 with it in a register) the
       value's bits at P count units: one FADD leaves q - OFF exactly.
-    - The scale waits: x . (q - OFF) of a word is summed first (one FMA a weight),
-      then times d (dd) once, plus x's sum times m (minus dm): on one-hot x that is
-      ``dequantize``'s rounding, bit for bit. bf16 x comes two values a 32-bit load.
+    - The scale waits: x . (q - OFF) of a word is summed first (one FMA a weight and
+      token), then times d (dd) once, plus x's sum times m (minus dm): on one-hot x
+      that is ``dequantize``'s rounding, bit for bit. bf16 x comes two values a 32-bit
+      load.
     """
     NC: tl.constexpr = BLOCK_K // CH  # chunks of a row per step
-    HS: tl.constexpr = 64 if QT == 7 else CH // 2  # Q6_K: ONE_GEOMETRY's chunks
+    HS: tl.constexpr = 64 if QT == 7 else CH // 2  # Q6_K: FEW_GEOMETRY's chunks
     QK: tl.constexpr = 256 if QT >= 5 else 32
     ROW_BYTES: tl.constexpr = K // QK * TS
-    if C_LAST:
+    rows1 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks1 = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_base1 = w_ptr + tl.where(rows1 < N, rows1, 0).to(tl.int64) * ROW_BYTES
+    x_base1 = x_ptr + tl.where(toks1 < num_tokens, toks1, 0).to(tl.int64) * x_stride
+    # rows and tokens past the end read row / token 0 and are not stored
+    if BLOCK_T == 1 and C_LAST:  # one token: [BN, U, NC] (a size-1 token axis costs instructions)
         SHAPE: tl.constexpr = (BLOCK_N, U, NC)
-    else:
+        row_base = row_base1[:, None, None]
+        x_base = x_ptr + tl.program_id(1).to(tl.int64) * x_stride  # the program's token
+        u = tl.arange(0, U)[None, :, None]
+        c = tl.arange(0, NC)[None, None, :]
+    elif BLOCK_T == 1:  # [BN, NC, U]
         SHAPE: tl.constexpr = (BLOCK_N, NC, U)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    row_base = w_ptr + (tl.where(row_ok, rows, 0).to(tl.int64) * ROW_BYTES)[:, None, None]  # [BN, 1, 1]
-    if C_LAST:
-        c = tl.arange(0, NC)[None, None, :]  # the chunk of the step [1, 1, NC]
-        u = tl.arange(0, U)[None, :, None]  # the word of the chunk [1, U, 1]
-    else:
+        row_base = row_base1[:, None, None]
+        x_base = x_ptr + tl.program_id(1).to(tl.int64) * x_stride  # the program's token
         c = tl.arange(0, NC)[None, :, None]
         u = tl.arange(0, U)[None, None, :]
+    elif C_LAST:  # [BT, BN, U, NC]
+        SHAPE: tl.constexpr = (BLOCK_T, BLOCK_N, U, NC)
+        row_base = row_base1[None, :, None, None]
+        x_base = x_base1[:, None, None, None]
+        u = tl.arange(0, U)[None, None, :, None]  # the word of the chunk
+        c = tl.arange(0, NC)[None, None, None, :]  # the chunk of the step
+    else:  # [BN, NC, U, BT]
+        SHAPE: tl.constexpr = (BLOCK_N, NC, U, BLOCK_T)
+        row_base = row_base1[:, None, None, None]
+        x_base = x_base1[None, None, None, :]
+        c = tl.arange(0, NC)[None, :, None, None]
+        u = tl.arange(0, U)[None, None, :, None]
     uw = u * one  # the same, with no contiguity the compiler can see (see the docstring)
     e150 = one * 1258291200  # 150 << 23 at run time: kept in a register
-    if QT == 7:  # chunk c: group g (c % 4) of half n ((c // 4) % 2) of block c // 8 (ONE_GEOMETRY)
+    if QT == 7:  # chunk c: group g (c % 4) of half n ((c // 4) % 2) of block c // 8 (FEW_GEOMETRY)
         x_unit = 256 * (c // 8) + 128 * ((c // 4) % 2) + 32 * (c % 4 // 2) + 16 * (c % 2) + 2 * u
     else:
         x_unit = CH * c + W * u
-    x_ptrs = tl.broadcast_to(x_ptr + x_unit, SHAPE)  # the word's first weight's x
+    x_ptrs = tl.broadcast_to(x_base + x_unit, SHAPE)  # the word's first weight's x
     if QT == 5 or QT == 6:
-        block = row_base + (c // 4) * TS  # [BN, 1, NC]
+        block = row_base + (c // 4) * TS
         cp = block + 32 * (c % 4)
     elif QT == 7:
         block = row_base + (c // 8) * TS
@@ -406,27 +429,28 @@ def _gemv_one_kernel(
         d_ptrs = tl.broadcast_to(block.to(tl.pointer_type(tl.float16)), SHAPE)
     else:
         d_ptrs = tl.broadcast_to(cp.to(tl.pointer_type(tl.float16)), SHAPE)
+    # a word's pointers: broadcast over the tokens (the same value: loaded and converted once)
     if QT == 0 or QT == 1:
-        w_ptrs = (cp + 2).to(tl.pointer_type(tl.uint16)) + uw
+        w_ptrs = tl.broadcast_to((cp + 2).to(tl.pointer_type(tl.uint16)) + uw, SHAPE)
     elif QT == 2:
-        w_ptrs = (cp + 4).to(tl.pointer_type(tl.uint32)) + uw
+        w_ptrs = tl.broadcast_to((cp + 4).to(tl.pointer_type(tl.uint32)) + uw, SHAPE)
     elif QT == 3:
-        w_ptrs = (cp + 6).to(tl.pointer_type(tl.uint16)) + uw
+        w_ptrs = tl.broadcast_to((cp + 6).to(tl.pointer_type(tl.uint16)) + uw, SHAPE)
         h_ptrs = tl.broadcast_to((cp + 2).to(tl.pointer_type(tl.uint16)), SHAPE)
     elif QT == 4:
-        w_ptrs = (cp + 8).to(tl.pointer_type(tl.uint32)) + uw
+        w_ptrs = tl.broadcast_to((cp + 8).to(tl.pointer_type(tl.uint32)) + uw, SHAPE)
         h_ptrs = tl.broadcast_to((cp + 4).to(tl.pointer_type(tl.uint32)), SHAPE)
     elif QT == 5:
-        w_ptrs = (cp + 16).to(tl.pointer_type(tl.uint32)) + uw
+        w_ptrs = tl.broadcast_to((cp + 16).to(tl.pointer_type(tl.uint32)) + uw, SHAPE)
         g_ptrs = tl.broadcast_to(block, SHAPE)  # K_SCALE's blocks
     elif QT == 6:
-        w_ptrs = (cp + 48).to(tl.pointer_type(tl.uint32)) + uw
-        h_ptrs = (block + 16).to(tl.pointer_type(tl.uint32)) + uw
+        w_ptrs = tl.broadcast_to((cp + 48).to(tl.pointer_type(tl.uint32)) + uw, SHAPE)
+        h_ptrs = tl.broadcast_to((block + 16).to(tl.pointer_type(tl.uint32)) + uw, SHAPE)
         g_ptrs = tl.broadcast_to(block, SHAPE)
     else:  # Q6_K: the high bits of weights l, l + 1 at bits 2 (c % 4 // 2) of bytes 128 + 32 n + l, l + 1
         half = (c // 4) % 2
-        w_ptrs = cp.to(tl.pointer_type(tl.uint16)) + uw
-        h_ptrs = (block + 128 + 32 * half + 16 * (c % 2)).to(tl.pointer_type(tl.uint16)) + uw
+        w_ptrs = tl.broadcast_to(cp.to(tl.pointer_type(tl.uint16)) + uw, SHAPE)
+        h_ptrs = tl.broadcast_to((block + 128 + 32 * half + 16 * (c % 2)).to(tl.pointer_type(tl.uint16)) + uw, SHAPE)
         s_ptrs = tl.broadcast_to(block + 192 + 8 * half + 2 * (c % 4 // 2) + c % 2, SHAPE)  # the scale of nibble 0
     acc = tl.full(SHAPE, 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -502,10 +526,22 @@ def _gemv_one_kernel(
             acc = tl.fma(p1, d * (sc1 - (_TWO23 + 128.0)), acc)
         else:
             acc = tl.fma(p0, d, acc)
-    total = tl.reduce(tl.reduce(acc, 2, _sum_combine), 1, _sum_combine)  # [BN]
+    if BLOCK_T == 1:
+        total = tl.reduce(tl.reduce(acc, 2, _sum_combine), 1, _sum_combine)[:, None]  # [BN, 1]
+        rows = rows1[:, None]
+        toks = toks1[None, :]
+    elif C_LAST:
+        total = tl.reduce(tl.reduce(acc, 3, _sum_combine), 2, _sum_combine)  # [BT, BN]
+        rows = rows1[None, :]
+        toks = toks1[:, None]
+    else:
+        total = tl.reduce(tl.reduce(acc, 2, _sum_combine), 1, _sum_combine)  # [BN, BT]
+        rows = rows1[:, None]
+        toks = toks1[None, :]
     if HAS_BIAS:
-        total += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+        total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + toks.to(tl.int64) * out_stride + rows, total.to(out_ptr.dtype.element_ty),
+             mask=(rows < N) & (toks < num_tokens))
 
 
 k_scale_fn = LazyKernel(_k_scale)
@@ -513,7 +549,7 @@ value_fn = LazyKernel(_value)
 q6_value_fn = LazyKernel(_q6_value)
 fifth_fn = LazyKernel(_fifth)
 gemv_kernel = LazyKernel(_gemv_kernel, do_not_specialize=("num_tokens",))
-gemv_one_kernel = LazyKernel(_gemv_one_kernel, do_not_specialize=("num_tokens", "one"))
+gemv_few_kernel = LazyKernel(_gemv_few_kernel, do_not_specialize=("num_tokens", "one"))
 
 _PER_PROGRAM = 4096  # accumulator elements per program: 32 per thread of 4 warps
 _MIN_PROGRAMS = 1024  # row blocks wanted for a weight (8 resident programs on each of ~132 SMs)
@@ -538,55 +574,57 @@ def gemv_tiles(num_tokens: int, n: int, k: int, qtype: str) -> dict:
     return dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
 
 
-_WORDS_PER_PROGRAM = 1024  # the one-token kernel's words per step: 8 per thread of 4 warps
-# where the one-token tile puts its chunks (``_gemv_one_kernel``): measured with
+FEW_MAX_TOKENS = 2  # batches _gemv_few_kernel takes (3-8 tokens: _gemv_kernel; see the module docstring)
+_WORDS_PER_PROGRAM = 1024  # the few-token kernel's words x tokens per step: 8 per thread of 4 warps
+# where the few-token tile puts its chunks (``_gemv_few_kernel``): measured with
 # tools/quant_gemv_sass.py on triton 3.5-3.9, the order triton gives loads without
 # contiguity flipped in 3.7
 C_LAST = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
 
 
-def gemv_one_tiles(n: int, k: int, qtype: str) -> dict:
-    """The one-token kernel's BLOCK_N / BLOCK_K: rows per program as
-    ``gemv_tiles`` picks them for one token, K per step the largest
-    power-of-two multiple of the block dividing K with at most
-    ``_WORDS_PER_PROGRAM`` words in the step's tile."""
-    t = gemv_tiles(1, n, k, qtype)
-    ch, u = ONE_GEOMETRY[qtype][:2]
-    bn, bk = t["BLOCK_N"], quant_type(qtype).block
-    while k % (2 * bk) == 0 and 2 * bk // ch * u * bn <= _WORDS_PER_PROGRAM:
+def gemv_few_tiles(num_tokens: int, n: int, k: int, qtype: str) -> dict:
+    """``_gemv_few_kernel``'s BLOCK_T / BLOCK_N / BLOCK_K: tokens and rows per
+    program as ``gemv_tiles`` picks them, K per step the largest power-of-two
+    multiple of the block dividing K with at most ``_WORDS_PER_PROGRAM``
+    words times tokens in the step's tile."""
+    t = gemv_tiles(num_tokens, n, k, qtype)
+    ch, u = FEW_GEOMETRY[qtype][:2]
+    bt, bn, bk = t["BLOCK_T"], t["BLOCK_N"], quant_type(qtype).block
+    while k % (2 * bk) == 0 and 2 * bk // ch * u * bn * bt <= _WORDS_PER_PROGRAM:
         bk *= 2
-    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return dict(BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
 
 
-def one_token_kernel_reads(x) -> bool:
-    """Whether ``quant_gemv_triton`` gives ``x`` [T, K] to ``_gemv_one_kernel``: one
-    token, and (bf16: it reads x two values a 32-bit load) a 4-byte aligned row."""
-    return x.shape[0] == 1 and (x.dtype != torch.bfloat16 or x.data_ptr() % 4 == 0)
+def few_token_kernel_reads(x) -> bool:
+    """Whether ``quant_gemv_triton`` gives ``x`` [T, K] to ``_gemv_few_kernel``: up
+    to FEW_MAX_TOKENS tokens in rows that (bf16: it reads x two values a 32-bit
+    load) are 4-byte aligned."""
+    aligned = x.dtype != torch.bfloat16 or (x.data_ptr() % 4 == 0 and (x.shape[0] == 1 or x.stride(0) % 2 == 0))
+    return x.shape[0] <= FEW_MAX_TOKENS and aligned
 
 
 def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, tile_config: dict | None = None,
                       many: bool = False) -> None:
     """``out`` [T, N] = x [T, K] @ W.T (+ bias) for a decode batch (T <=
     ``_triton_quant.GEMV_MAX_TOKENS``), W from GGUF blocks ``data`` [N, bytes]
-    of a ``GEMV_TYPES`` format: one token by ``_gemv_one_kernel`` (see
-    ``one_token_kernel_reads``), more by ``_gemv_kernel`` (``many``: that one
-    for one token too, as benchmarks compare them). ``tile_config``:
-    ``gemv_one_tiles``' or ``gemv_tiles``' answer (for the kernel that runs) to
+    of a ``GEMV_TYPES`` format: 1-2 tokens by ``_gemv_few_kernel`` (see
+    ``few_token_kernel_reads``), more by ``_gemv_kernel`` (``many``: that one
+    for 1-2 tokens too, as benchmarks compare them). ``tile_config``:
+    ``gemv_few_tiles``' or ``gemv_tiles``' answer (for the kernel that runs) to
     use instead (its BLOCK_K must divide K)."""
     num_tokens, k = x.shape
-    one = not many and one_token_kernel_reads(x)
-    t = tile_config or (gemv_one_tiles(n, k, qtype) if one else gemv_tiles(num_tokens, n, k, qtype))
+    few = not many and few_token_kernel_reads(x)
+    t = tile_config or (gemv_few_tiles(num_tokens, n, k, qtype) if few else gemv_tiles(num_tokens, n, k, qtype))
     block = quant_type(qtype).block
     if t["BLOCK_K"] % block or k % t["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {t['BLOCK_K']} must be a multiple of {qtype}'s block ({block}) dividing K={k}")
-    ch, u, h, w = (ONE_GEOMETRY if one else GEOMETRY)[qtype]
+    ch, u, h, w = (FEW_GEOMETRY if few else GEOMETRY)[qtype]
     args, shared = launch_args(x, data, bias, out, n, qtype, type_size)
     shared.update(CH=ch, U=u, H=h, W=w, K_SCALE=k_scale_fn.for_device(x.device), FIFTH=fifth_fn.for_device(x.device))
-    if one:
-        grid = (triton.cdiv(n, t["BLOCK_N"]),)
-        gemv_one_kernel.for_device(x.device)[grid](*args, 1, **shared, **t, C_LAST=C_LAST, **_LAUNCH_OPTIONS)
-        return
     grid = (triton.cdiv(n, t["BLOCK_N"]), triton.cdiv(num_tokens, t["BLOCK_T"]))
+    if few:
+        gemv_few_kernel.for_device(x.device)[grid](*args, 1, **shared, **t, C_LAST=C_LAST, **_LAUNCH_OPTIONS)
+        return
     gemv_kernel.for_device(x.device)[grid](
         *args,
         **shared,

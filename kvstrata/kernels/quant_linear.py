@@ -6,8 +6,8 @@ on the fly, and the embedding lookup of packed rows.
     packed_embedding(ids [T], packed, dtype) -> [T, in]      the rows ``ids`` of the weight
 
 Which code runs: CUDA -> the Triton kernels (impl "auto"/"triton": decode
-batches of up to 8 tokens take ``_triton_quant_gemv`` (every packed type; one
-token its one-token kernel);
+batches of up to 8 tokens take ``_triton_quant_gemv`` (every packed type; 1-2
+tokens its few-token kernel);
 from PREFILL_DEQUANT_TOKENS (128) tokens, row chunks of the weight are
 dequantized into the scratch buffer by ``_triton_quant.dequantize_rows_triton``
 and multiplied by F.linear; everything else takes ``_triton_quant``'s
@@ -20,7 +20,7 @@ Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms)
     CPU "dequant" path         bit-equal to quant_matmul_ref
     Triton kernels             fp32 x: |err| <= K * 2^-24 * S (any order of a K-term fp32 sum)
                                bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
-    one-token GEMV, Q4_1 Q5_1  as above with S' = |x| @ (|q d| + |m|).T for S: it sums d * x.q
+    few-token GEMV, Q4_1 Q5_1  as above with S' = |x| @ (|q d| + |m|).T for S: it sums d * x.q
     Q4_K Q5_K (with a min)     and m * sum(x) apart (S' is ~2-4x S on blocks centred by their min)
     Triton, >= 128 tokens      F.linear on ``dequantize(W, x.dtype)``'s very values, by row chunks:
                                bit-equal to quant_matmul_ref where one chunk holds W (CPU, tested)
@@ -34,7 +34,7 @@ The Triton kernels rebuild each weight with ``dequantize``'s operations
 (fp-contraction off; the GEMV's FMAs are explicit), so they multiply by the
 very same fp32 weights and differ from the reference by accumulation order
 only (and for bf16 x by when the sum, and in ``_triton_quant`` the weights,
-round to bf16); the one-token GEMV applies a word's scale to its sum of
+round to bf16); the few-token GEMV applies a word's scale to its sum of
 x * (q - offset), so a single weight (one-hot x) is still ``dequantize``'s
 rounding bit for bit. ``packed_embedding`` is
 ``dequantize`` of the rows (exact) while the blocks are kept, and the int4

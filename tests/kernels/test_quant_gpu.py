@@ -90,7 +90,7 @@ def test_decode_gemv_multiplies_by_the_exact_weights(qtype):
         x = torch.zeros(tokens, cols, device="cuda")
         x[torch.arange(tokens, device="cuda"), col] = 1.0
         assert torch.equal(quant_matmul(x, packed), want[:, col].T), f"{qtype}, {tokens} tokens"
-    # one token (the one-token kernel: scale after each word's sum), float32 and bf16 x (two
+    # one token (the few-token kernel: scale after each word's sum), float32 and bf16 x (two
     # values a 32-bit load; the sum rounds to bf16 as torch rounds): every position of a chunk
     for j in range(64):
         col = 37 * j % cols

@@ -1,6 +1,6 @@
 """``ModelRunner.warm_up`` (run at start on CUDA) covers every token tile of
-the packed GGUF matmul (the one-token GEMV's, the decode GEMV's for 2-8
-tokens of its formats, ``_triton_quant``'s otherwise), so a decode batch of any size compiles
+the packed GGUF matmul (the few-token GEMV's for 1-2 tokens, the decode
+GEMV's for 3-8 tokens of its formats, ``_triton_quant``'s otherwise), so a decode batch of any size compiles
 nothing on the request path, with CUDA graphs off too (on, their captures
 cover the sizes)."""
 
@@ -11,14 +11,14 @@ import pytest
 pytest.importorskip("triton")
 
 from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, tiles  # noqa: E402
-from kvstrata.kernels._triton_quant_gemv import GEMV_TYPES, gemv_one_tiles, gemv_tiles  # noqa: E402
+from kvstrata.kernels._triton_quant_gemv import FEW_MAX_TOKENS, GEMV_TYPES, gemv_few_tiles, gemv_tiles  # noqa: E402
 from kvstrata.worker.model_runner import warm_up_shapes  # noqa: E402
 
 
 def _key(tokens: int, n: int, k: int, qtype: str) -> tuple:
     """The kernel ``quant_matmul`` takes on CUDA and its compile-time tiles."""
-    if tokens == 1 and qtype in GEMV_TYPES:  # x of the engine's activations: rows 4-byte aligned
-        return ("one", *sorted(gemv_one_tiles(n, k, qtype).items()))
+    if tokens <= FEW_MAX_TOKENS and qtype in GEMV_TYPES:  # x of the engine's activations: rows 4-byte aligned
+        return ("few", *sorted(gemv_few_tiles(tokens, n, k, qtype).items()))
     if tokens <= GEMV_MAX_TOKENS and qtype in GEMV_TYPES:
         return ("gemv", *sorted(gemv_tiles(tokens, n, k, qtype).items()))
     return ("general", *sorted(tiles(tokens, n, k, interpreted=False).items()))
