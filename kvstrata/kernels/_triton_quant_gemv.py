@@ -382,7 +382,7 @@ def _gemv_few_kernel(
     row_base1 = w_ptr + tl.where(rows1 < N, rows1, 0).to(tl.int64) * ROW_BYTES
     x_base1 = x_ptr + tl.where(toks1 < num_tokens, toks1, 0).to(tl.int64) * x_stride
     # rows and tokens past the end read row / token 0 and are not stored
-    if BLOCK_T == 1 and C_LAST:  # one token: [BN, U, NC] (a size-1 token axis costs instructions)
+    if BLOCK_T == 1 and C_LAST:  # one token: [BN, U, NC], x's row from the program id (from x_base1: +1 a weight)
         SHAPE: tl.constexpr = (BLOCK_N, U, NC)
         row_base = row_base1[:, None, None]
         x_base = x_ptr + tl.program_id(1).to(tl.int64) * x_stride  # the program's token
