@@ -198,19 +198,29 @@ def test_one_block_of_k_and_a_k_loop_of_many_steps(qtype):
         assert_within(_run(x, packed, tiles=tiles), x @ dequantize(packed).T, x, packed, None)
 
 
+def _tile_cases(qtype: str, token_counts):
+    """(tokens, N, K) over weight shapes whose K the format's block divides."""
+    block = BLOCK[qtype]
+    for tokens in token_counts:
+        for n in (1, 20, 576, 1024, 4096, 14336, 28672):
+            for k in (256, 576, 1536, 4096, 14336):
+                if k % block == 0:
+                    yield tokens, n, k
+
+
+def _check_block_k(bk: int, k: int, block: int) -> None:
+    assert k % bk == 0 and bk % block == 0 and (bk // block) & (bk // block - 1) == 0, (bk, k)
+
+
 @pytest.mark.parametrize("qtype", GEMV_TYPES)
 def test_gemv_tiles_fit_k_and_the_budget(qtype):
     block = BLOCK[qtype]
-    for tokens in range(1, 9):
-        for n in (1, 20, 576, 1024, 4096, 14336, 28672):
-            for k in (256, 576, 1536, 4096, 14336):
-                if k % block:
-                    continue
-                t = gemv.gemv_tiles(tokens, n, k, qtype)
-                bk, bn, bt = t["BLOCK_K"], t["BLOCK_N"], t["BLOCK_T"]
-                assert k % bk == 0 and bk % block == 0 and (bk // block) & (bk // block - 1) == 0
-                assert bt >= tokens and bt * bn * bk <= 4096
-                assert bn == max(1, min(16, triton.next_power_of_2(max(1, n // 1024)), 4096 // (bt * block)))
+    for tokens, n, k in _tile_cases(qtype, range(1, 9)):
+        t = gemv.gemv_tiles(tokens, n, k, qtype)
+        bk, bn, bt = t["BLOCK_K"], t["BLOCK_N"], t["BLOCK_T"]
+        _check_block_k(bk, k, block)
+        assert bt >= tokens and bt * bn * bk <= 4096
+        assert bn == max(1, min(16, triton.next_power_of_2(max(1, n // 1024)), 4096 // (bt * block)))
     with pytest.raises(ValueError, match="got Q2_K K=256"):
         gemv.gemv_tiles(1, 8, 256, "Q2_K")
     with pytest.raises(ValueError, match="K=96"):
@@ -223,19 +233,14 @@ def test_gemv_tiles_fit_k_and_the_budget(qtype):
 
 @pytest.mark.parametrize("qtype", GEMV_TYPES)
 def test_gemv_few_tiles_fit_k_and_the_word_budget(qtype):
-    block = BLOCK[qtype]
     ch, u = gemv.GEOMETRY[qtype][:2]
-    for tokens in (1, 2):
-        for n in (1, 20, 576, 4096, 14336, 28672):
-            for k in (256, 576, 1536, 4096, 14336):
-                if k % block:
-                    continue
-                t = gemv.gemv_few_tiles(tokens, n, k, qtype)
-                bk, bn, bt = t["BLOCK_K"], t["BLOCK_N"], t["BLOCK_T"]
-                assert k % bk == 0 and bk % block == 0 and (bk // block) & (bk // block - 1) == 0
-                assert (bt, bn) == (tokens, gemv.gemv_tiles(tokens, n, k, qtype)["BLOCK_N"])
-                words = bk // ch * u * bn * bt
-                assert words <= 1024 and (k % (2 * bk) or 2 * words > 1024), (n, k, t)  # the largest that fits
+    for tokens, n, k in _tile_cases(qtype, (1, 2)):
+        t = gemv.gemv_few_tiles(tokens, n, k, qtype)
+        bk, bn, bt = t["BLOCK_K"], t["BLOCK_N"], t["BLOCK_T"]
+        _check_block_k(bk, k, BLOCK[qtype])
+        assert (bt, bn) == (tokens, gemv.gemv_tiles(tokens, n, k, qtype)["BLOCK_N"])
+        words = bk // ch * u * bn * bt
+        assert words <= 1024 and (k % (2 * bk) or 2 * words > 1024), (n, k, t)  # the largest that fits
 
 
 def test_bf16_x_at_an_odd_address_takes_the_multi_token_kernel(calls):
