@@ -32,11 +32,11 @@ instruction issue, not memory, was its limit. Two kernels here
   word's weights are summed against x before its scale multiplies them
   once; bf16 x comes two values a load: at one token 5.3-12.7 (3.9) or
   6.3-10.6 (3.6) per weight, 1.1-1.5x fewer than ``_gemv_kernel`` there but
-  for Q8_0, Q5_0 and Q5_K on 3.9 (0.83-0.97x: 5.5-8.5 bits a weight wait on
+  for Q8_0, Q5_0 and Q5_K on 3.9 (0.86-0.97x: 5.5-8.5 bits a weight wait on
   memory sooner); at two tokens 1.0-1.4x fewer per weight and token (Q8_0
-  on 3.9: 0.83x; docs/quantization.md has the tables). From 4 tokens on ``_gemv_kernel``,
-  which converts a weight once for all its tokens, is as good or better on
-  3.9: FEW_MAX_TOKENS is 2.
+  on 3.9: 0.83x; docs/quantization.md has the tables). From 4 tokens on
+  ``_gemv_kernel``, which converts a weight once for all its tokens, is as
+  good or better on 3.9: FEW_MAX_TOKENS is 2.
 
 Both run ~1024 row blocks per weight (1-16 rows each), so every SM has loads
 in flight.
