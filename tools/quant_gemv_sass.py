@@ -47,6 +47,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstrata.kernels import _triton_quant as general  # noqa: E402
 from kvstrata.kernels import _triton_quant_gemv as gemv  # noqa: E402
+from kvstrata.kernels import _triton_quant_gemv_few as gemv_few  # noqa: E402
 from kvstrata.kernels.quant import quant_type  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -82,10 +83,11 @@ def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str, many: bool
     launch = {key: t.pop(key) for key in ("num_warps", "num_stages") if key in t}
     ch, u, h, w = (gemv.FEW_GEOMETRY if few else gemv.GEOMETRY)[qtype]
     consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], TS=quant_type(qtype).type_size, HAS_BIAS=False, CH=ch, U=u,
-                  H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), FIFTH=triton.jit(gemv._fifth), **t)
+                  H=h, W=w, K_SCALE=triton.jit(gemv._k_scale), FIFTH=triton.jit(gemv._fifth),
+                  Q6_SCALES=triton.jit(gemv._q6_scales), **t)
     if few:
         consts["C_LAST"] = gemv.C_LAST
-        return _compile(gemv._gemv_few_kernel, dtype, consts, launch)
+        return _compile(gemv_few._gemv_few_kernel, dtype, consts, launch)
     consts.update(VALUE=triton.jit(gemv._value), Q6_VALUE=triton.jit(gemv._q6_value))
     return _compile(gemv._gemv_kernel, dtype, consts, launch)
 
