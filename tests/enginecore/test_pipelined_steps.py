@@ -18,6 +18,7 @@ from kvstrata.enginecore.async_engine import AsyncEngine
 from kvstrata.enginecore.builder import build_engine_core, build_runner
 from kvstrata.enginecore.request import EngineRequest
 from kvstrata.types import SamplingParams
+from kvstrata.worker.pending_step import Failed
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,53 @@ def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_
     assert not core.runner._launched
     if graphs:
         assert core.runner.graphs.num_replays > 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a host sync is a CUDA notion (tools/gpu_check.sh runs this file on "
+                                            "CUDA: KVSTRATA_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_launch_never_waits_for_the_device(tiny, kv_managers, graphs):
+    """Issue 22: a step's only host sync is the read of its sampled ids,
+    which ``collect`` does after the next launch. Every launch (prefill,
+    mixed, decode; graph replay or eager) runs under torch's sync debug
+    mode set to "error", so any synchronizing call in it (``.item()``,
+    ``.tolist()``, a pageable copy, a stream sync) fails the launch."""
+    import msgspec
+    import torch
+
+    cfg = config(tiny, pipelined=True, async_scheduling=True)
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, cuda_graphs=graphs))
+    core = build_engine_core(cfg, build_runner(cfg))
+    kv_managers.append(core.kv)
+    runner = core.runner
+    assert (runner.graphs is not None) == graphs
+    expected = _one_at_a_time(tiny)
+    requests = [r for r in _requests("r") if r.sampling_params.logprobs is None]  # logprobs: read at once, by design
+    for r in requests:
+        core.add_request(r)
+    got: dict[str, list[int]] = {}
+    inflight = []
+    launches = 0
+    while core.has_work() or inflight:
+        if core.has_work():
+            so = core.schedule()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                core.launch(so)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            failed = runner._launched[-1]
+            assert not isinstance(failed, Failed), f"launch {launches} synchronized: {failed.error!r}"
+            launches += 1
+            inflight.append(so)
+        if len(inflight) == 2 or (inflight and not core.has_work()):
+            so = inflight.pop(0)
+            for out in core.update(so, core.collect()):
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert got == {r.request_id: expected[r.request_id] for r in requests}
+    assert runner.batch.num_fed_tokens > 0
+    if graphs:
+        assert runner.graphs.num_replays > 0
 
 
 async def _engine_tokens(path: str, **kw) -> tuple[dict[str, list[int]], AsyncEngine]:
