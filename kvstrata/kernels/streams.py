@@ -39,8 +39,10 @@ Stores steal little from the forward pass running beside them:
   4 KiB tile): it takes SMs for microseconds, between the forward's kernels;
 * the device -> host copy goes from a device staging chunk to pinned host
   memory with ``non_blocking``: the copy engine moves it, no SM does;
-* slot mappings given on the host are copied ahead of the wait on the
-  compute stream, so the gather never waits for them;
+* slot mappings given on the host are copied ahead of the side stream's
+  wait on the compute stream, so neither the gather nor the scatter waits
+  for them, and the host never waits for the forward (a pageable copy
+  that the driver stages may wait for its own stream's work);
 * the store and load streams have the lowest priority (0, also the default
   stream's). A compute stream created with a higher priority
   (``torch.cuda.Stream(priority=-1)``) wins every contended SM.
@@ -99,6 +101,11 @@ class KVTransfer:
             self._event, self._buffers = None, None
             return True
         return False
+
+    def order_before(self, stream: torch.cuda.Stream) -> None:
+        """What ``stream`` runs from now on starts after the copy (no host wait)."""
+        if self._event is not None:
+            stream.wait_event(self._event)
 
     def wait(self) -> None:
         """Block the calling thread until the copy has completed (never call on an event loop)."""
@@ -345,15 +352,18 @@ class KVStreams:
         chunks to the device as [S, ...] (one non-blocking copy each) and
         ``scatter(staging, device slots)``; ``layer``'s wait (None: every
         layer's) orders after it."""
-        self._load.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._load):
+            # the slots first: a pageable copy the driver stages may wait for
+            # this stream's work, and must not wait for the compute stream's
+            dev_slots = self._on_side_stream(slot_mapping, self._load)
+            self._load.wait_stream(compute)
             if len(host_chunks) == 1:
                 staging = self._on_side_stream(host_chunks[0], self._load).unsqueeze(0)
             else:
                 first = host_chunks[0]
                 staging = torch.empty((len(host_chunks), *first.shape), dtype=first.dtype, device=self.device)
                 torch._foreach_copy_(list(staging.unbind(0)), list(host_chunks), non_blocking=True)
-            dev_slots = self._on_side_stream(slot_mapping, self._load)
             scatter(staging, dev_slots)
             event = torch.cuda.Event()
             event.record(self._load)
@@ -392,10 +402,21 @@ class KVStreams:
         return len(self._inflight)
 
     def synchronize(self) -> None:
-        """Block until every submitted transfer has completed."""
+        """Block until every submitted transfer has completed, and whatever
+        else the store and load streams were given: a call that raised after
+        queueing some of its copies returned no transfer to wait on."""
         for t in self._inflight:
             t.wait()
         self._inflight.clear()
+        for stream in (self._store, self._load):
+            if stream is not None:
+                stream.synchronize()
+
+    def wait_loaded(self, transfer: KVTransfer) -> None:
+        """Make the compute stream wait for ``transfer`` (a load): what it
+        queues next reads the slots written. On a CPU the load is done."""
+        if self._load is not None:
+            transfer.order_before(torch.cuda.current_stream(self.device))
 
     def _track(self, transfer: KVTransfer) -> KVTransfer:
         self._inflight.append(transfer)

@@ -10,6 +10,7 @@ import torch
 from kvstrata.kernels import KVCacheShape, allocate_kv_caches
 from kvstrata.kv import CacheIdentity
 from kvstrata.connector import ChunkTransfer, ConnectorSpec, OffloadMetadata, RequestTransfer
+from kvstrata.connector.metadata import BlendLoad
 from kvstrata.connector.offload import OffloadWorker
 
 L, NB, BS, H, D = 3, 12, 4, 2, 8
@@ -189,3 +190,66 @@ def test_no_metadata_no_work():
     _, _, _, worker = make("per_layer")
     (sending, recving), invalid, report = run_step(worker, None)
     assert (sending, recving, invalid, report) == (set(), set(), set(), None)
+
+
+class _StreamCalls:
+    """The worker's real (CPU) KVStreams, recording the calls named in order:
+    the stream ordering a CUDA run depends on, which a CPU run cannot show."""
+
+    def __init__(self, streams, names: tuple[str, ...]) -> None:
+        self._streams = streams
+        self._names = names
+        self.calls: list[tuple[str, object]] = []
+
+    def __getattr__(self, name: str):
+        real = getattr(self._streams, name)
+        if name not in self._names:
+            return real
+
+        def spy(*args, **kw):
+            out = real(*args, **kw)
+            self.calls.append((name, args[0] if name == "wait_loaded" else out))
+            return out
+
+        return spy
+
+
+def test_a_blend_is_waited_for_before_the_forward_and_ahead_of_bulk_loads():
+    """A blend request computes in its own step: the compute stream must wait
+    for the blend's write (no layer load may be there to wait for), and only
+    for it, so blends go to the load stream before the step's bulk loads."""
+    _, caches, buffers, worker = make("per_layer")
+    buffers[1] = torch.randn(L, 2, 8, H, D)
+    kv = torch.randn(L, 2, 8, H, D)
+    worker.set_blender(lambda tokens, segments, cached, ratio: (kv[:, :, :len(tokens)], [None]))
+    worker.streams = spy = _StreamCalls(worker.streams, ("load_all", "load_all_segments", "wait_loaded",
+                                                         "wait_layer_loaded"))
+    meta = OffloadMetadata(step=1, blend_loads=[BlendLoad("a", list(range(8)), [(0, 8)], [-1], [-1], [3, 4], 0.0)],
+                           bulk_loads=[RequestTransfer("b", [ChunkTransfer(1, [5, 9], 0, 8)])])
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    assert not worker.loads_layer_by_layer()  # so no per-layer wait would cover the blend
+    names = [name for name, _ in spy.calls]
+    assert names == ["load_all", "wait_loaded", "load_all_segments"]
+    assert spy.calls[1][1] is spy.calls[0][1]  # the blend's own transfer
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    for layer in range(L):
+        assert torch.equal(torch.cat([block(caches, layer, 3), block(caches, layer, 4)], dim=1), kv[layer])
+
+
+def test_a_step_that_fails_before_wait_for_save_waits_for_its_transfers():
+    """The loop hands a failed step's lent buffers and blocks back as soon as
+    it hears of the failure: the worker must first wait for the copies the
+    step queued (clear_connector_metadata, from the runner's finally)."""
+    _, _, buffers, worker = make("per_layer")
+    buffers[1] = torch.zeros(L, 2, 8, H, D)
+    worker.streams = spy = _StreamCalls(worker.streams, ("synchronize",))
+    meta = OffloadMetadata(step=1, layer_saves=[RequestTransfer("a", [ChunkTransfer(1, [3, 7], 0, 8)])])
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    worker.save_kv_layer(0)  # the forward raises after this layer
+    worker.clear_connector_metadata()
+    assert [name for name, _ in spy.calls] == ["synchronize"]
+    run_step(worker, meta)  # a step that reached wait_for_save is not waited for again when cleared
+    assert [name for name, _ in spy.calls] == ["synchronize"]

@@ -6,14 +6,17 @@ on CUDA, inline on CPU)::
 
     start_load_kv      bulk saves (finished / preempted requests: their blocks
                        may be handed to others this very step, so they are read
-                       first and compute waits for them), bulk loads (requests in
-                       WAITING_FOR_REMOTE_KVS), blends (CacheBlend: the model
-                       side's ``blender`` builds the KV of a request's segments,
-                       written into its blocks), then layer 0 of the layer loads
+                       first and compute waits for them), blends (CacheBlend: the
+                       model side's ``blender`` builds the KV of a request's
+                       segments, written into its blocks; the request computes
+                       this step, so compute waits for them), bulk loads
+                       (requests in WAITING_FOR_REMOTE_KVS: compute does not
+                       wait), then layer 0 of the layer loads
     layer i:  wait_for_layer_load(i)   issue layer i+1's loads, wait for layer i's
               forward of layer i
               save_kv_layer(i)         gather layer i of the chunks that filled up
-    wait_for_save      every transfer of the step is complete
+    wait_for_save      every transfer of the step is complete (a step that
+                       fails before it: ``clear_connector_metadata`` waits)
 
 Every transfer goes by ``_Batch``: with ``batched_layer_transfers`` (default
 on for a CPU cache) a batch is all of a step's chunks of one length (bulk
@@ -87,6 +90,7 @@ class OffloadWorker:
         self._failed: set[int] = set()
         self._invalid: set[int] = set()
         self._recving: set[str] = set()
+        self._waited = False  # wait_for_save returned: every transfer of the step is complete
         self._load_s: dict[str, float] = {}
         self._save_s = 0.0
         self._hook_s = 0.0
@@ -105,6 +109,14 @@ class OffloadWorker:
         self._reset(metadata if isinstance(metadata, OffloadMetadata) else None)
 
     def clear_connector_metadata(self) -> None:
+        if self.meta is not None and not self._waited and self.streams is not None:
+            # The step failed before wait_for_save: its copies may still run,
+            # and the lent buffers and blocks they touch go back to their
+            # owners once the failure is reported.
+            try:
+                self.streams.synchronize()
+            except Exception:
+                log.exception("kv_transfers_drain_failed", step=self.meta.step)
         self._reset(None)
 
     # -- before the forward ------------------------------------------------------
@@ -122,10 +134,10 @@ class OffloadWorker:
             torch.cuda.current_stream(self.streams.device).wait_stream(self.streams.store_stream)
         t1 = time.perf_counter()
         self._save_s += t1 - t0
+        for bl in meta.blend_loads:  # first: the forward waits for these, not for the bulk loads
+            self._blend(bl)
         for rt in meta.bulk_loads:
             self._bulk_load(rt)
-        for bl in meta.blend_loads:
-            self._blend(bl)
         for rt in meta.layer_loads:
             self._invalid.update(rt.failed_block_ids)
             self._layer_loads.extend(self._xfer(ch, rt.req_id) for ch in rt.chunks)
@@ -200,7 +212,8 @@ class OffloadWorker:
             cached = [self.buffers[h] if h >= 0 else None for h in bl.cached]
             kv, fresh = self.blender(bl.token_ids, bl.segments, cached, bl.recompute_ratio)
             slots = np.ascontiguousarray(self._block_slots(bl.block_ids)[bl.skip:end])
-            self.streams.load_all(kv[:, :, bl.skip:].contiguous(), self.kv_caches, torch.from_numpy(slots))
+            loaded = self.streams.load_all(kv[:, :, bl.skip:].contiguous(), self.kv_caches, torch.from_numpy(slots))
+            self.streams.wait_loaded(loaded)  # the request computes in this step, reading these blocks
             self._loaded.extend(h for h in bl.cached if h >= 0)
             for h, seg in zip(bl.saves, fresh, strict=True):
                 if h >= 0 and seg is not None:
@@ -287,6 +300,7 @@ class OffloadWorker:
             t0 = time.perf_counter()
             self.streams.synchronize()
             self._save_s += time.perf_counter() - t0
+        self._waited = True
         failed = self._failed
         self._saved.extend(x.handle for x in self._layer_saves if x.handle not in failed)
         self._loaded.extend(x.handle for x in self._layer_loads if x.handle not in failed)
