@@ -335,7 +335,7 @@ def _deq_q6_k(b: torch.Tensor, o: torch.Tensor) -> None:
     o4 = o.unflatten(-1, (2, 4, 32))  # w = 128h + 32r + j
     ql = b[..., 0:128].contiguous().unflatten(-1, (2, 2, 32))  # [h, r%2, j]
     qh = b[..., 128:192].contiguous().unflatten(-1, (2, 1, 32))  # [h, 1, j]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device).view(4, 1)  # made on the device: no host copy
     high = ((qh >> shifts) & 3) << 4  # [h, r, j]
     o4[..., 0:2, :].copy_(ql & 15)
     o4[..., 2:4, :].copy_(ql >> 4)

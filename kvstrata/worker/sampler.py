@@ -72,9 +72,7 @@ class Sampler:
         """The sampled token ids [S] (int64), left on the logits' device: no
         host sync (logprobs are ``__call__``'s)."""
         if meta.banned_token_ids:
-            logits = logits.clone()
-            for row, ids in meta.banned_token_ids.items():
-                logits[row, ids] = _MASK
+            logits = ban(logits, meta.banned_token_ids)
         return self._sample(logits, meta)
 
     def verify_drafts(self, logits: torch.Tensor, meta: SamplingMetadata,
@@ -94,9 +92,7 @@ class Sampler:
         must not ask for logprobs, seeds or banned tokens (the proposer gives
         such requests no drafts)."""
         if meta.banned_token_ids:
-            logits = logits.clone()
-            for row, ids in meta.banned_token_ids.items():
-                logits[row, ids] = _MASK
+            logits = ban(logits, meta.banned_token_ids)
         greedy = logits.argmax(dim=-1)
         probs = None if meta.all_greedy else self._probs(logits, meta)
         drawn_t = greedy if probs is None else self._draw(probs, meta.generators)
@@ -172,6 +168,20 @@ class Sampler:
         # very top of the CDF; such a row falls back to its most likely token.
         valid = probs.gather(1, drawn.unsqueeze(1)).squeeze(1) > 0
         return torch.where(valid, drawn, probs.argmax(dim=-1))
+
+
+def ban(logits: torch.Tensor, banned: dict[int, list[int]]) -> torch.Tensor:
+    """A copy of ``logits`` with ``banned[row]``'s ids masked in each row.
+    Ids past the vocabulary (a stop id or EOS the model cannot produce) are
+    left out: out-of-range on a GPU is a device assert that ends the engine.
+    The index goes to the device from pinned memory, non-blocking: a Python
+    list as an index would be a pageable copy, a host sync in the step."""
+    vocab = logits.shape[-1]
+    pairs = [(row, t) for row, ids in banned.items() for t in ids if t < vocab]
+    if not pairs:
+        return logits
+    index = torch.tensor(pairs, dtype=torch.int64, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
+    return logits.index_put((index[:, 0], index[:, 1]), logits.new_full((), _MASK))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -209,3 +209,24 @@ async def test_a_failed_launch_fails_its_requests_and_the_engine_serves_on(tiny,
         assert kv.num_free_blocks == kv.num_blocks - 1
     finally:
         await engine.aclose()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_a_stop_id_past_the_vocabulary_bans_nothing_and_fails_no_one(tiny, kv_managers, pipelined):
+    """Under min_tokens a request's stop ids are banned from sampling; one the
+    model cannot produce (past its vocabulary) is left out of the ban, so the
+    step, and the other requests in it, run as without it."""
+    cfg = config(tiny, pipelined=pipelined, async_scheduling=pipelined)
+    core = build_engine_core(cfg, build_runner(cfg))
+    kv_managers.append(core.kv)
+    vocab = core.vocab_size
+    odd = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4, stop_token_ids=[vocab + 7])
+    plain = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4, ignore_eos=True)
+    for rid, params in (("odd", odd), ("other", plain)):
+        core.add_request(EngineRequest(request_id=rid, prompt_token_ids=[5, 9, 13], sampling_params=params))
+    got: dict[str, list] = {}
+    while core.has_work():
+        for out in core.step():
+            got.setdefault(out.request_id, []).append(out)
+    assert {rid: outs[-1].finish_reason for rid, outs in got.items()} == {"odd": "length", "other": "length"}
+    assert [t for o in got["odd"] for t in o.new_token_ids] == [t for o in got["other"] for t in o.new_token_ids]

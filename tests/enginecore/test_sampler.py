@@ -171,3 +171,12 @@ def test_random_draws_stay_inside_the_masks():
         # Even rows ban their best token first, so top-k keeps the next three.
         assert tok in (ranked[1:] if i % 2 == 0 else ranked[:3])
     assert len(set(tokens)) > 10
+
+
+def test_banned_ids_past_the_vocabulary_are_left_out():
+    """A stop id (or EOS) the model cannot produce bans nothing: indexing past
+    the vocabulary would fail the step on a CPU and end the engine on a GPU."""
+    logits = torch.tensor([[10.0, 0.0, 0.0], [10.0, 0.0, 0.0]])
+    tokens, _ = Sampler()(logits, meta([0.0, 0.0], banned_token_ids={0: [3, 0, 1 << 40], 1: [7]}))
+    assert tokens == [1, 0] or tokens == [2, 0]
+    assert Sampler().sample(logits, meta([0.0, 0.0], banned_token_ids={1: [3]})).tolist() == [0, 0]

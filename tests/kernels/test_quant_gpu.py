@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.kernels import dequantize, quant_matmul, quant_matmul_ref
+from kvstrata.kernels import dequantize, packed_embedding, quant_matmul, quant_matmul_ref
 from kvstrata.kernels.quant import QUANT_TYPES
 
 pytestmark = [
@@ -107,3 +107,27 @@ def test_prefill_is_the_dequantized_models_matmul(qtype):
     # the very operands (and cuBLAS call) of the dequantize-at-load model
     x, packed, bias = _inputs(qtype, 300, torch.bfloat16, seed=4)
     assert torch.equal(quant_matmul(x, packed, bias), quant_matmul_ref(x, packed, bias))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_packed_embedding_lookup_syncs_nothing_and_captures(qtype):
+    """The packed token embedding runs inside the captured decode forward:
+    its dequantize of the looked-up rows may make no host copy (a list made
+    into a device tensor is one: a sync, which capture refuses)."""
+    packed = random_packed(qtype, 96, 512, seed=4, device="cuda")
+    ids = torch.tensor([5, 0, 95, 5], device="cuda")
+    want = dequantize(packed, torch.bfloat16)[ids]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = packed_embedding(ids, packed, torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = packed_embedding(ids, packed, torch.bfloat16)
+    ids.copy_(torch.tensor([1, 2, 3, 4]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, dequantize(packed, torch.bfloat16)[ids])
