@@ -36,6 +36,7 @@ from kvstrata.kernels import use_triton
 from kvstrata.kernels.attention_native import attention_kernels
 from kvstrata.kernels.dispatch import interpret_requested
 from kvstrata.kernels.fused_native import fused_kernels
+from kvstrata.kernels.quant_linear import PREFILL_DEQUANT_TOKENS
 from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
 from kvstrata.worker.pending_step import Failed, Launched, PendingStep, Ready
@@ -118,6 +119,18 @@ def warm_up_shapes(max_num_tokens: int, max_num_seqs: int, max_model_len: int) -
     return [q for q in shapes if sum(q) <= max_num_tokens and len(q) <= max_num_seqs]
 
 
+def warm_up_logits_rows(shapes: list[list[int]], max_num_seqs: int) -> list[int]:
+    """The row counts ``ModelRunner.warm_up`` runs the LM head on: each
+    warm-up step's sequences (the rows a step samples), and
+    PREFILL_DEQUANT_TOKENS where that many sequences can run (a packed head
+    dequantizes, then multiplies, from there on). The head's N is the
+    vocabulary, so its tiles compile apart from the layers'."""
+    rows = {len(q) for q in shapes}
+    if max_num_seqs >= PREFILL_DEQUANT_TOKENS:
+        rows.add(PREFILL_DEQUANT_TOKENS)
+    return sorted(rows)
+
+
 class ModelRunner:
     """Owns: the model weights, the paged KV cache tensors, the persistent
     batch (per-request tokens and block tables) and the sampler's generator."""
@@ -127,6 +140,11 @@ class ModelRunner:
         """``scheduler_config``: the step limits (tokens, sequences) the step
         buffers and decode graphs are sized for (default: the defaults)."""
         self.device = resolve_device(device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # cuda:N: this thread (the engine's step thread builds the runner
+            # and runs every step) works on N: its events, current stream and
+            # graph captures follow the current device, not the tensors'.
+            torch.cuda.set_device(self.device)
         sched = scheduler_config or SchedulerConfig()
         if model_config.num_threads is not None:
             torch.set_num_threads(model_config.num_threads)
@@ -216,13 +234,16 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Run the forward once on each kind of step shape with no real request
-        (nothing written to the cache), so every Triton specialization is
-        compiled at start and no request pays a compile (``warm_up_shapes``)."""
+        (nothing written to the cache), and the LM head on each count of rows
+        a step samples, so every Triton specialization is compiled at start
+        and no request pays a compile (``warm_up_shapes``, ``warm_up_logits_rows``)."""
         t0 = time.perf_counter()
         b = self.batch
         shapes = warm_up_shapes(b.max_num_tokens, b.max_num_seqs, self.max_model_len)
         for q_lens in shapes:
-            self._run_forward(b.dummy_inputs(q_lens))
+            hidden = self._run_forward(b.dummy_inputs(q_lens))
+        for rows in warm_up_logits_rows(shapes, b.max_num_seqs):
+            self.model.compute_logits(hidden.new_zeros(rows, hidden.shape[-1]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info("model_warmed_up", seconds=round(time.perf_counter() - t0, 2), shapes=len(shapes))

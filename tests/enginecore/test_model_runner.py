@@ -306,6 +306,28 @@ def test_triton_interpreted_kernels_give_the_same_tokens(tiny, monkeypatch):
     assert driver.run()["a"] == hf_greedy(hf, PROMPTS["a"], 3)
 
 
+def test_warm_up_runs_the_lm_head_on_every_count_of_sampled_rows(tiny):
+    """The head's tiles (N: the vocabulary) compile at start too: warm_up
+    runs it on each row count of warm_up_logits_rows, after the forwards."""
+    from kvstrata.config import SchedulerConfig
+    from kvstrata.worker.model_runner import warm_up_logits_rows, warm_up_shapes
+
+    runner = ModelRunner(ModelConfig(model=tiny[0]), CacheConfig(block_size=BS), "cpu",
+                         SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=160))
+    runner.initialize_kv_cache(64)
+    head = runner.model.compute_logits
+    rows: list[int] = []
+
+    def spy(hidden):
+        rows.append(hidden.shape[0])
+        return head(hidden)
+
+    runner.model.compute_logits = spy
+    runner.warm_up()
+    shapes = warm_up_shapes(512, 160, runner.max_model_len)
+    assert rows == warm_up_logits_rows(shapes, 160) and rows[-1] == 128 and 1 in rows and 64 in rows
+
+
 def test_num_threads_sets_torch_intra_op_threads(tiny):
     before = torch.get_num_threads()
     target = 1 if before != 1 else 2
