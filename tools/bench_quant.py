@@ -74,7 +74,10 @@ Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N] [--engine 
 machine a two-thread parallel region waits whenever the other thread is
 descheduled, which swamps small matmuls (seen: 0.05 ms -> 10+ ms).
 Times depend on the machine's other load; the baseline (dense) is measured in
-the same run, interleaved with the packed paths. Never asserts timings.
+the same run, interleaved with the packed paths. Never asserts timings. With
+--engine-gpu and --gpu-kernels each finished part is also printed at once on
+stderr as one line, ``bench_quant {"part": {...}}``, so a run stopped by a
+time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ import functools
 import json
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -443,6 +447,7 @@ def bench_engine_gpu(args) -> dict:
         for _ in range(repeats):  # modes in turn: a burst of other load lands on both
             for mode, entry in res["modes"].items():
                 asyncio.run(one_engine(mode, entry))
+                progress("engine_gpu", {mode: entry, "write_s": res["write_s"]})
                 if cuda:
                     torch.cuda.empty_cache()
     _medians(res["modes"].values())
@@ -453,6 +458,12 @@ def bench_engine_gpu(args) -> dict:
         "ttft_speed": round(base["ttft_s"] / packed["ttft_s"], 2),
         "weight_bytes": round(packed["weight_bytes"] / base["weight_bytes"], 3)}
     return res
+
+
+def progress(part: str, value: dict) -> None:
+    """One finished part of the report, at once, as a JSON line on stderr
+    (``bench_quant {...}``): a run stopped by a time limit keeps it."""
+    print("bench_quant " + json.dumps({part: value}), file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -496,8 +507,10 @@ def main() -> None:
             result["note"] = "no CUDA device: a dry run on the CPU (Triton interpreter, tiny shapes), not a GPU figure"
         on_gpu = torch.cuda.is_available()
         types = GPU_KERNEL_TYPES if on_gpu else ("Q4_K",)
-        result["sets"]["8b" if on_gpu else "tiny"] = {
-            qtype: bench_set("8b" if on_gpu else "tiny", qtype, args) for qtype in types}
+        sets = result["sets"]["8b" if on_gpu else "tiny"] = {}
+        for qtype in types:
+            sets[qtype] = bench_set("8b" if on_gpu else "tiny", qtype, args)
+            progress("gpu_kernels", {qtype: sets[qtype]})
     for set_name in () if args.engine_only or args.engine_gpu or args.gpu_kernels else ("smollm2", "8b"):
         types = QUICK_8B["types"] if set_name == "8b" and args.quick else tuple(QUANT_TYPES)
         result["sets"][set_name] = {qtype: bench_set(set_name, qtype, args) for qtype in types}

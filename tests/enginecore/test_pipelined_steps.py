@@ -31,8 +31,10 @@ def tiny(tmp_path_factory) -> str:
 DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")  # tools/gpu_check.sh runs these on CUDA too
 
 
-def config(path: str, *, pipelined: bool, async_scheduling: bool, **sched) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model=path, seed=11), device=DEVICE,
+def config(path: str, *, pipelined: bool, async_scheduling: bool, cuda_graphs: bool | None = None,
+           **sched) -> EngineConfig:
+    """``cuda_graphs``: the model's switch (None: the default, on for CUDA)."""
+    return EngineConfig(model=ModelConfig(model=path, seed=11, cuda_graphs=cuda_graphs), device=DEVICE,
                         cache=CacheConfig(block_size=4, num_blocks=sched.pop("num_blocks", 128)),
                         scheduler=SchedulerConfig(async_scheduling=async_scheduling, pipelined_steps=pipelined,
                                                   **sched))
@@ -53,10 +55,14 @@ def _requests(tag: str) -> list[EngineRequest]:
             for i, (p, params) in enumerate(zip(PROMPTS, PARAMS, strict=True))]
 
 
-def _one_at_a_time(path: str) -> dict[str, list[int]]:
-    core = build_engine_core(config(path, pipelined=False, async_scheduling=False), build_runner(
-        config(path, pipelined=False, async_scheduling=False)))
-    for r in _requests("r"):
+def _one_at_a_time(path: str, cuda_graphs: bool | None = None,
+                   requests: list[EngineRequest] | None = None) -> dict[str, list[int]]:
+    """The tokens of one step at a time of ``requests`` (default: all of
+    ``_requests``), on CUDA with the graph switch of the run compared with
+    it: the same batches, the same shapes."""
+    cfg = config(path, pipelined=False, async_scheduling=False, cuda_graphs=cuda_graphs)
+    core = build_engine_core(cfg, build_runner(cfg))
+    for r in requests or _requests("r"):
         core.add_request(r)
     got: dict[str, list[int]] = {}
     while core.has_work():
@@ -71,13 +77,14 @@ def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_
     (the order the engine's step thread runs them in); with decode graphs
     (emulated on a CPU: the padded graph layout, replayed eagerly) the fed
     tokens land in the graph's persistent input rows."""
-    expected = _one_at_a_time(tiny)
-    cfg = config(tiny, pipelined=True, async_scheduling=True)
+    expected = _one_at_a_time(tiny, cuda_graphs=graphs)
+    cfg = config(tiny, pipelined=True, async_scheduling=True, cuda_graphs=graphs)
     core = build_engine_core(cfg, build_runner(cfg))
     kv_managers.append(core.kv)
     assert core.can_pipeline
-    if graphs:
+    if graphs and DEVICE != "cuda":  # on CUDA the runner captured them at start
         core.runner.capture_decode_graphs([1, 2, 4, 8], emulate=True)
+    assert (core.runner.graphs is not None) == graphs
     for r in _requests("r"):
         core.add_request(r)
     got: dict[str, list[int]] = {}
@@ -107,17 +114,15 @@ def test_a_launch_never_waits_for_the_device(tiny, kv_managers, graphs):
     mixed, decode; graph replay or eager) runs under torch's sync debug
     mode set to "error", so any synchronizing call in it (``.item()``,
     ``.tolist()``, a pageable copy, a stream sync) fails the launch."""
-    import msgspec
     import torch
 
-    cfg = config(tiny, pipelined=True, async_scheduling=True)
-    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, cuda_graphs=graphs))
+    cfg = config(tiny, pipelined=True, async_scheduling=True, cuda_graphs=graphs)
     core = build_engine_core(cfg, build_runner(cfg))
     kv_managers.append(core.kv)
     runner = core.runner
     assert (runner.graphs is not None) == graphs
-    expected = _one_at_a_time(tiny)
     requests = [r for r in _requests("r") if r.sampling_params.logprobs is None]  # logprobs: read at once, by design
+    expected = _one_at_a_time(tiny, cuda_graphs=graphs, requests=requests)
     for r in requests:
         core.add_request(r)
     got: dict[str, list[int]] = {}
@@ -139,7 +144,7 @@ def test_a_launch_never_waits_for_the_device(tiny, kv_managers, graphs):
             so = inflight.pop(0)
             for out in core.update(so, core.collect()):
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert got == {r.request_id: expected[r.request_id] for r in requests}
+    assert got == expected
     assert runner.batch.num_fed_tokens > 0
     if graphs:
         assert runner.graphs.num_replays > 0
@@ -179,7 +184,7 @@ async def test_a_failed_launch_fails_its_requests_and_the_engine_serves_on(tiny,
     engine = await AsyncEngine.start(config(tiny, pipelined=True, async_scheduling=True, max_num_seqs=2))
     kv_managers.append(engine.core.kv)
     runner = engine.core.runner
-    forward = runner._run_forward
+    forward = runner._forward  # graph replay or eager: every step's forward
     calls = {"n": 0}
 
     def flaky(step):
@@ -188,7 +193,7 @@ async def test_a_failed_launch_fails_its_requests_and_the_engine_serves_on(tiny,
             raise RuntimeError("injected device failure")
         return forward(step)
 
-    runner._run_forward = flaky
+    runner._forward = flaky
     try:
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -198,7 +203,7 @@ async def test_a_failed_launch_fails_its_requests_and_the_engine_serves_on(tiny,
         first = await asyncio.gather(*(one(i) for i in range(2)))
         assert {outs[-1].finish_reason for outs in first} == {"error"}
         assert any("injected device failure" in (outs[-1].error or "") for outs in first)
-        runner._run_forward = forward
+        runner._forward = forward
         rest = await asyncio.gather(*(one(10 + i) for i in range(3)))
         assert [outs[-1].finish_reason for outs in rest] == ["length"] * 3
         assert all(sum(len(o.new_token_ids) for o in outs) == 10 for outs in rest)

@@ -29,6 +29,8 @@ def test_engine_gpu_dry_run_on_a_cpu():
         assert m["single_tok_s"] > 0 < m["batch16_tok_s"] and m["ttft_s"] > 0
     assert r["packed_over_dequantize"]["weight_bytes"] < 0.5 and r["packed_over_dequantize"]["ttft_speed"] > 0
     assert r["file_tensor_bytes"] > 0
+    assert _progress(proc.stderr, "engine_gpu") == [{"dequantize": r["modes"]["dequantize"]["single_runs"]},
+                                                    {"packed": r["modes"]["packed"]["single_runs"]}]
 
 
 def test_gpu_kernels_dry_run_on_a_cpu():
@@ -46,3 +48,14 @@ def test_gpu_kernels_dry_run_on_a_cpu():
     for row in gpu.values():
         assert row["packed_ms"] > 0 and row["general_ms"] > 0 and row["dense_bf16_ms"] > 0
         assert row["max_err_over_S"] <= 2.0**-7  # bf16 output
+    assert _progress(proc.stderr, "gpu_kernels") == [{"Q4_K": r["sets"]["tiny"]["Q4_K"]}]
+
+
+def _progress(stderr: str, part: str) -> list[dict]:
+    """The tool's per-part lines on stderr (what a run cut short keeps), as
+    {key: value} per line; for engine_gpu, each mode's single-stream runs."""
+    lines = [json.loads(line.split(" ", 1)[1])[part] for line in stderr.splitlines()
+             if line.startswith("bench_quant {")]
+    if part == "engine_gpu":
+        return [{mode: v["single_runs"] for mode, v in line.items() if mode != "write_s"} for line in lines]
+    return lines
