@@ -107,6 +107,15 @@ def check_max_model_len(requested: int | None, max_positions: int) -> int:
     return requested
 
 
+def _without(so: SchedulerOutput, request_ids: frozenset[str]) -> SchedulerOutput:
+    """``so`` computing nothing for ``request_ids`` (its batch bookkeeping, the
+    new and cached request data, stays whole: the runner has applied it)."""
+    scheduled = {r: n for r, n in so.num_scheduled_tokens.items() if r not in request_ids}
+    drafts = {r: d for r, d in so.scheduled_spec_decode_tokens.items() if r not in request_ids}
+    return msgspec.structs.replace(so, num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=drafts,
+                                   total_num_scheduled_tokens=sum(scheduled.values()))
+
+
 def warm_up_shapes(max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[list[int]]:
     """The steps ``ModelRunner.warm_up`` runs, as query lengths per sequence:
     a long prefill, an odd-length one, a mixed batch, and decode batches of
@@ -202,6 +211,7 @@ class ModelRunner:
             attention_kernels()  # the CPU decode attention kernel: built (once per machine) and loaded now, not mid-step
         self.graphs: DecodeGraphs | None = None
         self._launched: deque[Launched] = deque()  # launched steps not yet collected, oldest first
+        self._orphans: frozenset[str] = frozenset()  # requests of a launch that failed, for the next one
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(model_config.seed))
         if self.tokenizer.vocab_size > self.vocab_size:
             log.warning("tokenizer_vocab_exceeds_model", tokenizer=self.tokenizer.vocab_size, model=self.vocab_size)
@@ -283,22 +293,33 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput) -> None:
         """Queue step ``scheduler_output`` on the device and return without
         reading its sampled tokens back; ``collect()`` returns the outputs in
-        launch order. Never raises: a failure is ``collect()``'s to raise. A
-        step that must read its tokens at once (a KV connector, drafts,
-        logprobs) first lands every token in flight, then runs whole."""
+        launch order. Never raises: a failure is ``collect()``'s to raise,
+        and the launch after a failed one leaves the failed one's requests
+        out (their tokens never come; the others run). A step that must read
+        its tokens at once (a KV connector, drafts, logprobs) first lands
+        every token in flight, then runs whole."""
+        orphans, self._orphans = self._orphans, frozenset()
         try:
-            self._launched.append(self._launch(scheduler_output))
+            self._launched.append(self._launch(scheduler_output, orphans))
         except Exception as e:
             self._launched.append(Failed(e))
+            # The step launched next (already scheduled behind this one) cannot
+            # run these: their tokens from this step never come.
+            self._orphans = frozenset(scheduler_output.num_scheduled_tokens)
 
     def collect(self) -> ModelRunnerOutput:
         """The output of the oldest launched step (waits for its tokens)."""
         return self._launched.popleft().result()
 
-    def _launch(self, so: SchedulerOutput) -> Launched:
+    def _launch(self, so: SchedulerOutput, orphans: frozenset[str]) -> Launched:
+        """``orphans``: requests of the launch before, which failed; they get
+        nothing from this step (the scheduler fails them with that one), the
+        others run as scheduled."""
         if self.kv_caches is None:
             raise RuntimeError("initialize_kv_cache() must be called before launch()")
         self._update_batch(so)
+        if orphans and not orphans.isdisjoint(so.num_scheduled_tokens):
+            so = _without(so, orphans)
         if self.kv_connector is None and not so.num_scheduled_tokens:
             return Ready(ModelRunnerOutput.empty())
         if not self._can_pipeline(so):

@@ -235,3 +235,47 @@ def test_a_stop_id_past_the_vocabulary_bans_nothing_and_fails_no_one(tiny, kv_ma
             got.setdefault(out.request_id, []).append(out)
     assert {rid: outs[-1].finish_reason for rid, outs in got.items()} == {"odd": "length", "other": "length"}
     assert [t for o in got["odd"] for t in o.new_token_ids] == [t for o in got["other"] for t in o.new_token_ids]
+
+
+def test_the_launch_after_a_failed_one_runs_its_other_requests(tiny, kv_managers):
+    """launch N raises; N+1 was launched behind it (pipelined) with N's
+    requests and one admitted since. N's requests have no token from N, so
+    N+1 cannot run them, but the newcomer did not depend on N: it must get
+    its tokens, not the failure (the engine's recovery, by hand: fail N,
+    then apply N+1)."""
+    cfg = config(tiny, pipelined=True, async_scheduling=True, cuda_graphs=False)
+    core = build_engine_core(cfg, build_runner(cfg))
+    kv_managers.append(core.kv)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = _one_at_a_time(tiny, cuda_graphs=False, requests=[
+        EngineRequest(request_id="new", prompt_token_ids=[7, 8, 9, 10], sampling_params=params)])["new"]
+    core.add_request(EngineRequest(request_id="old", prompt_token_ids=[5, 9, 13], sampling_params=params))
+    so = core.schedule()
+    core.launch(so)
+    core.update(so, core.collect())  # old's prefill: it decodes from here on
+    runner = core.runner
+    forward = runner._forward
+
+    def broken(step):
+        raise RuntimeError("injected device failure")
+
+    runner._forward = broken
+    failed = core.schedule()
+    core.launch(failed)
+    runner._forward = forward
+    core.add_request(EngineRequest(request_id="new", prompt_token_ids=[7, 8, 9, 10], sampling_params=params))
+    behind = core.schedule()
+    assert set(behind.num_scheduled_tokens) == {"old", "new"}
+    core.launch(behind)
+    with pytest.raises(RuntimeError, match="injected"):
+        core.collect()
+    outs = core.fail_step(failed, RuntimeError("injected device failure"))
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("old", "error")]
+    got = {o.request_id: o.new_token_ids for o in core.update(behind, core.collect())}
+    assert got == {"new": expected[:1]}
+    tokens = list(got["new"])
+    while core.has_work():
+        for out in core.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == expected
+    assert core.kv.num_free_blocks == core.kv.num_blocks - 1
