@@ -7,10 +7,11 @@
 #   quant_engine       packed GGUF engines on CUDA against dequantized ones (tests/model_gguf/test_gguf_packed_gpu.py)
 #   quant_kernels      the matmuls alone on Llama-8B's shapes (tools/bench_quant.py --gpu-kernels)
 #   pipelined          pipelined steps on CUDA, and that no launch syncs with the device (test_pipelined_steps.py)
-#   oracle_graphs      the HF oracle with the engine on CUDA, graphs on, serial and pipelined steps, every family
+#   oracle_graphs      the HF oracle with the engine on CUDA, graphs on for every family (sliding-window ones
+#                      too, off by default until this passes), serial and pipelined steps
 #   gpu_tests          the compiled-kernel tests (pytest -m gpu tests/kernels)
-#   oracle_split       the oracle with split-K decode attention on
-#   oracle_fused       the oracle with the fused Triton kernels on
+#   oracle_split       the oracle with split-K decode attention on (forced to 4 splits of 16 positions), graphs on
+#   oracle_fused       the oracle with the fused Triton kernels on, graphs on
 #   oracle_eager       the oracle with graphs off
 #   tier_oracle        the CPU-tier oracle on CUDA streams (tests/connector/test_oracle_tiers.py -k cuda)
 #   oracle_modes       the oracle's other modes with graphs on (async scheduling, speculative decoding)
@@ -94,14 +95,14 @@ run() {  # run STAGE
     pipelined) KVSTRATA_TEST_DEVICE=cuda stage pipelined_steps 90 $PYTEST tests/enginecore/test_pipelined_steps.py ;;
     gpu_tests) stage gpu_tests 150 $PYTEST -m gpu tests/kernels ;;
     tier_oracle) stage cuda_tier_oracle 90 $PYTEST tests/connector/test_oracle_tiers.py -k cuda ;;
-    oracle_graphs) KVSTRATA_TEST_DEVICE=cuda stage oracle_graphs "${ORACLE_S:-150}" $PYTEST $ORACLE \
+    oracle_graphs) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 stage oracle_graphs "${ORACLE_S:-150}" $PYTEST $ORACLE \
         -k "${ORACLE_K:-serial or pipelined}" ;;
-    oracle_modes) KVSTRATA_TEST_DEVICE=cuda stage oracle_modes "${ORACLE_S:-150}" $PYTEST $ORACLE -k "async or spec" ;;
+    oracle_modes) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 stage oracle_modes "${ORACLE_S:-150}" $PYTEST $ORACLE -k "async or spec" ;;
     oracle_eager) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=0 stage oracle_eager "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
-    oracle_fused) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_FUSED_KERNELS=1 stage oracle_fused "${ORACLE_S:-100}" \
+    oracle_fused) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 KVSTRATA_TEST_FUSED_KERNELS=1 stage oracle_fused "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
-    oracle_split) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_SPLIT_DECODE=1 stage oracle_split "${ORACLE_S:-100}" \
+    oracle_split) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 KVSTRATA_TEST_SPLIT_DECODE=1 stage oracle_split "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
     bench) TAIL=3 stage bench_gpu "${BENCH_S:-240}" sh -c "$PY tools/bench_gpu.py --quick > '$OUT/bench_gpu.json'"
       cat "$OUT/bench_gpu.json" ;;

@@ -465,6 +465,8 @@ def launch_decode(query, key_cache, value_cache, block_tables, query_start_loc, 
     num_tokens, q_heads, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if not 1 <= plan.num_splits <= MAX_SPLITS:  # the combine kernel reads at most MAX_SPLITS
+        raise ValueError(f"plan.num_splits must be in [1, {MAX_SPLITS}], got {plan.num_splits}")
     # Scratch per call: under CUDA-graph capture it comes from the graph's pool.
     part = torch.empty((num_tokens, q_heads, plan.num_splits, head_dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((num_tokens, q_heads, plan.num_splits), dtype=torch.float32, device=query.device)

@@ -27,12 +27,17 @@ from kvstrata.enginecore.async_engine import AsyncEngine
 from kvstrata.types import SamplingParams
 
 MAX_NEW = 12
-# The whole oracle can run with the engine on a GPU: KVSTRATA_TEST_DEVICE=cuda
-# (CUDA graphs then follow KVSTRATA_TEST_CUDA_GRAPHS: "0" off, else the default, on).
+# The whole oracle can run with the engine on a GPU: KVSTRATA_TEST_DEVICE=cuda.
+# CUDA graphs then follow KVSTRATA_TEST_CUDA_GRAPHS: "0" off, "1" on for every
+# family (sliding-window ones included, whose default is off), else the default.
+# KVSTRATA_TEST_SPLIT_DECODE=1 runs split-K decode attention with 4 splits of
+# 16-position tiles: the oracle's sequences span several splits (the plan a GPU
+# would pick, 32 splits of 128 positions, leaves all but the first one empty).
 DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")
-CUDA_GRAPHS = None if os.environ.get("KVSTRATA_TEST_CUDA_GRAPHS", "") != "0" else False
+CUDA_GRAPHS = {"0": False, "1": True}.get(os.environ.get("KVSTRATA_TEST_CUDA_GRAPHS", ""))
 FUSED = {"1": True, "0": False}.get(os.environ.get("KVSTRATA_TEST_FUSED_KERNELS", ""))
 SPLIT_DECODE = os.environ.get("KVSTRATA_TEST_SPLIT_DECODE", "") == "1"
+SPLIT_PLAN = {"num_splits": 4, "tile_n": 16}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
@@ -73,8 +78,13 @@ def spec(mode):
 
 
 @pytest.fixture
-async def start(kv_managers, spec, mode):
+async def start(kv_managers, spec, mode, monkeypatch):
     engines: list[AsyncEngine] = []
+    if SPLIT_DECODE:
+        from kvstrata.kernels import _triton_attention
+
+        plan = _triton_attention.decode_plan
+        monkeypatch.setattr(_triton_attention, "decode_plan", lambda *a, **kw: plan(*a, **{**kw, **SPLIT_PLAN}))
 
     async def build(path: str, *, num_blocks: int = 256, caching: bool = True, **sched) -> AsyncEngine:
         config = EngineConfig(
@@ -173,7 +183,9 @@ async def test_matches_hf_when_decode_steps_replay_graphs(oracle, start, mode):
     engine = await start(path)
     runner = engine.core.runner
     graphs = runner.graphs
-    if graphs is None:  # a CPU: emulate (the padding and the buffers are what is tested)
+    if DEVICE == "cuda" and CUDA_GRAPHS:  # captured at start for every family, none emulated
+        assert graphs is not None and not graphs.emulate, "no CUDA graphs were captured"
+    if graphs is None:  # a CPU (or graphs off): emulate (the padding and the buffers are what is tested)
         graphs = runner.capture_decode_graphs([1, 2, 4, 8], emulate=True)
     batch = prompts["plain"] + prompts["wave1"]
     assert_matches(expected, batch, await generate_all(engine, batch))

@@ -295,6 +295,19 @@ def test_decode_plan_rejects_bad_forced_values(kwargs, match):
         decode_plan(4, 32, 8, 128, 132, **kwargs)
 
 
+def test_a_hand_made_plan_past_max_splits_is_refused():
+    """launch_decode takes a tuning tool's own plan: the combine kernel reads
+    at most MAX_SPLITS partials, so more would be dropped without a word."""
+    from kvstrata.kernels._triton_attention import DecodePlan, launch_decode
+
+    q = torch.zeros(2, 4, 8)
+    cache = torch.zeros(3, 4, 2, 8)
+    with pytest.raises(ValueError, match="num_splits"):
+        launch_decode(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([0, 1, 2]),
+                      torch.tensor([1, 1]), 1.0, None, torch.empty_like(q), DecodePlan(MAX_SPLITS + 1, 16, 16, 4, 1),
+                      True)
+
+
 def test_split_count_fills_the_sms_from_shapes_alone():
     # 132 SMs want >= 4 * 132 = 528 programs: B * Hkv * splits
     assert split_count(8, 8, 132) == 16  # 64 programs -> 1024
