@@ -389,7 +389,7 @@ class Scheduler:
         meta = self.connector.build_connector_meta(out)
         if meta is not None:
             out = msgspec.structs.replace(out, kv_connector_metadata=meta)
-        self.transfers.seal(id(out))
+        self.transfers.seal(id(out), transfers=meta is not None)
         if plan.num_scheduled:
             starts = plan.write_starts(new_reqs)  # before the counts advance
             self._in_flight.add(id(out), starts, plan.advance(new_reqs))

@@ -72,18 +72,27 @@ class TransferTracker:
     """Owns: the async loads in flight (``loading``, request ids, until the
     request is admitted or finishes), the loads the worker reported done
     (with the position a failed block rolls them back to), the sync loads
-    of the step being planned and of each step in flight (by step key), and
+    of the step being planned and of each step in flight (by step key), the
+    steps with transfers in flight and, per id of a request that finished
+    mid async load, those of them whose report of the id is still its own
+    (a request added since under the same id waits for its own report), and
     the finished requests whose blocks wait for a save. Reads block tables
     through ``block_ids`` (the KV manager's); changes nothing but its own
     state: the Scheduler applies what it returns."""
 
-    __slots__ = ("loading", "_landed", "_planned", "_sync", "_delayed", "_block_ids", "_block_size")
+    __slots__ = ("loading", "_landed", "_planned", "_sync", "_open", "_stale", "_delayed", "_block_ids",
+                 "_block_size")
 
     def __init__(self, block_size: int, block_ids: Callable[[str], tuple[list[int], ...]]) -> None:
         self.loading: set[str] = set()
         self._landed: dict[str, int | None] = {}
         self._planned: list[Request] = []  # sync loads of the step being planned
         self._sync: dict[int, list[Request]] = {}  # step key -> its sync loads, until settled
+        self._open: set[int] = set()  # steps with transfers sealed and not yet settled (or failed)
+        # request id -> the steps in flight when a request of that id finished
+        # mid async load: their report of the id is that request's, not a
+        # later one's that took the id
+        self._stale: dict[str, set[int]] = {}
         self._delayed: dict[str, Request] = {}
         self._block_ids = block_ids
         self._block_size = block_size
@@ -96,26 +105,34 @@ class TransferTracker:
         """``request``'s external blocks are filled by the step being planned."""
         self._planned.append(request)
 
-    def seal(self, step: int) -> None:
+    def seal(self, step: int, *, transfers: bool = True) -> None:
         """The step being planned is ``step`` (a key the caller settles it
         by): its sync loads are that step's from now on, but for those of
-        requests preempted while it was planned (it loads nothing for them)."""
+        requests preempted while it was planned (it loads nothing for them).
+        ``transfers``: it carries connector metadata (so it runs, and is
+        settled or failed); a step without may be dropped unrun."""
         loads, self._planned = self._planned, []
         loads = [r for r in loads if r.status is _RUNNING]
         if loads:
             self._sync[step] = loads
+        if transfers:
+            self._open.add(step)
 
     def delay_free(self, request: Request) -> None:
         """``request`` finished; its blocks stay held until its save is reported."""
         self._delayed[request.request_id] = request
 
     def forget(self, request_id: str) -> bool:
-        """The request finished: drop its load state. True if an async load
-        was still filling its blocks (they must never be cached)."""
-        in_flight = request_id in self.loading
+        """The request finished: drop its load state. True if a load may
+        still be filling its blocks (they must never be cached): an async
+        load, or a sync load riding on a step not settled yet."""
+        loading = request_id in self.loading
+        if loading and request_id not in self._landed and self._open:
+            self._stale[request_id] = set(self._open)
         self.loading.discard(request_id)
         self._landed.pop(request_id, None)
-        return in_flight
+        return loading or any(r.request_id == request_id for r in self._planned) or any(
+            r.request_id == request_id for loads in self._sync.values() for r in loads)
 
     # -- answers ----------------------------------------------------------
     def has_pending(self) -> bool:
@@ -148,6 +165,7 @@ class TransferTracker:
         are done (``step`` None: those not sealed yet, for a caller that
         settles each step before planning the next)."""
         loads = self._take_sync(step)
+        stale = self._close(step)
         if not (loads or out.invalid_block_ids or out.finished_recving or out.finished_sending):
             return _NOTHING
         invalid = set(out.invalid_block_ids)
@@ -161,8 +179,8 @@ class TransferTracker:
             elif pos < req.num_computed_tokens:
                 st.roll_back.append((req, pos))
         for rid in out.finished_recving:
-            if rid not in self.loading:
-                continue  # finished (aborted) while it loaded
+            if rid not in self.loading or rid in stale:
+                continue  # finished (aborted) while it loaded; or that request's, the id taken since
             pos = self._first_failed_token(rid, invalid) if invalid else None
             if pos is not None or rid not in self._landed:
                 self._landed[rid] = pos
@@ -176,6 +194,23 @@ class TransferTracker:
         """Step ``step`` raised before filling its sync loads: forget them
         (their requests were failed with the step)."""
         self._take_sync(step)
+        self._close(step)
+
+    def _close(self, step: int | None) -> frozenset[str]:
+        """Step ``step`` is settled: it is no longer in flight. Returns the
+        ids whose report from it belongs to a request that finished."""
+        if step is None or step not in self._open:
+            return frozenset()
+        self._open.discard(step)
+        if not self._stale:
+            return frozenset()
+        stale = frozenset(rid for rid, steps in self._stale.items() if step in steps)
+        for rid in stale:
+            steps = self._stale[rid]
+            steps.discard(step)
+            if not steps:
+                del self._stale[rid]
+        return stale
 
     def _take_sync(self, step: int | None) -> list[Request]:
         if step is None:
