@@ -71,6 +71,25 @@ def _one_at_a_time(path: str, cuda_graphs: bool | None = None,
     return got
 
 
+def _pipelined(core, launch=None) -> dict[str, list[int]]:
+    """Run ``core``'s requests in the step thread's order: launch N, launch
+    N+1, collect N, update N, launch N+2, collect N+1 ... (``launch``: in
+    place of ``core.launch``). Returns each request's tokens."""
+    launch = launch or core.launch
+    got: dict[str, list[int]] = {}
+    inflight = []
+    while core.has_work() or inflight:
+        if core.has_work():
+            so = core.schedule()
+            launch(so)
+            inflight.append(so)
+        if len(inflight) == 2 or (inflight and not core.has_work()):
+            so = inflight.pop(0)
+            for out in core.update(so, core.collect()):
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return got
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_managers, graphs):
     """launch N, launch N+1, collect N, update N, launch N+2, collect N+1 ...
@@ -87,18 +106,7 @@ def test_launch_collect_by_hand_gives_the_tokens_of_one_step_at_a_time(tiny, kv_
     assert (core.runner.graphs is not None) == graphs
     for r in _requests("r"):
         core.add_request(r)
-    got: dict[str, list[int]] = {}
-    inflight = []
-    while core.has_work() or inflight:
-        if core.has_work():
-            so = core.schedule()
-            core.launch(so)
-            inflight.append(so)
-        if len(inflight) == 2 or (inflight and not core.has_work()):
-            so = inflight.pop(0)
-            for out in core.update(so, core.collect()):
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert got == expected
+    assert _pipelined(core) == expected
     assert core.runner.batch.num_fed_tokens > 0  # decode inputs came from tokens not yet read back
     assert not core.runner._launched
     if graphs:
@@ -125,26 +133,19 @@ def test_a_launch_never_waits_for_the_device(tiny, kv_managers, graphs):
     expected = _one_at_a_time(tiny, cuda_graphs=graphs, requests=requests)
     for r in requests:
         core.add_request(r)
-    got: dict[str, list[int]] = {}
-    inflight = []
-    launches = 0
-    while core.has_work() or inflight:
-        if core.has_work():
-            so = core.schedule()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                core.launch(so)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            failed = runner._launched[-1]
-            assert not isinstance(failed, Failed), f"launch {launches} synchronized: {failed.error!r}"
-            launches += 1
-            inflight.append(so)
-        if len(inflight) == 2 or (inflight and not core.has_work()):
-            so = inflight.pop(0)
-            for out in core.update(so, core.collect()):
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert got == expected
+    launches = []
+
+    def launch(so):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            core.launch(so)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        failed = runner._launched[-1]
+        assert not isinstance(failed, Failed), f"launch {len(launches)} synchronized: {failed.error!r}"
+        launches.append(so)
+
+    assert _pipelined(core, launch) == expected
     assert runner.batch.num_fed_tokens > 0
     if graphs:
         assert runner.graphs.num_replays > 0
