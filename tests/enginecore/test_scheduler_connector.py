@@ -74,14 +74,7 @@ def test_delayed_free_holds_blocks_until_the_save_finishes(kv_managers):
 
 # -- async scheduling: the next step is planned before this one's output ------
 
-def _request(rid: str):
-    from engine_fakes import EOS, hasher_for
-
-    from kvstrata.enginecore.request import Request
-    from kvstrata.types import SamplingParams
-
-    return Request(rid, list(range(100, 120)), SamplingParams(max_tokens=3), eos_token_ids=(EOS,),
-                   arrival_time=0.0, block_hasher=hasher_for(4), hash_block_size=4)
+PROMPT = list(range(100, 120))
 
 
 def test_an_abort_during_a_sync_load_caches_none_of_its_blocks(kv_managers):
@@ -92,23 +85,20 @@ def test_an_abort_during_a_sync_load_caches_none_of_its_blocks(kv_managers):
     no longer roll it back."""
     from kvstrata.types import ModelRunnerOutput
 
-    sched = make_scheduler(num_blocks=32, connector=ScriptedConnector(hits={"a": (16, False)}))
-    kv_managers.append(sched.kv)
-    sched.add_request(_request("a"))
+    h = harness(kv_managers, ScriptedConnector(hits={"a": (16, False)}))
+    sched = h.sched
+    h.add("a", PROMPT, max_tokens=3)
     loading = sched.schedule()  # a's 16 tokens are loaded within this step
     a_blocks = sched.kv.get_block_ids("a")[0]
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # while the step runs
-    sched.add_request(_request("q"))
+    h.add("q", PROMPT, max_tokens=3)
     behind = sched.schedule()  # planned before the loading step's output
     assert behind.scheduled_new_reqs[0].num_computed_tokens == 0  # no hit on a's unfilled blocks
-    runner = FakeRunner()
-    out = runner.execute_model(loading)
+    out = h.runner.execute_model(loading)
     sched.update_from_output(loading, ModelRunnerOutput(req_ids=out.req_ids, sampled_token_ids=[[] for _ in out.req_ids],
                                                         invalid_block_ids=a_blocks[2:4]))
-    sched.update_from_output(behind, runner.execute_model(behind))
-    while sched.requests:
-        so = sched.schedule()
-        sched.update_from_output(so, runner.execute_model(so))
+    sched.update_from_output(behind, h.runner.execute_model(behind))
+    h.run_to_completion()
 
 
 def test_a_reused_request_id_does_not_take_the_old_requests_load_report(kv_managers):
@@ -117,32 +107,25 @@ def test_a_reused_request_id_does_not_take_the_old_requests_load_report(kv_manag
     (by id, from that step) is not the new one's: the new a stays parked
     until its own load is reported."""
     conn = ScriptedConnector(hits={"a": (16, True)}, meta={"transfers": "every step's"})  # loads ride on metadata
-    sched = make_scheduler(num_blocks=32, connector=conn)
-    kv_managers.append(sched.kv)
-    runner = FakeRunner()
-    sched.add_request(_request("a"))
-    so = sched.schedule()
-    sched.update_from_output(so, runner.execute_model(so))
+    h = harness(kv_managers, conn)
+    sched, runner = h.sched, h.runner
+    h.add("a", PROMPT, max_tokens=3)
+    h.step()
     carrying = sched.schedule()  # a's load rides on this step
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # while it runs
-    sched.add_request(_request("a"))  # the id is free again
+    h.add("a", PROMPT, max_tokens=3)  # the id is free again
     behind = sched.schedule()  # planned before the carrying step's output: the new a parks
     assert sched.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     runner.finished_recving = ["a"]  # the old a's load, reported by the step that carried it
     sched.update_from_output(carrying, runner.execute_model(carrying))
     runner.finished_recving = []
     sched.update_from_output(behind, runner.execute_model(behind))
-    so = sched.schedule()
+    so = h.step()
     assert "a" not in so.num_scheduled_tokens  # still waiting for its own load
     assert sched.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    sched.update_from_output(so, runner.execute_model(so))
     runner.finished_recving = ["a"]  # now its own
-    so = sched.schedule()
-    sched.update_from_output(so, runner.execute_model(so))
+    h.step()
     runner.finished_recving = []
-    so = sched.schedule()
+    so = h.step()
     assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_new_reqs[0].num_computed_tokens == 16
-    sched.update_from_output(so, runner.execute_model(so))
-    while sched.requests:
-        so = sched.schedule()
-        sched.update_from_output(so, runner.execute_model(so))
+    h.run_to_completion()

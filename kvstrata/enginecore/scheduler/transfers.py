@@ -131,8 +131,8 @@ class TransferTracker:
             self._stale[request_id] = set(self._open)
         self.loading.discard(request_id)
         self._landed.pop(request_id, None)
-        return loading or any(r.request_id == request_id for r in self._planned) or any(
-            r.request_id == request_id for loads in self._sync.values() for r in loads)
+        planned = any(r.request_id == request_id for r in self._planned)
+        return loading or planned or request_id in self.sync_in_flight()
 
     # -- answers ----------------------------------------------------------
     def has_pending(self) -> bool:
