@@ -491,10 +491,11 @@ class AsyncEngine:
     async def _recover(self, so: SchedulerOutput, exc: Exception, queued: Step | None) -> None:
         """Step ``so`` raised: fail its requests. A step queued behind it may
         have read its KV: its requests that ``so`` also ran are failed already
-        (their output is dropped), ones it admitted with prefix hits are failed
-        too, and its own failure is not counted against the model. After
-        ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row the engine dies."""
+        (their output is dropped), ones it admitted on cached KV that ``so``
+        wrote are failed too, and its own failure is not counted against the
+        model. After ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row the engine dies."""
         core = self._core
+        written = core.blocks_written_by(so) if queued is not None else set()
         self._deliver(core.fail_step(so, exc))
         if queued is not None:
             nxt, nfut = queued
@@ -505,7 +506,7 @@ class AsyncEngine:
                 self._deliver(core.fail_step(nxt, nexc, secondary=True))
             else:
                 self._deliver(core.fail_requests(
-                    [d.req_id for d in nxt.scheduled_new_reqs if d.num_computed_tokens],
+                    core.readers_of(nxt, written),
                     f"a model step it depended on failed: {type(exc).__name__}: {exc}"))
                 self._deliver(core.update(nxt, nout))
         if core.consecutive_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:

@@ -259,6 +259,20 @@ class EngineCore:
                   consecutive_failures=self.consecutive_failed_steps)
         return [_final_output(r, error=message) for r in done]
 
+    def blocks_written_by(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """The blocks a step in flight writes KV into (asked before failing it)."""
+        return self.scheduler.blocks_written_by(scheduler_output)
+
+    @staticmethod
+    def readers_of(scheduler_output: SchedulerOutput, blocks: set[int]) -> list[str]:
+        """The requests ``scheduler_output`` admits on cached KV (a prefix hit,
+        or a resumed request's) held in one of ``blocks``: when the step that
+        wrote those blocks fails, their KV is garbage. (A fresh block of such
+        a request is in ``blocks`` only if a request that left freed it while
+        that step ran: such a request is counted as a reader too.)"""
+        return [d.req_id for d in scheduler_output.scheduled_new_reqs
+                if d.num_computed_tokens and any(b in blocks for group in d.block_ids for b in group)]
+
     def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
         """End live requests with an error (their blocks freed and uncached)."""
         if not request_ids:

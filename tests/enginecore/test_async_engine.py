@@ -186,6 +186,47 @@ async def test_a_failed_step_with_async_scheduling_fails_its_requests_and_the_en
     assert all_free(engine)
 
 
+class _FailsAPrefill(FakeRunner):
+    """Raises on the step that computes ``rid``'s prompt, after running it as
+    a device that failed at the end would (so the step behind it, already
+    scheduled on its placeholders, runs)."""
+
+    def __init__(self, rid: str, **kw) -> None:
+        super().__init__(**kw)
+        self.rid = rid
+
+    def execute_model(self, so):
+        if so.num_scheduled_tokens.get(self.rid, 0) <= 1:
+            return super().execute_model(so)
+        super().execute_model(so)
+        raise RuntimeError(f"injected failure of {self.rid}'s prefill")
+
+
+async def test_a_step_behind_a_failed_one_fails_only_the_requests_that_read_its_kv(start_engine):
+    """With async scheduling, ``a``'s prefill fails while the step behind it
+    is queued. That step admitted ``b`` on a prefix hit in the blocks ``a``'s
+    step was writing (garbage now: ``b`` fails too) and ``c`` on a hit in
+    blocks an earlier step wrote (sound: ``c`` gets exactly its tokens)."""
+    runner = _FailsAPrefill("a")
+    engine = await start_engine(runner, max_num_batched_tokens=8, async_scheduling=True)
+    p, a = [21, 22, 23, 24, 25, 26, 27, 28], [31, 32, 33, 34, 35, 36, 37, 38]
+    assert (await collect(engine, p, max_tokens=1))[-1].finish_reason == "length"
+    got = await asyncio.gather(collect(engine, a, max_tokens=3, request_id="a"),
+                               collect(engine, a + [40, 41, 42], max_tokens=3, request_id="b"),
+                               collect(engine, p + [50, 51], max_tokens=3, request_id="c"))
+    # all three were waiting when a's step was scheduled: a's 8 tokens took its
+    # budget, b and c came in the step behind it, on 8 cached tokens each
+    behind = next(s for s in runner.steps if "b" in s)
+    assert behind == {"a": 1, "b": 3, "c": 2}
+    (*_, a_end), (*_, b_end), c_outs = got
+    assert a_end.finish_reason == b_end.finish_reason == "error"
+    assert "injected failure" in a_end.error and "depended on failed" in b_end.error
+    assert c_outs[-1].finish_reason == "length", c_outs[-1].error
+    assert [t for o in c_outs for t in o.new_token_ids] == expected(p + [50, 51], 3)
+    assert c_outs[-1].num_cached_tokens == 8
+    assert all_free(engine)
+
+
 async def test_aclose_ends_pending_streams_and_is_idempotent(start_engine):
     engine = await start_engine(FakeRunner(delay_s=0.01))
     task = asyncio.create_task(collect(engine, [3, 4], max_tokens=1000))

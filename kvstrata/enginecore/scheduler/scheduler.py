@@ -476,6 +476,16 @@ class Scheduler:
         for req in st.free:
             self.kv.free(req)
 
+    def blocks_written_by(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """The blocks the step of ``scheduler_output`` (in flight) writes KV
+        into, for the requests it runs and for those that left meanwhile."""
+        kv = self.kv
+
+        def tables(rid: str) -> tuple[list[int], ...]:
+            return kv.get_block_ids(rid) if kv.has_request(rid) else ()
+
+        return self._in_flight.written(id(scheduler_output), tables, self.block_size)
+
     def fail_step(self, scheduler_output: SchedulerOutput) -> None:
         """The step of ``scheduler_output`` raised (its requests already
         failed): the connector drops its buffers, loads it did not make count

@@ -10,6 +10,8 @@ request (``suspect``), uncached if it fails.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvstrata.enginecore.request import Request
 
 
@@ -52,6 +54,18 @@ class StepsInFlight:
             pos = f.starts.get(request_id)
             if pos is not None:
                 f.suspect.extend(b for group in tables for b in group[pos // block_size:])
+
+    def written(self, key: int, tables: Callable[[str], tuple[list[int], ...]], block_size: int) -> set[int]:
+        """The blocks step ``key`` writes: for each of its requests, its
+        blocks (``tables``: of a live request, () of one gone) from the first
+        it writes on, and those noted for requests that left since."""
+        f = self._steps.get(key)
+        if f is None:
+            return set()
+        out = set(f.suspect)
+        for rid, pos in f.starts.items():
+            out.update(b for group in tables(rid) for b in group[pos // block_size:])
+        return out
 
     def done(self, key: int) -> list[int]:
         """A step came back (its output, or its failure): its requests no
