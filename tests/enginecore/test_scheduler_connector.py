@@ -7,6 +7,7 @@ from __future__ import annotations
 from engine_fakes import FakeRunner, SchedulerHarness, ScriptedConnector, make_scheduler
 
 from kvstrata.enginecore.request import RequestStatus
+from kvstrata.types import ModelRunnerOutput
 
 
 def harness(kv_managers, connector, num_blocks=32) -> SchedulerHarness:
@@ -128,4 +129,40 @@ def test_a_reused_request_id_does_not_take_the_old_requests_load_report(kv_manag
     runner.finished_recving = []
     so = h.step()
     assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_new_reqs[0].num_computed_tokens == 16
+    h.run_to_completion()
+
+
+class _SplitConnector(ScriptedConnector):
+    """A split tier hit for ``b``: compute its first 8 tokens, then load 15."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.calls.append(("match", request.request_id, num_computed_tokens))
+        return (15, False) if request.request_id == "b" and num_computed_tokens >= 8 else (0, False)
+
+    def load_point(self, request):
+        return 8 if request.request_id == "b" and request.num_computed_tokens < 8 else None
+
+
+def test_a_split_load_that_finds_no_room_behind_a_step_in_flight_is_asked_again(kv_managers):
+    """b computes the front of a split hit, then its load is answered while
+    a step is in flight and the pool has no room: b waits for that step
+    rather than preempting itself. Its load must still be there for it next
+    step (the connector holds the chunks for it), not recomputed."""
+    conn = _SplitConnector()
+    h = harness(kv_managers, conn, num_blocks=12)  # 11 usable
+    sched, runner = h.sched, h.runner
+    h.add("a", 20, max_tokens=2)
+    b = h.add("b", 24, max_tokens=1)
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a": 20, "b": 8}  # b's front, up to its load point
+    second = sched.schedule()  # in flight behind the first: a's decode takes a block, b finds 3 of 4
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert ("match", "b", 8) in conn.calls and b.load_at == 8
+    sched.update_from_output(first, runner.execute_model(first))
+    sched.update_from_output(second, runner.execute_model(second))  # a finishes: its blocks are free
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"b": 1}
+    assert [c for c in conn.calls if c[0] == "alloc" and c[1] == "b"][-1][3] == 15
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    sched.update_from_output(third, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
     h.run_to_completion()

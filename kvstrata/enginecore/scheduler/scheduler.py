@@ -269,6 +269,8 @@ class Scheduler:
                 blocks, i, returned = self._allocate_running(req, n, i, plan, ext)
                 budget += returned
                 if blocks is None:
+                    if ext and req.status == _RUNNING:
+                        req.load_at = nc  # waits for the step in flight: its load is asked for again
                     full = True
                     break
                 ids = blocks.get_block_ids()
