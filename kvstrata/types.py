@@ -31,6 +31,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOTAL_CHARS = 16384
 MAX_STOP_TOKEN_IDS = 1024
+GREEDY_TEMPERATURE = 1e-5  # below it a request samples greedily (SamplingParams.greedy)
 
 
 def _check_int(name: str, value: object, lo: int, *, note: str = "") -> None:
@@ -150,7 +151,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_TEMPERATURE`` sample greedily: dividing
+        logits by one would overflow float32 (a tiny float64 may even round
+        to 0 on the device), and the distribution is the argmax's anyway."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):

@@ -479,7 +479,7 @@ def sampling_metadata(
 ) -> SamplingMetadata:
     """Per-row sampling parameters for the requests sampled this step."""
     params = [s.params for s in states]
-    temps = [p.temperature for p in params]
+    temps = [0.0 if p.greedy else p.temperature for p in params]
     all_greedy = all(t == 0.0 for t in temps)
     meta = SamplingMetadata(
         temperature=to_device(temps, torch.float32, device),

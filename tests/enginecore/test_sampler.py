@@ -161,6 +161,23 @@ def test_metadata_seeds_generators_by_position():
     assert _state(SamplingParams(seed=5, temperature=0.0)).generator is None  # greedy: no generator
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["all-tiny", "with-a-greedy-row"])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(mixed):
+    """1e-46 is 0 in float32 and 1e-40 makes the logits overflow: such rows
+    are greedy (flags and device temperatures agree), never token 0 of a
+    NaN distribution. 1e-3 still samples, and from a near-argmax distribution."""
+    tiny = [1e-46, 1e-40, 1e-6] + ([0.0] if mixed else [])
+    states = [_state(SamplingParams(temperature=t)) for t in tiny] + [_state(SamplingParams(temperature=1e-3))]
+    m = sampling_metadata(states, (), torch.device("cpu"))
+    assert m.temperature.tolist()[:len(tiny)] == [0.0] * len(tiny) and not m.all_greedy and not m.all_random
+    logits = distinct_logits(len(states), 50, seed=4) * 30
+    tokens, _ = Sampler(torch.Generator().manual_seed(0))(logits, m)
+    assert tokens == logits.argmax(-1).tolist()
+    alone = sampling_metadata(states[:3], (), torch.device("cpu"))
+    assert alone.all_greedy and Sampler()(logits[:3], alone)[0] == logits[:3].argmax(-1).tolist()
+    assert SamplingParams(temperature=1e-46).greedy and not SamplingParams(temperature=1e-3).greedy
+
+
 def test_random_draws_stay_inside_the_masks():
     logits = distinct_logits(500, 40, seed=3) * 0.05  # flat: every token would be likely
     m = meta([1.0] * 500, top_k=torch.full((500,), 3), min_p=torch.zeros(500),
