@@ -102,13 +102,21 @@ def compile_general(qtype: str, tokens: int, n: int, k: int, dtype: str):
     return _compile(general._quant_matmul_kernel, dtype, consts, launch)
 
 
+_SASS: dict[bytes, str] = {}  # cubin -> its SASS: nvdisasm takes ~0.6 s a kernel, and callers ask again
+
+
 def sass(kernel) -> str:
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        return subprocess.run([str(nvdisasm), "-c", path], check=True, capture_output=True, text=True).stdout
+    cubin = kernel.asm["cubin"]
+    text = _SASS.get(cubin)
+    if text is None:
+        nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            text = subprocess.run([str(nvdisasm), "-c", path], check=True, capture_output=True, text=True).stdout
+        _SASS[cubin] = text
+    return text
 
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
