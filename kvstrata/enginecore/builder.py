@@ -179,7 +179,9 @@ def build_runner(config: EngineConfig) -> ModelRunnerLike:
         from kvstrata.worker.null_runner import NullModelRunner as runner_cls
     else:
         from kvstrata.worker.model_runner import ModelRunner as runner_cls  # type: ignore[assignment]
-    return runner_cls(config.model, config.cache, config.device, config.scheduler)
+    sp = config.speculative
+    return runner_cls(config.model, config.cache, config.device, config.scheduler,
+                      max_drafts=sp.num_speculative_tokens if sp.method is not None else 0)
 
 
 def connector_spec(identity: CacheIdentity, layer_specs: LayerSpecs, max_model_len: int) -> ConnectorSpec:

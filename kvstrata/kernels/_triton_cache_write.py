@@ -90,7 +90,9 @@ def _reshape_and_cache_kernel(
         tile += tl.num_programs(0)
 
 
-reshape_and_cache_kernel = LazyKernel(_reshape_and_cache_kernel, do_not_specialize=("num_tokens",))
+# slot_ptr: a view into the step's packed input buffer, its alignment the step's counts' (a second
+# KV cache group's mapping sits after the first's): never a compile of its own
+reshape_and_cache_kernel = LazyKernel(_reshape_and_cache_kernel, do_not_specialize=("num_tokens", "slot_ptr"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -212,7 +212,7 @@ def _rotary_and_cache_kernel(
         tl.store(value_cache_ptr + cache_row[:, None] + vcol[None, :], v, mask=v_ok)
 
 
-rotary_and_cache_kernel = LazyKernel(_rotary_and_cache_kernel, do_not_specialize=("num_tokens",))
+rotary_and_cache_kernel = LazyKernel(_rotary_and_cache_kernel, do_not_specialize=("num_tokens", "slot_ptr"))  # as reshape_and_cache's
 
 
 def _budget(device: torch.device, cuda: int) -> int:

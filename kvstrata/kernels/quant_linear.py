@@ -123,6 +123,31 @@ def quant_matmul_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
 PREFILL_DEQUANT_TOKENS = 128
 PREFILL_CHUNK = 1 << 25  # weights: 64 MB of bf16 scratch; a [4096, 4096] weight in one chunk
 
+# The token counts the Triton path compiles apart, by their largest count: the few-token GEMV's 1
+# and 2, the GEMV's and the small-tile kernel's power-of-two token tiles up to GEMV_MAX_TOKENS (4,
+# 8), _triton_quant.tiles' 32 and 64 token tiles, then dequantize-then-multiply. (Which kernel
+# and tile a count takes is by its class alone; tests/worker/test_warm_up_shapes.py checks it
+# against the tile functions themselves.)
+TOKEN_CLASS_TOPS = (1, 2, 4, 8, 32, PREFILL_DEQUANT_TOKENS - 1)
+
+
+def token_class(num_tokens: int) -> int:
+    """The class of ``num_tokens`` rows: calls of one class run the same compiled kernels."""
+    return next((i for i, top in enumerate(TOKEN_CLASS_TOPS) if num_tokens <= top), len(TOKEN_CLASS_TOPS))
+
+
+def token_class_counts(limit: int) -> list[int]:
+    """One token count of each class that counts up to ``limit`` reach (its
+    largest within the limit): what a warm-up runs so that no count up to
+    ``limit`` compiles a packed matmul later."""
+    counts, low = [], 1
+    for top in (*TOKEN_CLASS_TOPS, PREFILL_DEQUANT_TOKENS):
+        if low > limit:
+            break
+        counts.append(min(top, limit))
+        low = top + 1
+    return counts
+
 
 def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor,
                    scratch: QuantScratch | None = None) -> None:

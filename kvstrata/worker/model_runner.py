@@ -36,7 +36,7 @@ from kvstrata.kernels import use_triton
 from kvstrata.kernels.attention_native import attention_kernels
 from kvstrata.kernels.dispatch import interpret_requested
 from kvstrata.kernels.fused_native import fused_kernels
-from kvstrata.kernels.quant_linear import PREFILL_DEQUANT_TOKENS
+from kvstrata.kernels.quant_linear import token_class, token_class_counts
 from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
 from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
 from kvstrata.worker.pending_step import Failed, Launched, PendingStep, Ready
@@ -119,25 +119,30 @@ def _without(so: SchedulerOutput, request_ids: frozenset[str]) -> SchedulerOutpu
 def warm_up_shapes(max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[list[int]]:
     """The steps ``ModelRunner.warm_up`` runs, as query lengths per sequence:
     a long prefill, an odd-length one, a mixed batch, and decode batches of
-    1, 2, 3, 8, 16 and up to 64 sequences (every token tile of the packed
-    GGUF matmul: ``kernels/_triton_quant.tiles``' 1, 2, 4, 8, 32, 64 rows,
-    ``_triton_quant_gemv.gemv_tiles``' 1, 2, 4, 8); those the limits allow."""
+    1, 2, 3, 8, 16 and up to 64 sequences; those the limits allow. Then one
+    prompt of each class of token count (``quant_linear.token_class_counts``:
+    the packed GGUF matmul compiles each apart) that none of those steps
+    has, up to the longest step: with few sequences a step of that many
+    tokens is a prefill."""
     longest = min(max_num_tokens, max_model_len)
-    decode = (1, 2, 3, 8, 16, min(max_num_seqs, 64))
+    decode = dict.fromkeys((1, 2, 3, 8, 16, min(max_num_seqs, 64)))
     shapes = [[longest], [max(1, longest // 2) + 1], [17, 1, 33], *([1] * n for n in decode)]
-    return [q for q in shapes if sum(q) <= max_num_tokens and len(q) <= max_num_seqs]
+    shapes = [q for q in shapes if sum(q) <= max_num_tokens and len(q) <= max_num_seqs]
+    warmed = {token_class(sum(q)) for q in shapes}
+    for n in token_class_counts(longest):
+        if token_class(n) not in warmed:
+            shapes.append([n])
+            warmed.add(token_class(n))
+    return shapes
 
 
-def warm_up_logits_rows(shapes: list[list[int]], max_num_seqs: int) -> list[int]:
-    """The row counts ``ModelRunner.warm_up`` runs the LM head on: each
-    warm-up step's sequences (the rows a step samples), and
-    PREFILL_DEQUANT_TOKENS where that many sequences can run (a packed head
-    dequantizes, then multiplies, from there on). The head's N is the
-    vocabulary, so its tiles compile apart from the layers'."""
-    rows = {len(q) for q in shapes}
-    if max_num_seqs >= PREFILL_DEQUANT_TOKENS:
-        rows.add(PREFILL_DEQUANT_TOKENS)
-    return sorted(rows)
+def warm_up_logits_rows(max_rows: int) -> list[int]:
+    """The row counts ``ModelRunner.warm_up`` runs the LM head on: one of
+    each class of token count up to ``max_rows``, the most rows a step
+    samples (a row per sequence, and one per draft with speculative
+    decoding). The head's N is the vocabulary, so its tiles compile apart
+    from the layers'."""
+    return token_class_counts(max_rows)
 
 
 class ModelRunner:
@@ -145,9 +150,11 @@ class ModelRunner:
     batch (per-request tokens and block tables) and the sampler's generator."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu",
-                 scheduler_config: SchedulerConfig | None = None) -> None:
+                 scheduler_config: SchedulerConfig | None = None, *, max_drafts: int = 0) -> None:
         """``scheduler_config``: the step limits (tokens, sequences) the step
-        buffers and decode graphs are sized for (default: the defaults)."""
+        buffers and decode graphs are sized for (default: the defaults).
+        ``max_drafts``: the draft tokens a request may carry a step
+        (speculative decoding), each one more row the step samples."""
         self.device = resolve_device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             # cuda:N: this thread (the engine's step thread builds the runner
@@ -185,6 +192,7 @@ class ModelRunner:
         layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
         self.batch = InputBatch(self.block_size, self.max_model_len, self.device, layer_groups,
                                 max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs)
+        self.max_logits_rows = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + max_drafts))
         # a decode step of n sequences is n tokens: both limits bound a graph
         self.graph_sizes = graph_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens),
                                        model_config.cuda_graph_sizes)
@@ -252,7 +260,7 @@ class ModelRunner:
         shapes = warm_up_shapes(b.max_num_tokens, b.max_num_seqs, self.max_model_len)
         for q_lens in shapes:
             hidden = self._run_forward(b.dummy_inputs(q_lens))
-        for rows in warm_up_logits_rows(shapes, b.max_num_seqs):
+        for rows in warm_up_logits_rows(self.max_logits_rows):
             self.model.compute_logits(hidden.new_zeros(rows, hidden.shape[-1]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

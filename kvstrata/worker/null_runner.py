@@ -33,8 +33,8 @@ class NullModelRunner:
     """Owns: per request [known tokens, computed tokens] counters."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str = "cpu",
-                 scheduler_config: object = None) -> None:
-        """``scheduler_config`` is taken for the same signature as ModelRunner's and not used."""
+                 scheduler_config: object = None, *, max_drafts: int = 0) -> None:
+        """``scheduler_config`` and ``max_drafts`` are taken for the same signature as ModelRunner's and not used."""
         raw = DEFAULT_MODEL_CONFIG
         if model_config.model is not None:
             path = Path(model_config.model).expanduser() / "config.json"

@@ -306,14 +306,17 @@ def test_triton_interpreted_kernels_give_the_same_tokens(tiny, monkeypatch):
     assert driver.run()["a"] == hf_greedy(hf, PROMPTS["a"], 3)
 
 
-def test_warm_up_runs_the_lm_head_on_every_count_of_sampled_rows(tiny):
+@pytest.mark.parametrize(("max_seqs", "drafts", "max_rows"), [(160, 0, 160), (40, 2, 120), (8, 0, 8)])
+def test_warm_up_runs_the_lm_head_on_every_count_of_sampled_rows(tiny, max_seqs, drafts, max_rows):
     """The head's tiles (N: the vocabulary) compile at start too: warm_up
-    runs it on each row count of warm_up_logits_rows, after the forwards."""
+    runs it on each row count of warm_up_logits_rows, after the forwards,
+    up to the most rows a step samples (one per sequence and draft)."""
     from kvstrata.config import SchedulerConfig
-    from kvstrata.worker.model_runner import warm_up_logits_rows, warm_up_shapes
+    from kvstrata.worker.model_runner import warm_up_logits_rows
 
     runner = ModelRunner(ModelConfig(model=tiny[0]), CacheConfig(block_size=BS), "cpu",
-                         SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=160))
+                         SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_seqs), max_drafts=drafts)
+    assert runner.max_logits_rows == max_rows
     runner.initialize_kv_cache(64)
     head = runner.model.compute_logits
     rows: list[int] = []
@@ -324,8 +327,7 @@ def test_warm_up_runs_the_lm_head_on_every_count_of_sampled_rows(tiny):
 
     runner.model.compute_logits = spy
     runner.warm_up()
-    shapes = warm_up_shapes(512, 160, runner.max_model_len)
-    assert rows == warm_up_logits_rows(shapes, 160) and rows[-1] == 128 and 1 in rows and 64 in rows
+    assert rows == warm_up_logits_rows(max_rows) and rows[0] == 1 and rows[-1] == min(max_rows, 128)
 
 
 def test_num_threads_sets_torch_intra_op_threads(tiny):
