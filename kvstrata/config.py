@@ -7,6 +7,8 @@ ValueError naming the field (``"scheduler.max_num_seqs must be >= 1"``).
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal
 
 import msgspec
@@ -219,8 +221,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError("model.cuda_graph_sizes must be a non-empty list of batch sizes")
             for n in sizes:
                 _positive("model.cuda_graph_sizes[]", n)
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (GPU N), got {self.device!r}")
         sp = self.speculative
         if sp.method not in (None, "ngram"):
             raise ValueError(f"speculative.method must be 'ngram' or unset, got {sp.method!r}")

@@ -158,7 +158,7 @@ def engines_config(config: EngineConfig, num_engines: int, *, cores: int | None 
 def _engines_on_cpu(device: str) -> bool:
     if device == "cpu":
         return True
-    if device == "cuda":
+    if device.startswith("cuda"):
         return False
     import torch  # "auto": only here, and only for several local engines
 

@@ -21,8 +21,7 @@ input token without the scheduler resending it.
 
 from __future__ import annotations
 
-
-
+import re
 import time
 from collections import deque
 
@@ -58,8 +57,8 @@ log = structlog.get_logger(__name__)
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (GPU N), got {device!r}")
     return torch.device(device)
 
 

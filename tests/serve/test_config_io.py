@@ -88,3 +88,14 @@ def test_optional_kv_transfer_section_from_toml_env_and_flags(tmp_path):
     }
     with pytest.raises(ConfigError, match="kv_transfer.role"):
         load_config(env={"KVSTRATA_KV_TRANSFER__ROLE": "sideways"})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1", "auto"])
+def test_a_device_or_a_gpu_by_number(device):
+    assert load_config(args=_args("--device", device), env={}).device == device
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "cuda:1:2", "mps"])
+def test_another_device_is_named(device):
+    with pytest.raises(ConfigError, match=r"device.*'cuda:N'"):
+        load_config(args=_args("--device", device), env={})
