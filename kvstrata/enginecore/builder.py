@@ -226,6 +226,9 @@ def build_engine_core(
     max_model_len = cap_max_model_len(runner.max_model_len,
                                       pool_token_capacity(kv_cache_groups(layer_specs), num_blocks))
     check_batch_budget(config.scheduler, max_model_len)
+    limit = getattr(runner, "limit_max_model_len", None)
+    if callable(limit):  # its block tables as wide as a request can be
+        limit(max_model_len)
     identity = cache_identity(cache, layer_specs, runner.model_fingerprint)
     hasher = build_block_hasher(cache, identity, with_connector=connector is not None)
     kv_connector = connector if isinstance(connector, KVConnector) else None

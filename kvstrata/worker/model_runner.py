@@ -189,8 +189,9 @@ class ModelRunner:
         groups = group_layer_specs(specs)  # the engine's builder groups the same way
         group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
         layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
-        self.batch = InputBatch(self.block_size, self.max_model_len, self.device, layer_groups,
-                                max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs)
+        self._layer_groups = layer_groups
+        self._sched = sched
+        self.batch = self._new_batch()
         self.max_logits_rows = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + max_drafts))
         # a decode step of n sequences is n tokens: both limits bound a graph
         self.graph_sizes = graph_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens),
@@ -248,6 +249,22 @@ class ModelRunner:
             self.warm_up()
         if self.use_cuda_graphs:
             self.capture_decode_graphs()
+
+    def _new_batch(self) -> InputBatch:
+        sched = self._sched
+        return InputBatch(self.block_size, self.max_model_len, self.device, self._layer_groups,
+                          max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs)
+
+    def limit_max_model_len(self, max_model_len: int) -> None:
+        """The engine admits at most ``max_model_len`` tokens a request (its KV
+        pool caps the checkpoint's context): block tables, the step buffers
+        and the decode graphs' layouts are that wide, not the checkpoint's.
+        Before ``initialize_kv_cache``."""
+        if self.kv_caches is not None:
+            raise RuntimeError("limit_max_model_len() must be called before initialize_kv_cache()")
+        if max_model_len < self.max_model_len:
+            self.max_model_len = max_model_len
+            self.batch = self._new_batch()
 
     def warm_up(self) -> None:
         """Run the forward once on each kind of step shape with no real request

@@ -401,3 +401,27 @@ def test_the_first_layer_of_a_step_checks_its_arguments_and_the_others_skip_them
     good = meta(BS)
     runner.model(ids, pos, good, runner.kv_caches)
     assert good.checked  # the layers after the first ran unchecked
+
+
+def test_block_tables_are_as_wide_as_the_pool_lets_a_request_be(tiny, kv_managers):
+    """The checkpoint allows 512 positions; a pool of 8 blocks of 4 caps the
+    engine at 32 tokens a request, and the runner's tables (and the decode
+    graphs' full-width layouts) follow the cap, not the checkpoint."""
+    from kvstrata.config import EngineConfig
+    from kvstrata.enginecore.builder import build_engine_core
+    from kvstrata.enginecore.request import EngineRequest
+
+    path, hf = tiny
+    core = build_engine_core(EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=BS, num_blocks=9)))
+    kv_managers.append(core.kv)
+    runner = core.runner
+    assert (core.max_model_len, runner.max_model_len, runner.batch.max_blocks) == (32, 32, 8)
+    with pytest.raises(RuntimeError, match="before initialize_kv_cache"):
+        runner.limit_max_model_len(16)
+    prompt = PROMPTS["a"]
+    core.add_request(EngineRequest(request_id="a", prompt_token_ids=prompt,
+                                   sampling_params=SamplingParams(temperature=0.0, max_tokens=4)))
+    got = []
+    while core.has_work():
+        got += [t for out in core.step() for t in out.new_token_ids]
+    assert got == hf_greedy(hf, prompt, 4)
