@@ -98,38 +98,58 @@ class Sampler:
         drawn_t = greedy if probs is None else self._draw(probs, meta.generators)
         if probs is not None and not meta.all_random:
             drawn_t = torch.where(meta.temperature == 0.0, greedy, drawn_t)
-        drawn, best = drawn_t.tolist(), greedy.tolist()
-        out: list[list[int]] = []
-        temps = meta.temperature.tolist()
+        # one read back for every row (a host sync each on a GPU)
+        drawn, best, is_greedy = torch.stack([drawn_t, greedy, (meta.temperature == 0.0).long()]).tolist()
+        out: list[list[int] | None] = []
+        verify: list[tuple[int, int, list[int]]] = []  # (request, first row, drafts): random rows with drafts
         for first, drafts in groups:
             if not drafts:
                 out.append([drawn[first]])
-                continue
-            d = len(drafts)
-            if temps[first] == 0.0:
-                k = 0
+            elif is_greedy[first]:
+                k, d = 0, len(drafts)
                 while k < d and best[first + k] == drafts[k]:
                     k += 1
                 out.append([*drafts[:k], best[first + k]])
-                continue
+            else:
+                verify.append((len(out), first, drafts))
+                out.append(None)
+        if verify:
             assert probs is not None
-            p = probs[first:first + d + 1]
-            u = torch.rand(d, dtype=torch.float64, device=p.device, generator=self.generator).tolist()
-            target = p[torch.arange(d, device=p.device), torch.tensor(drafts, device=p.device)].tolist()
-            k = 0
-            while k < d and u[k] < target[k]:
+            self._verify_random(probs, drawn, verify, out)
+        return out  # type: ignore[return-value]  # every None was filled in
+
+    def _verify_random(self, probs: torch.Tensor, drawn: list[int], verify: list[tuple[int, int, list[int]]],
+                       out: list[list[int] | None]) -> None:
+        """Random rows' drafts, all requests at once (two reads back in all):
+        draft j kept with probability p_j(draft_j), the first rejected one
+        replaced by a draw from p_j without it."""
+        rows = [first + j for _, first, drafts in verify for j in range(len(drafts))]
+        ids = [t for _, _, drafts in verify for t in drafts]
+        dev = probs.device
+        index = torch.tensor([rows, ids], dtype=torch.int64, pin_memory=probs.is_cuda).to(dev, non_blocking=True)
+        u = torch.rand(len(rows), dtype=torch.float64, device=dev, generator=self.generator)
+        us, targets = torch.stack([u, probs[index[0], index[1]].to(torch.float64)]).tolist()
+        rejected: list[tuple[int, list[int], int, int]] = []  # (request, drafts, k, row of p_k)
+        at = 0
+        for i, first, drafts in verify:
+            d, k = len(drafts), 0
+            while k < d and us[at + k] < targets[at + k]:
                 k += 1
+            at += d
             if k == d:
-                out.append([*drafts, drawn[first + d]])
-                continue
-            residual = p[k].clone()
-            residual[drafts[k]] = 0.0
-            if float(residual.sum()) <= 0.0:  # all mass on the draft (cannot be rejected): defensive
-                out.append([*drafts[:k], drawn[first + k]])
-                continue
-            token = int(self._draw(residual.unsqueeze(0), {}).item())
-            out.append([*drafts[:k], token])
-        return out
+                out[i] = [*drafts, drawn[first + d]]
+            else:
+                rejected.append((i, drafts, k, first + k))
+        if not rejected:
+            return
+        pick = torch.tensor([[r for *_, r in rejected], [drafts[k] for _, drafts, k, _ in rejected]],
+                            dtype=torch.int64, pin_memory=probs.is_cuda).to(dev, non_blocking=True)
+        residual = probs.index_select(0, pick[0])
+        residual[torch.arange(len(rejected), device=dev), pick[1]] = 0.0
+        tokens, empty = torch.stack([self._draw(residual, {}), (residual.sum(dim=-1) <= 0.0).long()]).tolist()
+        for (i, drafts, k, row), token, no_mass in zip(rejected, tokens, empty, strict=True):
+            # all of p_k's mass on the draft (it cannot be rejected): defensive
+            out[i] = [*drafts[:k], drawn[row] if no_mass else token]
 
     def _probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The distribution each random row samples from (after temperature,
