@@ -37,7 +37,11 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, model, arch: str, qtype: Q, *, eot: int | None = None) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: Path, model, arch: str, qtype: Q, *, eot: int | None = None,
+                    rope_freqs: np.ndarray | None = None,
+                    yarn: tuple[float, int] | None = None) -> dict[str, np.ndarray]:
+    """``rope_freqs``: a rope_freqs tensor (llama.cpp's Llama 3 scaling);
+    ``yarn``: (factor, original context) as rope.scaling metadata."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -57,6 +61,12 @@ def write_tiny_gguf(path: Path, model, arch: str, qtype: Q, *, eot: int | None =
     if eot is not None:
         w.add_eot_token_id(eot)
         w.add_eom_token_id(eot + 1)
+    if yarn is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn[0])
+        w.add_rope_scaling_orig_ctx_len(yarn[1])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if arch == "llama" else {}
     expect = {}
     for name, t in model.state_dict().items():

@@ -77,6 +77,10 @@ class RopeConfig(msgspec.Struct, frozen=True, kw_only=True):
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Per-dimension divisors of the frequencies (head_dim // 2 of them), after
+    # rope_type's: a GGUF's rope_freqs tensor, llama.cpp's form of Llama 3's
+    # scaling (its converter writes the llama3 ramp as these factors).
+    freq_factors: tuple[float, ...] | None = None
 
 
 class LlamaArchConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,6 +214,11 @@ def _parse_rope(raw: HFConfig, where: str) -> RopeConfig:
             if params.get(key):
                 fields[key] = float(params[key])
         fields["truncate"] = bool(params.get("truncate", True))
+    factors = raw.get("rope_freq_factors")  # from a GGUF's rope_freqs tensor (no config.json has it)
+    if factors is not None:
+        if not isinstance(factors, (list, tuple)) or not all(isinstance(f, float) and f > 0 for f in factors):
+            raise CheckpointError(f"{where}: rope_freq_factors must be positive numbers")
+        fields["freq_factors"] = tuple(factors)
     return RopeConfig(**fields)
 
 

@@ -30,6 +30,7 @@ truncated, an architecture or tensor type this reader does not map.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Callable, Iterator
@@ -53,6 +54,7 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ROPE_FREQS = "rope_freqs.weight"  # per-dimension frequency divisors (llama.cpp's Llama 3 scaling)
 
 
 class GGUFCheckpoint:
@@ -132,6 +134,14 @@ class GGUFCheckpoint:
         }
         if self.arch_name in ("qwen2", "qwen3"):
             cfg["use_sliding_window"] = False  # llama.cpp records no window for these
+        scaling = self._rope_scaling()
+        if scaling is not None:
+            cfg["rope_scaling"] = scaling
+        if _ROPE_FREQS in self._tensors:
+            info = self._tensors[_ROPE_FREQS]
+            factors = np.empty(info.shape, np.float32)
+            _dequantize(self, info, factors)
+            cfg["rope_freq_factors"] = [float(f) for f in factors.reshape(-1)]
         for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                           ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             value = self.field(name)
@@ -145,6 +155,39 @@ class GGUFCheckpoint:
             cfg["eos_token_id"] = ends
         return cfg
 
+    def _rope_scaling(self) -> dict[str, object] | None:
+        """llama.cpp's ``{arch}.rope.scaling.*`` as config.json's rope_scaling:
+        "linear" (positions divided by ``factor``) and "yarn" (with its
+        ``original_context_length``; llama.cpp multiplies yarn's attention
+        factor by ``attn_factor``). None without scaling."""
+        kind = self.field(f"{self.arch_name}.rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        factor = self.field(f"{self.arch_name}.rope.scaling.factor")
+        if kind not in ("linear", "yarn") or not isinstance(factor, (int, float)) or factor <= 0:
+            raise CheckpointError(f"model: {self.path.name!r} has rope scaling {kind!r} (factor {factor!r}); "
+                                  "supported: 'linear' and 'yarn' with a positive factor")
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(factor)}
+        orig = self.field(f"{self.arch_name}.rope.scaling.original_context_length")
+        if not isinstance(orig, int) or orig < 1:
+            raise CheckpointError(f"model: {self.path.name!r} has yarn rope scaling without "
+                                  f"{self.arch_name}.rope.scaling.original_context_length")
+        out: dict[str, object] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig}
+        for key in ("yarn_log_multiplier", "yarn_attn_factor"):
+            value = self.field(f"{self.arch_name}.rope.scaling.{key}")
+            if value is not None and value != (0.0 if key == "yarn_log_multiplier" else 1.0):
+                raise CheckpointError(f"model: {self.path.name!r} has {self.arch_name}.rope.scaling.{key} = "
+                                      f"{value!r}, which kvstrata does not run")
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = self.field(f"{self.arch_name}.rope.scaling.{key}")
+            if isinstance(value, (int, float)) and value > 0:
+                out[hf] = float(value)
+        attn = self.field(f"{self.arch_name}.rope.scaling.attn_factor")
+        if isinstance(attn, (int, float)) and attn != 1.0:
+            out["attention_factor"] = float(attn) * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        return out
+
     # -- tensors ------------------------------------------------------------------
     def tensor_sources(self) -> Iterator[tuple[str, GGUFTensor]]:
         """(HF name, ``GGUFTensor``) for every tensor: its shape now, its
@@ -153,6 +196,8 @@ class GGUFCheckpoint:
         cfg = self.hf_config()
         heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
         for name, info in self._tensors.items():
+            if name == _ROPE_FREQS:
+                continue  # the frequencies' divisors: in hf_config, not a weight
             hf = _hf_name(name)
             if hf is None:
                 raise CheckpointError(f"model: {self.path.name!r} has tensor {name!r}, which a "

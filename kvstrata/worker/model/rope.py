@@ -5,7 +5,8 @@ Frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` (fp32):
 frequencies divided by ``factor``, a smooth ramp between ``low_freq_factor``
 and ``high_freq_factor`` wavelengths) and "yarn" (interpolate the slow
 dimensions, keep the fast ones, ramp between; cos/sin scaled by the
-attention factor). "dynamic" NTK scaling is refused at
+attention factor); then per-dimension divisors where a GGUF gives them
+(its ``rope_freqs`` tensor: llama.cpp's form of Llama 3's scaling). "dynamic" NTK scaling is refused at
 config time: its frequencies depend on the current sequence length, so keys
 already in a paged cache would have been rotated with different ones.
 
@@ -27,11 +28,16 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """fp32 [head_dim // 2] inverse frequencies for ``rope``."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3(inv_freq, rope)
-    if rope.rope_type == "yarn":
-        return _yarn(inv_freq, rope, head_dim)
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, rope)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn(inv_freq, rope, head_dim)
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"rope: {len(rope.freq_factors)} frequency factors for a head of {head_dim} "
+                             f"(it rotates {head_dim // 2} pairs)")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float)
     return inv_freq
 
 
