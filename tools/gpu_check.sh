@@ -15,10 +15,12 @@
 #   oracle_eager       the oracle with graphs off
 #   tier_oracle        the CPU-tier oracle on CUDA streams (tests/connector/test_oracle_tiers.py -k cuda)
 #   oracle_modes       the oracle's other modes with graphs on (async scheduling, speculative decoding)
+#   oracle_bf16        the oracle in bfloat16 (checkpoint, HF and engine; the switches' defaults): tokens
+#                      equal up to the first near tie (test_oracle.py's LOW_PRECISION_TIE)
 #   bench              tools/bench_gpu.py --quick (end to end)
 #   kernels            the kernel benchmarks (bench_kernels, bench_attention, bench_fused_kernels)
 # Groups: quant = quant_goal,quant_engine,quant_kernels; tests = gpu_tests,pipelined,tier_oracle;
-# oracle = oracle_graphs,oracle_split,oracle_fused,oracle_eager,oracle_modes.
+# oracle = oracle_graphs,oracle_split,oracle_fused,oracle_eager,oracle_modes,oracle_bf16.
 #
 #   bash tools/gpu_check.sh [stage,stage,...]     (default: all, in the order above)
 #
@@ -35,14 +37,14 @@ set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 ALL="quant_goal quant_engine quant_kernels pipelined oracle_graphs gpu_tests oracle_split oracle_fused oracle_eager"
-ALL="$ALL tier_oracle oracle_modes bench kernels"
+ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench kernels"
 STAGES=()
 for s in ${1:-$ALL}; do  # names separated by commas or spaces; groups expanded
   for s in ${s//,/ }; do
     case $s in
       quant) STAGES+=(quant_goal quant_engine quant_kernels) ;;
       tests) STAGES+=(gpu_tests pipelined tier_oracle) ;;
-      oracle) STAGES+=(oracle_graphs oracle_split oracle_fused oracle_eager oracle_modes) ;;
+      oracle) STAGES+=(oracle_graphs oracle_split oracle_fused oracle_eager oracle_modes oracle_bf16) ;;
       *) [[ " $ALL " == *" $s "* ]] || { echo "unknown stage: $s (see the header of tools/gpu_check.sh)"; exit 2; }
          STAGES+=("$s") ;;
     esac
@@ -98,6 +100,8 @@ run() {  # run STAGE
     oracle_graphs) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 stage oracle_graphs "${ORACLE_S:-150}" $PYTEST $ORACLE \
         -k "${ORACLE_K:-serial or pipelined}" ;;
     oracle_modes) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 stage oracle_modes "${ORACLE_S:-150}" $PYTEST $ORACLE -k "async or spec" ;;
+    oracle_bf16) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_DTYPE=bfloat16 stage oracle_bf16 "${ORACLE_S:-100}" $PYTEST $ORACLE \
+        -k "${ORACLE_K:-serial or pipelined}" ;;
     oracle_eager) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=0 stage oracle_eager "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
     oracle_fused) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 KVSTRATA_TEST_FUSED_KERNELS=1 stage oracle_fused "${ORACLE_S:-100}" \
