@@ -238,17 +238,33 @@ class ModelRunner:
             num_kv_heads=a.num_key_value_heads,
             head_size=a.head_dim,
         )
-        self.kv_cache_backing, self.kv_caches = allocate_kv_caches(
-            shape, self.kv_layout, self.model.dtype, self.device
-        )
-        log.info("kv_cache_allocated", num_blocks=num_blocks, layout=self.kv_layout,
-                 mib=round(self.kv_cache_backing.nbytes / 2**20, 1))
+        try:
+            self.kv_cache_backing, self.kv_caches = allocate_kv_caches(
+                shape, self.kv_layout, self.model.dtype, self.device
+            )
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(
+                f"out of {self.device} memory allocating the KV cache ({num_blocks} blocks) after "
+                f"{self.weight_bytes / 2**20:.0f} MiB of weights: lower cache.kv_cache_memory_mib "
+                f"(or cache.num_blocks) ({e})") from e
+        mib = self.kv_cache_backing.nbytes / 2**20
+        log.info("kv_cache_allocated", num_blocks=num_blocks, layout=self.kv_layout, mib=round(mib, 1))
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches, self.device)
-        if use_triton("auto", self.device):
-            self.warm_up()
-        if self.use_cuda_graphs:
-            self.capture_decode_graphs()
+        # Warm-up activations (a step of max_num_batched_tokens) and the decode
+        # graphs' pool come after the KV cache: an OOM there says what to lower.
+        try:
+            if use_triton("auto", self.device):
+                self.warm_up()
+            if self.use_cuda_graphs:
+                self.capture_decode_graphs()
+        except torch.OutOfMemoryError as e:
+            self.kv_caches = self.kv_cache_backing = None  # this runner cannot serve: give the memory back
+            raise torch.OutOfMemoryError(
+                f"out of {self.device} memory warming up or capturing decode graphs after the KV cache took "
+                f"{mib:.0f} MiB and the weights {self.weight_bytes / 2**20:.0f} MiB: lower "
+                "cache.kv_cache_memory_mib, scheduler.max_num_batched_tokens or model.cuda_graph_sizes "
+                f"(or set model.cuda_graphs = false) ({e})") from e
 
     def _new_batch(self) -> InputBatch:
         sched = self._sched

@@ -425,3 +425,28 @@ def test_block_tables_are_as_wide_as_the_pool_lets_a_request_be(tiny, kv_manager
     while core.has_work():
         got += [t for out in core.step() for t in out.new_token_ids]
     assert got == hf_greedy(hf, prompt, 4)
+
+
+def test_out_of_device_memory_at_start_names_what_to_lower(tiny, monkeypatch):
+    """The KV cache is sized from cache.kv_cache_memory_mib; warm-up and the
+    decode graphs allocate after it. Out of memory at either (injected here:
+    a CPU has no device limit) is an error naming the knobs, not a bare OOM."""
+    import kvstrata.worker.model_runner as mr
+
+    runner = ModelRunner(ModelConfig(model=tiny[0]), CacheConfig(block_size=BS))
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    real = mr.allocate_kv_caches
+    monkeypatch.setattr(mr, "allocate_kv_caches", oom)
+    with pytest.raises(torch.OutOfMemoryError, match=r"allocating the KV cache \(64 blocks\).*"
+                                                      r"cache\.kv_cache_memory_mib.*Tried to allocate"):
+        runner.initialize_kv_cache(64)
+    monkeypatch.setattr(mr, "allocate_kv_caches", real)
+    runner.use_cuda_graphs = True  # as on a GPU: the graphs' pool comes after the KV cache
+    monkeypatch.setattr(runner, "capture_decode_graphs", oom)
+    with pytest.raises(torch.OutOfMemoryError, match=r"capturing decode graphs after the KV cache took.*"
+                                                      r"model\.cuda_graph_sizes"):
+        runner.initialize_kv_cache(64)
+    assert runner.kv_caches is None and runner.kv_cache_backing is None
