@@ -21,10 +21,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import structlog
 import torch
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+
+log = structlog.get_logger(__name__)
 
 ALIGN = 4096
 
@@ -72,8 +75,23 @@ def object_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 def host_buffer(nbytes: int, *, pin_memory: bool) -> tuple[torch.Tensor, int]:
     """A uint8 tensor of at least ``nbytes`` whose usable part starts on a
-    4 KiB boundary (so O_DIRECT can read into it). Returns (tensor, offset)."""
+    4 KiB boundary (so O_DIRECT can read into it). Returns (tensor, offset).
+
+    Pinned (``pin_memory`` on a CUDA machine): torch's caching host
+    allocator pins the next power of two of the size asked for, on a page
+    boundary. So no alignment slack is asked for (a 1 GiB tier pins 1 GiB,
+    not 2 GiB), and a size that is not a power of two is logged with what
+    it really pins."""
     pin = pin_memory and torch.cuda.is_available()
+    if pin:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            pinned = 1 << max(0, (nbytes - 1).bit_length())
+            if pinned != nbytes:
+                log.warning("host_buffer_pinned_rounded_up", asked_bytes=nbytes, pinned_bytes=pinned,
+                            hint="torch pins a power of two: a capacity of one pins exactly that")
+            return raw, 0
+        del raw  # not on a page (not seen: pinned memory starts on one): with slack, as below
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     offset = (-raw.data_ptr()) % ALIGN
     return raw, offset

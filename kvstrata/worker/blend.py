@@ -159,7 +159,7 @@ def blend_prefill(
             q, k, v, x = q[active], k[active], v[active], x[active]
         kv[i, 0, active] = k
         kv[i, 1, active] = v
-        x = x + attn.o_proj(_attend(attn, q, kv[i, 0], kv[i, 1], active))
+        x = x + attn.o_proj(_attend(attn, q, kv[i, 0], kv[i, 1], active, n))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     logits = model.compute_logits(model.model.norm(x[-1:]))[0]
     return BlendResult(kv, logits, active.clone(), selected)
@@ -215,11 +215,12 @@ def _qkv(attn: LlamaAttention, h: torch.Tensor, cos: torch.Tensor,
 
 
 def _attend(attn: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            q_pos: torch.Tensor) -> torch.Tensor:
+            q_pos: torch.Tensor, ctx: int) -> torch.Tensor:
     """Queries q [T, Hq, D] at sorted positions ``q_pos`` over the context's
-    k/v [N, Hkv, D] (position = row): causal, sliding window if the layer has
-    one. Returns [T, Hq * D]."""
-    ctx = int(q_pos[-1]) + 1
+    first ``ctx`` rows of k/v [N, Hkv, D] (position = row): causal, sliding
+    window if the layer has one. Returns [T, Hq * D]. (``ctx`` from the
+    caller, who knows its last query: reading ``q_pos`` would be a host sync
+    a layer on a GPU.)"""
     keys = torch.arange(ctx, device=q_pos.device)
     mask = keys[None, :] <= q_pos[:, None]
     if attn.sliding_window is not None:

@@ -60,3 +60,36 @@ def test_dtype_names_round_trip():
         assert dtype_from_name(dtype_name(d)) is d
     with pytest.raises(ValueError, match="dtype name"):
         dtype_from_name("complex64")
+
+
+def test_a_pinned_host_buffer_asks_for_no_slack(monkeypatch):
+    """torch's caching host allocator pins the next power of two of what it
+    is asked for, on a page: asking for the capacity plus 4 KiB of alignment
+    slack pinned twice a power-of-two capacity (a 1 GiB tier held 2 GiB of
+    pinned memory). Pinned buffers ask for the capacity alone; one that is
+    not a power of two is logged with what it pins. (No CUDA here: the
+    allocator stands in, page-aligned as cudaHostAlloc's memory is.)"""
+    import structlog.testing
+    import torch
+
+    from kvstrata.io import memory
+
+    asked: list[tuple[int, bool]] = []
+    real_empty = torch.empty
+
+    def pinned_empty(n, dtype, pin_memory=False):
+        asked.append((n, pin_memory))
+        backing = real_empty(n + memory.ALIGN, dtype=dtype)
+        start = (-backing.data_ptr()) % memory.ALIGN
+        return backing[start:start + n]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", pinned_empty)
+    with structlog.testing.capture_logs() as logs:
+        raw, offset = memory.host_buffer(1 << 20, pin_memory=True)
+        assert (asked, offset, raw.numel()) == ([(1 << 20, True)], 0, 1 << 20) and not logs
+        memory.host_buffer(3 << 20, pin_memory=True)
+    assert asked[1] == (3 << 20, True)
+    assert [(e["event"], e["pinned_bytes"]) for e in logs] == [("host_buffer_pinned_rounded_up", 4 << 20)]
+    raw, offset = memory.host_buffer(1 << 20, pin_memory=False)  # pageable: the slack, for O_DIRECT
+    assert asked[2] == ((1 << 20) + memory.ALIGN, False) and (raw.data_ptr() + offset) % memory.ALIGN == 0
