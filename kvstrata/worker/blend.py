@@ -214,19 +214,30 @@ def _qkv(attn: LlamaAttention, h: torch.Tensor, cos: torch.Tensor,
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(t, attn.num_kv_heads, attn.head_dim)
 
 
+# Queries per SDPA call in _attend: a masked SDPA may take the math path, whose
+# temporaries are fp32 scores of every head for each query over the whole
+# context (32 heads x 8k context: 1 MiB a query); blocks keep that bounded.
+ATTEND_BLOCK = 256
+
+
 def _attend(attn: LlamaAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q_pos: torch.Tensor, ctx: int) -> torch.Tensor:
     """Queries q [T, Hq, D] at sorted positions ``q_pos`` over the context's
     first ``ctx`` rows of k/v [N, Hkv, D] (position = row): causal, sliding
     window if the layer has one. Returns [T, Hq * D]. (``ctx`` from the
     caller, who knows its last query: reading ``q_pos`` would be a host sync
-    a layer on a GPU.)"""
+    a layer on a GPU.) ``ATTEND_BLOCK`` queries at a time."""
     keys = torch.arange(ctx, device=q_pos.device)
-    mask = keys[None, :] <= q_pos[:, None]
-    if attn.sliding_window is not None:
-        mask &= keys[None, :] > q_pos[:, None] - attn.sliding_window
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1),
-                                         attn_mask=mask, scale=attn.scale, enable_gqa=True)
+    k_t, v_t = k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1)
+    outs = []
+    for lo in range(0, q.shape[0], ATTEND_BLOCK):
+        pos = q_pos[lo:lo + ATTEND_BLOCK]
+        mask = keys[None, :] <= pos[:, None]
+        if attn.sliding_window is not None:
+            mask &= keys[None, :] > pos[:, None] - attn.sliding_window
+        outs.append(F.scaled_dot_product_attention(q[lo:lo + ATTEND_BLOCK].transpose(0, 1), k_t, v_t,
+                                                   attn_mask=mask, scale=attn.scale, enable_gqa=True))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.transpose(0, 1).reshape(q.shape[0], attn.q_size)
 
 

@@ -113,6 +113,22 @@ def test_ratio_one_is_the_models_paged_prefill(family):
     assert got.selected.tolist() == [*range(3, 30), *range(31, 38)]
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_queries_in_blocks_give_the_blend_of_one_call(family, monkeypatch):
+    """_attend runs ATTEND_BLOCK queries per SDPA call (bounded temporaries on
+    long prompts): blocks of 7 give exactly the result of one call."""
+    from kvstrata.worker import blend
+
+    model = tiny_model(**FAMILIES[family])
+    ids = random_ids(40)
+    segments = [(3, 12), (12, 30)]
+    cached = [compute_segment_kv(model, ids[s:e]) for s, e in segments]
+    whole = blend_prefill(model, ids, segments, cached, 0.5)
+    monkeypatch.setattr(blend, "ATTEND_BLOCK", 7)
+    blocks = blend_prefill(model, ids, segments, cached, 0.5)
+    assert torch.equal(blocks.kv, whole.kv) and torch.equal(blocks.logits, whole.logits)
+
+
 def test_ratio_zero_with_one_segment_at_position_zero_is_exact_reuse(model):
     ids = random_ids(30)
     cached = [compute_segment_kv(model, ids[:22])]
