@@ -38,10 +38,11 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, model, arch: str, qtype: Q, *, eot: int | None = None,
-                    rope_freqs: np.ndarray | None = None,
-                    yarn: tuple[float, int] | None = None) -> dict[str, np.ndarray]:
+                    rope_freqs: np.ndarray | None = None, yarn: tuple[float, int] | None = None,
+                    metadata: dict[str, str | float] | None = None) -> dict[str, np.ndarray]:
     """``rope_freqs``: a rope_freqs tensor (llama.cpp's Llama 3 scaling);
-    ``yarn``: (factor, original context) as rope.scaling metadata."""
+    ``yarn``: (factor, original context) as rope.scaling metadata;
+    ``metadata``: more keys (strings or float32s)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -67,6 +68,8 @@ def write_tiny_gguf(path: Path, model, arch: str, qtype: Q, *, eot: int | None =
         w.add_rope_scaling_orig_ctx_len(yarn[1])
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    for key, value in (metadata or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if arch == "llama" else {}
     expect = {}
     for name, t in model.state_dict().items():

@@ -68,62 +68,45 @@ def engine_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     return got
 
 
+def rotates_as_original(tmp_path: Path, model, arch: str, **scaling):
+    """Write ``model`` as a GGUF with ``scaling`` (write_tiny_gguf's), check
+    the engine's greedy tokens are transformers' on the original, and that
+    the same file without the scaling (another model) gives other tokens.
+    Returns the scaled file's loaded architecture."""
+    path, plain = tmp_path / "scaled.gguf", tmp_path / "plain.gguf"
+    write_tiny_gguf(path, model, arch, Q.F32, **scaling)
+    write_tiny_gguf(plain, model, arch, Q.F32)
+    want = hf_greedy(model, PROMPT, NEW)
+    assert engine_greedy(path, PROMPT, NEW) == want
+    assert engine_greedy(plain, PROMPT, NEW) != want
+    return load_checkpoint(str(path), quantized_weights="dequantize").arch
+
+
 def test_a_llama3_gguf_rotates_as_its_original(tmp_path):
     model = build_tiny_llama(tmp_path / "src", rope_scaling=LLAMA3)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     factors = llama3_rope_freqs(head_dim, 10000.0, LLAMA3)
     assert {1.0, 8.0} < set(factors.tolist())  # fast, slow and ramped pairs
-    path = tmp_path / "llama3.gguf"
-    write_tiny_gguf(path, model, "llama", Q.F32, rope_freqs=factors)
-    arch = load_checkpoint(str(path), quantized_weights="dequantize").arch
+    arch = rotates_as_original(tmp_path, model, "llama", rope_freqs=factors)
     assert arch.rope.freq_factors == tuple(factors.tolist())
     hf_inv = model.model.rotary_emb.inv_freq
     assert torch.allclose(inv_frequencies(arch.rope, head_dim), hf_inv, rtol=1e-6, atol=0)
-    want = hf_greedy(model, PROMPT, NEW)
-    assert engine_greedy(path, PROMPT, NEW) == want
-    # without the tensor the file is another model: its tokens are not these
-    plain = tmp_path / "plain.gguf"
-    write_tiny_gguf(plain, model, "llama", Q.F32)
-    assert engine_greedy(plain, PROMPT, NEW) != want
 
 
 def test_a_yarn_gguf_rotates_as_its_original(tmp_path):
     model = build_tiny_family(tmp_path / "src", "qwen2-yarn")  # factor 4 over 128 positions
-    path = tmp_path / "yarn.gguf"
-    write_tiny_gguf(path, model, "qwen2", Q.F32, yarn=(4.0, 128))
-    rope = load_checkpoint(str(path), quantized_weights="dequantize").arch.rope
+    rope = rotates_as_original(tmp_path, model, "qwen2", yarn=(4.0, 128)).rope
     assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == ("yarn", 4.0, 128)
-    want = hf_greedy(model, PROMPT, NEW)
-    assert engine_greedy(path, PROMPT, NEW) == want
-    plain = tmp_path / "plain.gguf"
-    write_tiny_gguf(plain, model, "qwen2", Q.F32)
-    assert engine_greedy(plain, PROMPT, NEW) != want
 
 
 def test_rope_scaling_kvstrata_does_not_run_is_named(tmp_path):
     model = build_tiny_family(tmp_path / "src", "qwen2")
     path = tmp_path / "longrope.gguf"
-    _header_with(path, model, {"qwen2.rope.scaling.type": "longrope", "qwen2.rope.scaling.factor": 4.0})
+    write_tiny_gguf(path, model, "qwen2", Q.F32,
+                    metadata={"qwen2.rope.scaling.type": "longrope", "qwen2.rope.scaling.factor": 4.0})
     with pytest.raises(CheckpointError, match=r"longrope\.gguf.*rope scaling 'longrope'"):
         load_checkpoint(str(path))
-    _header_with(path, model, {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0})
+    write_tiny_gguf(path, model, "qwen2", Q.F32,
+                    metadata={"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0})
     with pytest.raises(CheckpointError, match=r"yarn rope scaling without qwen2\.rope\.scaling\.original_context"):
         load_checkpoint(str(path))
-
-
-def _header_with(path: Path, model, fields: dict) -> None:
-    """A GGUF of ``model``'s shape with ``fields`` added and no tensors: its header is read first."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    for key, value in fields.items():
-        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
