@@ -8,7 +8,6 @@ ValueError naming the field (``"scheduler.max_num_seqs must be >= 1"``).
 from __future__ import annotations
 
 import re
-
 from typing import Any, Literal
 
 import msgspec
@@ -163,6 +162,12 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ValueError(f"{prefix}.options must be a table of options")
 
 
+def check_device(device: object) -> None:
+    """ValueError unless ``device`` is 'auto', 'cpu', 'cuda' or 'cuda:N'."""
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(device)):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (GPU N), got {device!r}")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything the engine needs at start.
 
@@ -221,8 +226,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError("model.cuda_graph_sizes must be a non-empty list of batch sizes")
             for n in sizes:
                 _positive("model.cuda_graph_sizes[]", n)
-        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(self.device)):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (GPU N), got {self.device!r}")
+        check_device(self.device)
         sp = self.speculative
         if sp.method not in (None, "ngram"):
             raise ValueError(f"speculative.method must be 'ngram' or unset, got {sp.method!r}")

@@ -21,7 +21,6 @@ input token without the scheduler resending it.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 
@@ -29,7 +28,7 @@ import msgspec
 import structlog
 import torch
 
-from kvstrata.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvstrata.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
 from kvstrata.connector.base import KVConnectorWorker
 from kvstrata.kernels import use_triton
 from kvstrata.kernels.attention_native import attention_kernels
@@ -55,10 +54,9 @@ log = structlog.get_logger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
+    check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (GPU N), got {device!r}")
     return torch.device(device)
 
 

@@ -174,9 +174,9 @@ class GGUFCheckpoint:
             raise CheckpointError(f"model: {self.path.name!r} has yarn rope scaling without "
                                   f"{self.arch_name}.rope.scaling.original_context_length")
         out: dict[str, object] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig}
-        for key in ("yarn_log_multiplier", "yarn_attn_factor"):
+        for key, default in (("yarn_log_multiplier", 0.0), ("yarn_attn_factor", 1.0)):
             value = self.field(f"{self.arch_name}.rope.scaling.{key}")
-            if value is not None and value != (0.0 if key == "yarn_log_multiplier" else 1.0):
+            if value is not None and value != default:
                 raise CheckpointError(f"model: {self.path.name!r} has {self.arch_name}.rope.scaling.{key} = "
                                       f"{value!r}, which kvstrata does not run")
         for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
