@@ -401,14 +401,25 @@ GPU_SHAPES = {
 CPU_DRY_SHAPE = dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=512)
 
 
+def random_gguf(path: str, qtype, shape: dict[str, int]) -> int:
+    """The random GGUF at ``path``, written unless a finished one is there
+    (written under a temporary name, then renamed: a file cut short is never
+    taken). Returns its tensor bytes."""
+    from kvstrata.worker.model.gguf_file import GGUFCheckpoint
+    from kvstrata.worker.model.gguf_random import write_random_gguf
+
+    if not os.path.exists(path):
+        write_random_gguf(path + ".part", qtype, **shape, tied=False, context_length=4096)
+        os.replace(path + ".part", path)
+    return sum(src.nbytes for _, src in GGUFCheckpoint(path).tensor_sources())
+
+
 def bench_engine_gpu(args) -> dict:
     """Packed vs dequantized decode of a random Q4 GGUF on the GPU (a tiny
     dry run on a CPU)."""
     import tempfile
 
     from gguf import GGMLQuantizationType
-
-    from kvstrata.worker.model.gguf_random import write_random_gguf
 
     cuda = torch.cuda.is_available()
     shape = GPU_SHAPES[args.gpu_shape] if cuda else CPU_DRY_SHAPE
@@ -422,11 +433,12 @@ def bench_engine_gpu(args) -> dict:
                  "how": "modes in turn, one engine each per round (single-stream, then batch 16); tok/s = the "
                         "median of its runs; CUDA graphs: the engine's default"}
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-quant-") as tmp:
-        path = f"{tmp}/random-{args.gpu_shape}-{args.gpu_qtype}.gguf"
+        path = args.gpu_file or f"{tmp}/random-{args.gpu_shape}-{args.gpu_qtype}.gguf"
         t0 = time.perf_counter()
-        res["file_tensor_bytes"] = write_random_gguf(path, GGMLQuantizationType[args.gpu_qtype], **shape,
-                                                     tied=False, context_length=4096)
+        res["file_tensor_bytes"] = random_gguf(path, GGMLQuantizationType[args.gpu_qtype], shape)
         res["write_s"] = round(time.perf_counter() - t0, 1)
+        if args.write_only:
+            return res
         tokenizer = f"{tmp}/bytes"  # the random model has no tokenizer: byte-level, token-id prompts
         os.mkdir(tokenizer)
         res["modes"] = {mode: {"single_runs": [], "batch16_runs": [], "ttft_runs_s": [], "start_s": []}
@@ -483,6 +495,10 @@ def main() -> None:
                         help="only the GPU matmul timings, 8b set (CPU: a dry run in the interpreter)")
     parser.add_argument("--gpu-shape", default="8b", choices=sorted(GPU_SHAPES), help="--engine-gpu's Llama shape")
     parser.add_argument("--gpu-qtype", default="Q4_0", choices=sorted(QUANT_TYPES), help="--engine-gpu's blocks")
+    parser.add_argument("--gpu-file", default=None,
+                        help="--engine-gpu's GGUF: written there if absent (and kept), else taken as it is "
+                             "(default: a temporary file)")
+    parser.add_argument("--write-only", action="store_true", help="--engine-gpu: write --gpu-file, run nothing")
     args = parser.parse_args()
     from kvstrata.logs import configure_logging
 

@@ -24,11 +24,16 @@
 #
 #   bash tools/gpu_check.sh [stage,stage,...]     (default: all, in the order above)
 #
-# Stages run in the order given, each under its own time limit, all within BUDGET_S seconds
-# (default 560: one 600 s device call). A stage starts only with >= 30 s of the budget left and its
-# limit is cut to what is left; the script ends by printing the stages it did not reach, as the
-# command for the next call. A session's device time (15 min, machine start included) fits about one
-# such call and part of a second: run `bash tools/gpu_check.sh` once, then the printed rest.
+# The test stages (quant_engine, pipelined, gpu_tests, tier_oracle, oracle_*) run first, side by side
+# (PARALLEL=1, the default; 0: one at a time, in the order given), each under PAR_S seconds (default
+# 240): they compile more than they run, and the GPU holds them all. quant_goal's GGUF is written
+# meanwhile. Then the timed stages run one at a time, in the order given, each under its own time
+# limit, all within BUDGET_S seconds (default 560: one 600 s device call). A stage starts only with
+# >= 30 s of the budget left and its limit is cut to what is left (bench passes it on as
+# --time-budget-s; BENCH_SECTIONS picks its sections); the script ends by printing the stages it did
+# not reach, as the command for the next call. A session's device time (15 min, machine start
+# included) fits about one such call and part of a second: run `bash tools/gpu_check.sh` once, then
+# the printed rest.
 # Each stage writes its log (and JSON) under $OUT (default ./gpu_out): tests one line each (pytest -v),
 # the benches a JSON line per finished part on stderr, so a stage cut short keeps what it measured.
 # Missing Python packages can be put in .whl/ as wheels (README, "On a GPU"); a preflight import
@@ -63,37 +68,53 @@ else
 fi
 export PYTHONUNBUFFERED=1
 $PY - <<'EOF' || exit 1
-import importlib, sys
+import importlib.util, sys
 need = "torch triton transformers xxhash msgspec structlog zmq cbor2 redis gguf uvloop pytest pytest_asyncio safetensors tokenizers".split()
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"missing Python modules: {', '.join(missing)} (put their wheels in .whl/)")
-import torch, triton
-print(torch.__version__, triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
+import torch, triton, pytest
+print("torch", torch.__version__, "triton", triton.__version__, "pytest", pytest.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
 EOF
 
-stage() {  # stage NAME SECONDS COMMAND...: run under min(SECONDS, budget left), log to $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
+limit() {  # limit SECONDS: min(SECONDS, budget left)
   local left=$((DEADLINE - SECONDS - 5))
-  (( left < limit )) && limit=$left
+  (( left < $1 )) && echo "$left" || echo "$1"
+}
+stage() {  # stage NAME SECONDS COMMAND...: run under min(SECONDS, budget left), log to $OUT/NAME.log
+  local name=$1 limit; limit=$(limit "${SIDE_LIMIT:-$2}"); shift 2
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s)"
   timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - t0))s"
-  tail -n "${TAIL:-6}" "$OUT/$name.log"
+  echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  [[ $name == *oracle* || $name == *tests* || $name == *steps* || $name == quant_engine ]] &&
+    tail -n 1 "$OUT/$name.log" | cut -c1-300 >>"$OUT/summary.txt"
+  tail -n "${TAIL:-6}" "$OUT/$name.log" | cut -c1-400
+}
+brief() {  # brief FILE.json: each top-level entry on one line, cut at BRIEF chars (the whole file is in $OUT)
+  $PY - "$1" "${BRIEF:-700}" <<'EOF'
+import json, sys
+try:
+    report = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"{sys.argv[1]}: no JSON ({e})")
+for key, value in report.items():
+    print(key, json.dumps(value, separators=(",", ":"))[:int(sys.argv[2])])
+EOF
 }
 PYTEST="$PY -m pytest -v --tb=short -rfEs -p no:cacheprovider -p pytest_asyncio"
 ORACLE="tests/enginecore/test_oracle.py"
 run() {  # run STAGE
   case $1 in
-    quant_goal) TAIL=3 stage bench_quant_gpu "${QUANT_S:-420}" sh -c \
-        "$PY tools/bench_quant.py --engine-gpu --engine-repeats 1 > '$OUT/bench_quant_gpu.json'"
-      cat "$OUT/bench_quant_gpu.json" ;;
+    quant_goal) [[ -n ${WRITER:-} ]] && wait "$WRITER"  # the GGUF written beside the tests
+      TAIL=3 stage bench_quant_gpu "${QUANT_S:-420}" sh -c \
+        "$PY tools/bench_quant.py --engine-gpu --engine-repeats 1 --gpu-file '$GGUF' > '$OUT/bench_quant_gpu.json'"
+      BRIEF=1500 brief "$OUT/bench_quant_gpu.json" ;;
     quant_engine) stage quant_engine 150 $PYTEST tests/model_gguf/test_gguf_packed_gpu.py ;;
     quant_kernels) TAIL=3 stage bench_quant_kernels "${QUANT_K_S:-200}" sh -c \
         "$PY tools/bench_quant.py --gpu-kernels > '$OUT/bench_quant_kernels.json'"
-      cat "$OUT/bench_quant_kernels.json" ;;
+      brief "$OUT/bench_quant_kernels.json" ;;
     pipelined) KVSTRATA_TEST_DEVICE=cuda stage pipelined_steps 90 $PYTEST tests/enginecore/test_pipelined_steps.py ;;
     gpu_tests) stage gpu_tests 150 $PYTEST -m gpu tests/kernels ;;
     tier_oracle) stage cuda_tier_oracle 90 $PYTEST tests/connector/test_oracle_tiers.py -k cuda ;;
@@ -108,14 +129,34 @@ run() {  # run STAGE
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
     oracle_split) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 KVSTRATA_TEST_SPLIT_DECODE=1 stage oracle_split "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
-    bench) TAIL=3 stage bench_gpu "${BENCH_S:-240}" sh -c "$PY tools/bench_gpu.py --quick > '$OUT/bench_gpu.json'"
-      cat "$OUT/bench_gpu.json" ;;
+    bench) local b; b=$(limit "${BENCH_S:-240}")
+      TAIL=3 stage bench_gpu "$b" sh -c "$PY tools/bench_gpu.py --quick --time-budget-s $((b - 20)) \
+        ${BENCH_SECTIONS:+--sections $BENCH_SECTIONS} > '$OUT/bench_gpu.json'"
+      brief "$OUT/bench_gpu.json" ;;
     kernels) for b in bench_kernels bench_attention bench_fused_kernels; do
         TAIL=2 stage "$b" 90 sh -c "$PY tools/$b.py --quick > '$OUT/$b.json'"
-        cat "$OUT/$b.json"; echo
+        brief "$OUT/$b.json"
       done ;;
   esac
 }
+GGUF=/tmp/kvstrata-gpu-check-8b-Q4_0.gguf  # quant_goal's random checkpoint (kept for a second call)
+TESTS=" quant_engine pipelined gpu_tests tier_oracle oracle_graphs oracle_split oracle_fused oracle_eager oracle_modes oracle_bf16 "
+if [[ ${PARALLEL:-1} != 0 ]]; then
+  side=() timed=()
+  for s in "${STAGES[@]}"; do [[ $TESTS == *" $s "* ]] && side+=("$s") || timed+=("$s"); done
+  if [[ " ${timed[*]:-} " == *" quant_goal "* ]]; then
+    $PY tools/bench_quant.py --engine-gpu --write-only --gpu-file "$GGUF" >"$OUT/gguf_write.log" 2>&1 &
+    WRITER=$!
+  fi
+  pids=()
+  for s in "${side[@]}"; do  # side by side; each prints its summary when all are done
+    ( export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}; SIDE_LIMIT=${PAR_S:-240} run "$s" >"$OUT/$s.summary" 2>&1 ) &
+    pids+=($!)
+  done
+  (( ${#pids[@]} )) && wait "${pids[@]}"
+  for s in "${side[@]}"; do cat "$OUT/$s.summary"; done
+  STAGES=("${timed[@]}")
+fi
 rest=()
 for s in "${STAGES[@]}"; do
   if (( ${#rest[@]} )) || (( DEADLINE - SECONDS < 30 )); then
@@ -124,6 +165,7 @@ for s in "${STAGES[@]}"; do
   fi
   run "$s"
 done
+echo "=== stages"; cat "$OUT/summary.txt"
 if (( ${#rest[@]} )); then
   joined=$(IFS=,; echo "${rest[*]}")
   echo "=== not reached within BUDGET_S: next call: bash tools/gpu_check.sh $joined"

@@ -33,6 +33,23 @@ def test_engine_gpu_dry_run_on_a_cpu():
                                                     {"packed": r["modes"]["packed"]["single_runs"]}]
 
 
+def test_engine_gpu_file_written_once_then_taken(tmp_path):
+    """--write-only writes --gpu-file (the GPU check writes the 4.5 GB file
+    while its tests run); a later run takes the file as it is."""
+    path = tmp_path / "q.gguf"
+    proc = subprocess.run([sys.executable, str(TOOL), "--engine-gpu", "--write-only", "--gpu-file", str(path)],
+                          capture_output=True, text=True, timeout=300, check=True)
+    written = json.loads(proc.stdout)["engine_gpu"]
+    assert "modes" not in written and written["file_tensor_bytes"] > 0
+    assert path.exists() and not (tmp_path / "q.gguf.part").exists()
+    stamp = path.stat().st_mtime_ns
+    proc = subprocess.run([sys.executable, str(TOOL), "--engine-gpu", "--engine-repeats", "1", "--threads", "1",
+                           "--gpu-file", str(path)], capture_output=True, text=True, timeout=300, check=True)
+    r = json.loads(proc.stdout)["engine_gpu"]
+    assert path.stat().st_mtime_ns == stamp and r["file_tensor_bytes"] == written["file_tensor_bytes"]
+    assert r["modes"]["packed"]["single_tok_s"] > 0
+
+
 def test_gpu_kernels_dry_run_on_a_cpu():
     proc = subprocess.run([sys.executable, str(TOOL), "--gpu-kernels"], capture_output=True, text=True, timeout=300,
                           check=True)
