@@ -43,22 +43,24 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the forward is captured once per batch size in ``cuda_graph_sizes``
     # (None: 1, 2, 4, 8, then every 8 up to scheduler.max_num_seqs and
     # max_num_batched_tokens, at most 512) and a decode batch is padded to
-    # the next captured size and replayed. None: on for CUDA (off for models
-    # with sliding-window layers until a GPU run has checked them: true
-    # turns them on); always off on a CPU.
+    # the next captured size and replayed. None: on for CUDA (every family,
+    # sliding-window ones included: the HF oracle is identical with graphs
+    # on and off on an H200, tools/gpu_check.sh); always off on a CPU.
     cuda_graphs: bool | None = None
     cuda_graph_sizes: list[int] | None = None
     # Fused kernels in the decoder layer (RMSNorm with the residual add, RoPE
-    # with the KV cache write, SiLU-and-mul). None: on for a CPU where their C
-    # kernels load (kernels/fused_native.py; not under TRITON_INTERPRET=1),
-    # off on CUDA (one GPU run has shown the oracle identical with the Triton
-    # ones for Llama only); True: on (Triton on CUDA and under
-    # TRITON_INTERPRET=1, else C on a CPU, else the torch references); False: off.
+    # with the KV cache write, SiLU-and-mul). None: on for CUDA (the Triton
+    # ones: the oracle is identical with them for every family on an H200)
+    # and for a CPU where their C kernels load (kernels/fused_native.py); off
+    # under TRITON_INTERPRET=1 unless asked for. True: on (Triton on CUDA and
+    # under TRITON_INTERPRET=1, else C on a CPU, else the torch references);
+    # False: off.
     fused_kernels: bool | None = None
     # Decode attention split over the KV range (flash-decoding) on the Triton
-    # path: fills the GPU at small batches. Off until a GPU run has checked it
-    # against the oracle (its interpreter tests pass).
-    split_decode: bool = False
+    # path: fills the GPU at small batches (an H200, batch 1 at 2k context:
+    # 5.9 us against 23.6 unsplit). None: on for CUDA (the oracle is identical
+    # with it there); off elsewhere (a CPU runs its own decode kernel).
+    split_decode: bool | None = None
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -118,10 +120,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # read back (N+1's decode inputs are read from N's tokens on the device;
     # the one host sync per step moves behind the next launch), so the
     # host's work on a step overlaps the device's work on the one before.
-    # Steps with drafts, logprobs or a KV connector read back at once. Off
-    # until a GPU run shows the oracle identical with it on (CPU: no gain,
-    # the device is the host).
-    pipelined_steps: bool = False
+    # Steps with drafts, logprobs or a KV connector read back at once. None:
+    # on for CUDA (the oracle is identical with it on an H200, where it gave
+    # 1.27-1.36x output tok/s over async scheduling alone); off on a CPU (no
+    # gain: the device is the host).
+    pipelined_steps: bool | None = None
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -32,15 +32,15 @@ boundaries only; the model step is the engine's (AsyncEngine.generate).
                            prefix caching on vs off
     tiers                  tools/bench_tiers.py's workload (12 chats x 5 turns, 3k-token first
                            turns, concurrency 4, working set 3x the pool): later-turn TTFT p50,
-                           recompute vs device + CPU tier, the tier's layer transfers per chunk
-                           (the CUDA default) and batched per layer (batched_layer_transfers); the
-                           connector's default 256-token chunks on CUDA
+                           recompute vs device + CPU tier, the tier's layer transfers batched
+                           per layer (the default) and per chunk (batched_layer_transfers off);
+                           the connector's default 256-token chunks on CUDA
 
 graphs_off is ``model.cuda_graphs=False`` (the eager baseline), graphs_on
-``True``, pipelined graphs on with async scheduling and
-``scheduler.pipelined_steps`` (step N+1 launched before N's tokens are read
-back; compare it with graphs_on, whose async scheduling is the engine's
-default: on for CUDA). On a machine without CUDA the model is tiny (hidden 64, 2 layers,
+``True``, both with ``scheduler.pipelined_steps`` off; pipelined is graphs on
+with async scheduling and pipelined steps (step N+1 launched before N's
+tokens are read back: the engine's default on CUDA; compare it with
+graphs_on, whose async scheduling is also the default there). On a machine without CUDA the model is tiny (hidden 64, 2 layers,
 vocab 512, fp32), every count small and graphs_on the engine's default (off
 there), so the whole tool runs in seconds (its test does this); those
 figures say only that the code paths work. A section still running when
@@ -48,7 +48,7 @@ figures say only that the code paths work. A section still running when
 
     python tools/bench_gpu.py [--quick] [--sections a,b,c] [--device auto|cuda|cpu]
                               [--shape auto|tinyllama|tiny] [--time-budget-s S]
-                              [--fused-kernels default|on|off]
+                              [--fused-kernels default|on|off] [--split-decode default|on|off]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ ORDER = ("config", "copy_bandwidth", "model", "first_long_prompt_s", "decode_sin
          "batch_256x512_128", "profile_decode_step", "transformers_generate", "shared_prefix_ttft", "tiers")
 NEEDS_MODEL = frozenset(SECTIONS) - {"config", "copy_bandwidth", "model"}
 MODES = ("graphs_off", "graphs_on", "pipelined")
-FUSED = {"default": None, "on": True, "off": False}  # --fused-kernels -> model.fused_kernels
+FUSED = {"default": None, "on": True, "off": False}  # --fused-kernels / --split-decode -> the model's switch
 
 TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096)
@@ -282,10 +282,11 @@ def engine_config(b: Bench, *, graphs: bool | None, caching: bool = True, max_nu
     threads = b.args.torch_threads or (1 if not b.cuda else None)
     return EngineConfig(
         model=ModelConfig(model=b.model_dir, dtype=b.dtype, cuda_graphs=graphs, num_threads=threads,
-                          fused_kernels=FUSED[b.args.fused_kernels]),
+                          fused_kernels=FUSED[b.args.fused_kernels], split_decode=FUSED[b.args.split_decode]),
         cache=CacheConfig(kv_cache_memory_mib=kv_mib or b.counts.kv_mib, enable_prefix_caching=caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=b.counts.max_batched_tokens,
-                                  **({"async_scheduling": True, "pipelined_steps": True} if pipelined else {})),
+                                  **({"async_scheduling": True, "pipelined_steps": True} if pipelined
+                                     else {"pipelined_steps": False})),
         device=b.device, log_level="WARNING")
 
 
@@ -411,7 +412,8 @@ def section_config(b: Bench) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token(b.shape, b.dtype), "quick": b.args.quick,
         "workload": asdict(b.counts), "engine": {"max_num_batched_tokens": b.counts.max_batched_tokens,
                                                  "kv_cache_memory_mib": b.counts.kv_mib, "block_size": 16,
-                                                 "fused_kernels": FUSED[b.args.fused_kernels]},
+                                                 "fused_kernels": FUSED[b.args.fused_kernels],
+                                                 "split_decode": FUSED[b.args.split_decode]},
         "cuda_graphs_module_present": importlib.util.find_spec("kvstrata.worker.cuda_graphs") is not None,
         "triton_cache_entries_at_start": b.triton_cache_entries,
         "command": shlex.join([sys.executable, *sys.argv]),
@@ -921,25 +923,26 @@ async def section_tiers(b: Bench) -> dict:
             # history is 12 chunks, not 48, each a host copy per layer on the CUDA load path
             "--chunk-size", str(OffloadOptions().chunk_size if b.cuda else 64),
             "--cpu-mib", str(max(48, int(ws_bytes * 1.5) >> 20)), "--disk-mib", str(max(64, int(ws_bytes * 2) >> 20)),
-            "--max-batched-tokens", str(b.counts.max_batched_tokens), "--modes", "none,tiers,tiers-batched"]
+            "--max-batched-tokens", str(b.counts.max_batched_tokens), "--modes", "none,tiers,tiers-per-chunk"]
     b.engines_started += 3
     rep = await load_tool("bench_tiers").main(argv)
     b.free()
-    none, tiers, batched = (rep["modes"][m] for m in ("none", "tiers", "tiers-batched"))
+    none, tiers, per_chunk = (rep["modes"][m] for m in ("none", "tiers", "tiers-per-chunk"))
     return {"workload": {**t, "working_set_over_pool": rep["working_set_over_pool"]},
             "ttft_p50_later_turns_s": {"recompute": none["ttft_p50_later_turns_s"],
                                        "tiers": tiers["ttft_p50_later_turns_s"],
-                                       "tiers_batched": batched["ttft_p50_later_turns_s"]},
+                                       "tiers_per_chunk": per_chunk["ttft_p50_later_turns_s"]},
             "later_turns_recompute_over_tiers": _ratio(none["ttft_p50_later_turns_s"],
                                                        tiers["ttft_p50_later_turns_s"]),
-            "later_turns_recompute_over_tiers_batched": _ratio(none["ttft_p50_later_turns_s"],
-                                                               batched["ttft_p50_later_turns_s"]),
+            "later_turns_recompute_over_tiers_per_chunk": _ratio(none["ttft_p50_later_turns_s"],
+                                                                 per_chunk["ttft_p50_later_turns_s"]),
             "tier_hit_tokens": tiers["tier_hit_tokens"], "device_hit_tokens": tiers["device_hit_tokens"],
-            "tier_hit_tokens_batched": batched["tier_hit_tokens"],
+            "tier_hit_tokens_per_chunk": per_chunk["tier_hit_tokens"],
             "preemptions": {"recompute": none["preemptions"], "tiers": tiers["preemptions"],
-                            "tiers_batched": batched["preemptions"]},
+                            "tiers_per_chunk": per_chunk["preemptions"]},
             "modes": "recompute: no prefix caching, no tiers; tiers: device cache + CPU (L1) + disk, the "
-                     "connector's default transfers (per chunk on CUDA); tiers_batched: batched_layer_transfers on",
+                     "connector's default transfers (batched per layer); tiers_per_chunk: "
+                     "batched_layer_transfers off",
             "bench_tiers_argv": argv, "bench_tiers": rep, "error": None}
 
 
@@ -958,6 +961,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=None, help="model.num_threads (default 1 on a CPU)")
     p.add_argument("--fused-kernels", default="default", choices=sorted(FUSED),
                    help="model.fused_kernels for every engine (default: the engine's own default)")
+    p.add_argument("--split-decode", default="default", choices=sorted(FUSED),
+                   help="model.split_decode for every engine (default: the engine's own default)")
     args = p.parse_args(argv)
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:

@@ -6,6 +6,8 @@
 #                      file, two engine loads, ~50 kernel compiles)
 #   quant_engine       packed GGUF engines on CUDA against dequantized ones (tests/model_gguf/test_gguf_packed_gpu.py)
 #   quant_kernels      the matmuls alone on Llama-8B's shapes (tools/bench_quant.py --gpu-kernels)
+#   quant_tiles        the packed kernels' tile sweep (tools/sweep_quant_tiles.py; its configs are
+#                      compiled beside the test stages when those run side by side)
 #   pipelined          pipelined steps on CUDA, and that no launch syncs with the device (test_pipelined_steps.py)
 #   oracle_graphs      the HF oracle with the engine on CUDA, graphs on for every family (sliding-window ones
 #                      too, off by default until this passes), serial and pipelined steps
@@ -18,8 +20,10 @@
 #   oracle_bf16        the oracle in bfloat16 (checkpoint, HF and engine; the switches' defaults): tokens
 #                      equal up to the first near tie (test_oracle.py's LOW_PRECISION_TIE)
 #   bench              tools/bench_gpu.py --quick (end to end)
+#   bench_base         its decode sections with fused kernels and split-K decode off (the CUDA
+#                      defaults before an H200 run checked them): bench's baseline in the same call
 #   kernels            the kernel benchmarks (bench_kernels, bench_attention, bench_fused_kernels)
-# Groups: quant = quant_goal,quant_engine,quant_kernels; tests = gpu_tests,pipelined,tier_oracle;
+# Groups: quant = quant_goal,quant_engine,quant_kernels,quant_tiles; tests = gpu_tests,pipelined,tier_oracle;
 # oracle = oracle_graphs,oracle_split,oracle_fused,oracle_eager,oracle_modes,oracle_bf16.
 #
 #   bash tools/gpu_check.sh [stage,stage,...]     (default: all, in the order above)
@@ -41,13 +45,13 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
-ALL="quant_goal quant_engine quant_kernels pipelined oracle_graphs gpu_tests oracle_split oracle_fused oracle_eager"
-ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench kernels"
+ALL="quant_goal quant_engine quant_kernels quant_tiles pipelined oracle_graphs gpu_tests oracle_split oracle_fused oracle_eager"
+ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench bench_base kernels"
 STAGES=()
 for s in ${1:-$ALL}; do  # names separated by commas or spaces; groups expanded
   for s in ${s//,/ }; do
     case $s in
-      quant) STAGES+=(quant_goal quant_engine quant_kernels) ;;
+      quant) STAGES+=(quant_goal quant_engine quant_kernels quant_tiles) ;;
       tests) STAGES+=(gpu_tests pipelined tier_oracle) ;;
       oracle) STAGES+=(oracle_graphs oracle_split oracle_fused oracle_eager oracle_modes oracle_bf16) ;;
       *) [[ " $ALL " == *" $s "* ]] || { echo "unknown stage: $s (see the header of tools/gpu_check.sh)"; exit 2; }
@@ -111,6 +115,8 @@ run() {  # run STAGE
       TAIL=3 stage bench_quant_gpu "${QUANT_S:-420}" sh -c \
         "$PY tools/bench_quant.py --engine-gpu --engine-repeats 1 --gpu-file '$GGUF' > '$OUT/bench_quant_gpu.json'"
       BRIEF=1500 brief "$OUT/bench_quant_gpu.json" ;;
+    quant_tiles) TAIL=2 stage quant_tiles "${TILES_S:-120}" sh -c "$PY tools/sweep_quant_tiles.py > '$OUT/quant_tiles.json'"
+      BRIEF=1200 brief "$OUT/quant_tiles.json" ;;
     quant_engine) stage quant_engine 150 $PYTEST tests/model_gguf/test_gguf_packed_gpu.py ;;
     quant_kernels) TAIL=3 stage bench_quant_kernels "${QUANT_K_S:-200}" sh -c \
         "$PY tools/bench_quant.py --gpu-kernels > '$OUT/bench_quant_kernels.json'"
@@ -133,6 +139,11 @@ run() {  # run STAGE
       TAIL=3 stage bench_gpu "$b" sh -c "$PY tools/bench_gpu.py --quick --time-budget-s $((b - 20)) \
         ${BENCH_SECTIONS:+--sections $BENCH_SECTIONS} > '$OUT/bench_gpu.json'"
       brief "$OUT/bench_gpu.json" ;;
+    bench_base) local b; b=$(limit "${BENCH_BASE_S:-90}")
+      TAIL=3 stage bench_base "$b" sh -c "$PY tools/bench_gpu.py --quick --time-budget-s $((b - 20)) \
+        --fused-kernels off --split-decode off \
+        --sections decode_single_stream,batch_64x512_128,profile_decode_step > '$OUT/bench_base.json'"
+      brief "$OUT/bench_base.json" ;;
     kernels) for b in bench_kernels bench_attention bench_fused_kernels; do
         TAIL=2 stage "$b" 90 sh -c "$PY tools/$b.py --quick > '$OUT/$b.json'"
         brief "$OUT/$b.json"
@@ -148,12 +159,17 @@ if [[ ${PARALLEL:-1} != 0 ]]; then
     $PY tools/bench_quant.py --engine-gpu --write-only --gpu-file "$GGUF" >"$OUT/gguf_write.log" 2>&1 &
     WRITER=$!
   fi
+  if [[ " ${timed[*]:-} " == *" quant_tiles "* ]]; then  # the sweep's kernels compiled meanwhile (disk cache)
+    $PY tools/sweep_quant_tiles.py --compile-only --jobs 8 >"$OUT/quant_tiles_compile.log" 2>&1 &
+    COMPILER=$!
+  fi
   pids=()
   for s in "${side[@]}"; do  # side by side; each prints its summary when all are done
     ( export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}; SIDE_LIMIT=${PAR_S:-240} run "$s" >"$OUT/$s.summary" 2>&1 ) &
     pids+=($!)
   done
   (( ${#pids[@]} )) && wait "${pids[@]}"
+  [[ -n ${COMPILER:-} ]] && { wait "$COMPILER"; echo "=== quant_tiles compile rc=$?"; tail -n 3 "$OUT/quant_tiles_compile.log"; }
   for s in "${side[@]}"; do cat "$OUT/$s.summary"; done
   STAGES=("${timed[@]}")
 fi

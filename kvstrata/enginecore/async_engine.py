@@ -139,15 +139,16 @@ class AsyncEngine:
         # Overlap scheduling with the model step (OverlappedSteps).
         # Speculative decoding proposes drafts from committed tokens only: it
         # keeps steps serial.
-        wanted = core.config.scheduler.async_scheduling
-        if wanted is None:
-            device = getattr(core.runner, "device", None)
-            wanted = getattr(device, "type", str(device)) == "cuda"
+        # Both switches' None: on for CUDA (the oracle is identical with them there).
+        device = getattr(core.runner, "device", None)
+        on_cuda = getattr(device, "type", str(device)) == "cuda"
+        sched = core.config.scheduler
+        wanted = on_cuda if sched.async_scheduling is None else sched.async_scheduling
         self.async_scheduling = bool(wanted) and core.proposer is None
         if wanted and not self.async_scheduling:
             log.info("async_scheduling_off", reason="speculative decoding")
-        self.pipelined = (self.async_scheduling and bool(core.config.scheduler.pipelined_steps)
-                          and core.can_pipeline)
+        pipelined = on_cuda if sched.pipelined_steps is None else sched.pipelined_steps
+        self.pipelined = self.async_scheduling and bool(pipelined) and core.can_pipeline
         strategy = PipelinedSteps if self.pipelined else OverlappedSteps if self.async_scheduling else SerialSteps
         self._steps = strategy(core, executor)
         self._connector: KVConnector | None = None  # a KV connector this engine opened (and closes)

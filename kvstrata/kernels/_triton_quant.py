@@ -259,15 +259,15 @@ def quant_matmul_triton(
 
 
 def dequantize_rows_triton(data: torch.Tensor, qtype: str, block: int, type_size: int, k: int, first_row: int,
-                           out: torch.Tensor) -> None:
+                           out: torch.Tensor, tile_config: dict | None = None) -> None:
     """``out`` [rows, K] (contiguous; float32, bf16 or fp16) = rows ``first_row``.. of the weight
     in GGUF blocks ``data``: ``dequantize(packed, out.dtype)``'s rows, bit for bit (float32 values,
     one rounding). The interpreter's own float32 -> bf16/fp16 cast truncates: there ``out`` must
-    be float32 (the caller rounds with torch)."""
+    be float32 (the caller rounds with torch). ``tile_config``: BLOCK_N, BLOCK_K (a power of two)
+    and num_warps instead of 16, min(256, K) and 4 (benchmarks compare them)."""
     rows = out.shape[0]
-    block_n, block_k = 16, min(256, triton.next_power_of_2(k))
-    grid = (triton.cdiv(rows, block_n), triton.cdiv(k, block_k))
+    t = tile_config or dict(BLOCK_N=16, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
+    grid = (triton.cdiv(rows, t["BLOCK_N"]), triton.cdiv(k, t["BLOCK_K"]))
     dequant_rows_kernel.for_device(out.device)[grid](
-        data, out, first_row, rows, K=k, QK=block, QT=QT_CODES[qtype], TS=type_size, BLOCK_N=block_n,
-        BLOCK_K=block_k, F16=f16_fn.for_device(out.device), DEQUANT=dequant_tile_fn.for_device(out.device),
-        num_warps=4, **_LAUNCH_OPTIONS)
+        data, out, first_row, rows, K=k, QK=block, QT=QT_CODES[qtype], TS=type_size,
+        F16=f16_fn.for_device(out.device), DEQUANT=dequant_tile_fn.for_device(out.device), **t, **_LAUNCH_OPTIONS)

@@ -392,16 +392,17 @@ def few_token_kernel_reads(x) -> bool:
 
 
 def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, tile_config: dict | None = None,
-                      many: bool = False) -> None:
+                      many: bool = False, few: bool = False) -> None:
     """``out`` [T, N] = x [T, K] @ W.T (+ bias) for a decode batch (T <=
     ``_triton_quant.GEMV_MAX_TOKENS``), W from GGUF blocks ``data`` [N, bytes]
     of a ``GEMV_TYPES`` format: 1-2 tokens by ``_gemv_few_kernel`` (see
     ``few_token_kernel_reads``), more by ``_gemv_kernel`` (``many``: that one
-    for 1-2 tokens too, as benchmarks compare them). ``tile_config``:
+    for 1-2 tokens too, as benchmarks compare them; ``few``: the few-token
+    kernel for more tokens too, x's rows 4-byte aligned). ``tile_config``:
     ``gemv_few_tiles``' or ``gemv_tiles``' answer (for the kernel that runs) to
     use instead (its BLOCK_K must divide K)."""
     num_tokens, k = x.shape
-    few = not many and few_token_kernel_reads(x)
+    few = not many and (few or few_token_kernel_reads(x))
     t = tile_config or (gemv_few_tiles(num_tokens, n, k, qtype) if few else gemv_tiles(num_tokens, n, k, qtype))
     block = quant_type(qtype).block
     if t["BLOCK_K"] % block or k % t["BLOCK_K"]:

@@ -67,9 +67,9 @@ def paged_attention(
 
     ``split_decode``: decode steps (one new token per sequence) on the Triton
     path split each sequence's KV range over several programs and combine
-    them (flash-decoding), which fills the GPU at small batches. Off by
-    default until a GPU run has checked it against the oracle (its
-    interpreter tests pass); the torch reference ignores it.
+    them (flash-decoding), which fills the GPU at small batches (the engine
+    turns it on for CUDA: ``model.split_decode``); the torch reference
+    ignores it.
 
     ``check=False`` skips the argument checks: for a caller whose earlier
     call with the same ``plans`` checked arguments of these very shapes (a

@@ -74,19 +74,32 @@ def layer_kv_specs(arch: LlamaArchConfig, dtype: str, block_size: int) -> dict[s
             for i, w in enumerate(windows)}
 
 
-def wants_cuda_graphs(setting: bool | None, device: torch.device, *, windowed: bool = False) -> bool:
-    """``model.cuda_graphs``: never on a CPU; None means on for CUDA, except
-    for models with sliding-window layers, whose graphs no GPU run has
-    checked against the oracle yet (``cuda_graphs = true`` turns them on)."""
+def wants_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
+    """``model.cuda_graphs``: never on a CPU; None means on for CUDA, for
+    every family (sliding-window ones too: an H200 run showed their graphs'
+    tokens identical to eager steps and to HF)."""
     if device.type != "cuda":
         if setting:
             log.info("cuda_graphs_off", reason="CUDA graphs need a CUDA device", device=str(device))
         return False
-    if setting is None:
-        if windowed:
-            log.info("cuda_graphs_off", reason="sliding-window layers: on only with model.cuda_graphs = true")
-        return not windowed
-    return bool(setting)
+    return True if setting is None else bool(setting)
+
+
+def wants_fused_kernels(setting: bool | None, device: torch.device) -> bool:
+    """``model.fused_kernels``: None turns them on for CUDA (Triton) and for
+    a CPU where their C kernels load (``kernels/fused_native.py``), not under
+    TRITON_INTERPRET=1 (the interpreter would run the Triton ones); the
+    oracle is identical with them on both, every family."""
+    if setting is not None:
+        return bool(setting)
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and not interpret_requested() and fused_kernels() is not None
+
+
+def on_for_cuda(setting: bool | None, device: torch.device) -> bool:
+    """A switch whose None means on for CUDA, off elsewhere (``model.split_decode``)."""
+    return device.type == "cuda" if setting is None else bool(setting)
 
 
 def arch_windows(arch: LlamaArchConfig) -> tuple[int | None, ...]:
@@ -194,20 +207,13 @@ class ModelRunner:
         # a decode step of n sequences is n tokens: both limits bound a graph
         self.graph_sizes = graph_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens),
                                        model_config.cuda_graph_sizes)
-        self.use_cuda_graphs = wants_cuda_graphs(model_config.cuda_graphs, self.device,
-                                                 windowed=any(arch_windows(self.arch)))
-        # Fused kernels: None turns them on for a CPU where their C kernels
-        # load (``kernels/fused_native.py``: the oracle is identical with
-        # them); on CUDA off unless asked for (on once a GPU run has shown the
-        # oracle identical with them for every family).
-        fused = model_config.fused_kernels
-        if fused is None:
-            fused = self.device.type == "cpu" and not interpret_requested() and fused_kernels() is not None
-        self.fused_kernels = bool(fused)
+        self.use_cuda_graphs = wants_cuda_graphs(model_config.cuda_graphs, self.device)
+        self.fused_kernels = wants_fused_kernels(model_config.fused_kernels, self.device)
+        self.split_decode = on_for_cuda(model_config.split_decode, self.device)
         self.native_layers = False  # the fused layers as direct kernel calls (on a CPU)
         if isinstance(self.model, LlamaForCausalLM):
             self.model.use_fused_kernels(self.fused_kernels)
-            self.model.use_split_decode(model_config.split_decode)
+            self.model.use_split_decode(self.split_decode)
             if self.fused_kernels and self.device.type == "cpu":
                 why_not = self.model.use_native_layers(True)
                 self.native_layers = why_not is None

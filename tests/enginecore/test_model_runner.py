@@ -351,13 +351,17 @@ def test_graph_sizes_stay_within_both_step_limits(tiny):
     assert graphs.sizes == [1, 2, 4, 8]  # a 16-row decode step would exceed the 8-token budget
 
 
-def test_graphs_default_on_for_cuda_except_windowed_models():
-    from kvstrata.worker.model_runner import wants_cuda_graphs
+def test_graphs_fused_kernels_and_split_decode_default_on_for_cuda():
+    """None: on for CUDA (an H200 run showed the oracle identical with each,
+    every family); a CPU never captures graphs and runs its own decode kernel."""
+    from kvstrata.worker.model_runner import on_for_cuda, wants_cuda_graphs, wants_fused_kernels
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert wants_cuda_graphs(None, cuda) and wants_cuda_graphs(True, cuda) and not wants_cuda_graphs(False, cuda)
-    assert not wants_cuda_graphs(None, cuda, windowed=True) and wants_cuda_graphs(True, cuda, windowed=True)
     assert not wants_cuda_graphs(None, cpu) and not wants_cuda_graphs(True, cpu)
+    assert wants_fused_kernels(None, cuda) and not wants_fused_kernels(False, cuda)
+    assert on_for_cuda(None, cuda) and not on_for_cuda(False, cuda)
+    assert not on_for_cuda(None, cpu) and on_for_cuda(True, cpu)
 
 
 def test_fused_kernels_default_to_the_c_ones_on_a_cpu(tiny, monkeypatch):
@@ -377,6 +381,7 @@ def test_fused_kernels_default_to_the_c_ones_on_a_cpu(tiny, monkeypatch):
             driver.add(rid, prompt)
         outs.append(driver.run())
     assert outs[0] == outs[1]
+    assert not runner.split_decode  # a CPU's decode kernel is its own
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter would run the Triton ones: not by default
     assert not ModelRunner(ModelConfig(model=path), CacheConfig(block_size=BS)).fused_kernels
 

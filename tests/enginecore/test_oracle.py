@@ -31,11 +31,12 @@ from kvstrata.types import SamplingParams
 
 MAX_NEW = 12
 # The whole oracle can run with the engine on a GPU: KVSTRATA_TEST_DEVICE=cuda.
-# CUDA graphs then follow KVSTRATA_TEST_CUDA_GRAPHS: "0" off, "1" on for every
-# family (sliding-window ones included, whose default is off), else the default.
-# KVSTRATA_TEST_SPLIT_DECODE=1 runs split-K decode attention with 4 splits of
-# 16-position tiles: the oracle's sequences span several splits (the plan a GPU
-# would pick, 32 splits of 128 positions, leaves all but the first one empty).
+# CUDA graphs then follow KVSTRATA_TEST_CUDA_GRAPHS: "0" off, "1" on, else the
+# default (on for CUDA); KVSTRATA_TEST_FUSED_KERNELS likewise ("0", "1", else
+# the default: on for CUDA). KVSTRATA_TEST_SPLIT_DECODE=1 runs split-K decode
+# attention with 4 splits of 16-position tiles: the oracle's sequences span
+# several splits (the plan a GPU would pick, 32 splits of 128 positions, leaves
+# all but the first one empty); "0" turns it off, else the default (on for CUDA).
 # KVSTRATA_TEST_DTYPE=bfloat16 (or float16) runs checkpoint, HF and engine in
 # that dtype: the engine's attention keeps its scores in fp32 (a flash-style
 # kernel), HF's eager attention rounds them, so tokens are compared up to the
@@ -47,7 +48,7 @@ DTYPE = os.environ.get("KVSTRATA_TEST_DTYPE", "float32")
 LOW_PRECISION_TIE = 0.125  # bf16 ulps at logits of 2-8: 1/64-1/16; the CPU run diverges at margins up to 0.047
 CUDA_GRAPHS = {"0": False, "1": True}.get(os.environ.get("KVSTRATA_TEST_CUDA_GRAPHS", ""))
 FUSED = {"1": True, "0": False}.get(os.environ.get("KVSTRATA_TEST_FUSED_KERNELS", ""))
-SPLIT_DECODE = os.environ.get("KVSTRATA_TEST_SPLIT_DECODE", "") == "1"
+SPLIT_DECODE = {"1": True, "0": False}.get(os.environ.get("KVSTRATA_TEST_SPLIT_DECODE", ""))
 SPLIT_PLAN = {"num_splits": 4, "tile_n": 16}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 

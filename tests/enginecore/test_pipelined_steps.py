@@ -172,13 +172,18 @@ async def test_the_async_engine_pipelined_gives_the_tokens_of_serial_steps(tiny)
     assert serial == _one_at_a_time(tiny)
 
 
-async def test_pipelined_needs_async_scheduling_and_is_off_by_default(tiny):
+async def test_pipelined_needs_async_scheduling_and_is_on_by_default_for_cuda_only(tiny):
     engine = await AsyncEngine.start(config(tiny, pipelined=True, async_scheduling=False))
     try:
         assert not engine.pipelined
     finally:
         await engine.aclose()
-    assert SchedulerConfig().pipelined_steps is False
+    assert SchedulerConfig().pipelined_steps is None  # on for CUDA (the oracle there: tests/enginecore/test_oracle.py)
+    engine = await AsyncEngine.start(config(tiny, pipelined=None, async_scheduling=True))
+    try:
+        assert engine.async_scheduling and engine.pipelined == (DEVICE == "cuda")  # a CPU's device is its host
+    finally:
+        await engine.aclose()
 
 
 async def test_a_failed_launch_fails_its_requests_and_the_engine_serves_on(tiny, kv_managers):

@@ -76,3 +76,21 @@ def _progress(stderr: str, part: str) -> list[dict]:
     if part == "engine_gpu":
         return [{mode: v["single_runs"] for mode, v in line.items() if mode != "write_s"} for line in lines]
     return lines
+
+
+SWEEP = TOOL.with_name("sweep_quant_tiles.py")
+
+
+def test_tile_sweep_dry_run_on_a_cpu():
+    """tools/sweep_quant_tiles.py in the interpreter: every config runs and is
+    checked (GEMV error bound, dequantize bit-exact), the best are ranked."""
+    proc = subprocess.run([sys.executable, str(SWEEP), "--types", "Q4_0", "--tokens", "1", "--reps", "1"],
+                          capture_output=True, text=True, timeout=300, check=True)
+    r = json.loads(proc.stdout)
+    assert r["device"].startswith("cpu (dry run")
+    gemv, deq = r["gemv_Q4_0_tokens_1"], r["dequantize_Q4_0"]
+    assert gemv["configs"] == len(gemv["all"]) >= 2 and gemv["failed"] == 0 and gemv["default_ms"] > 0
+    assert all(row["err_over_S"] <= 2.0**-7 and row["ms"] > 0 for row in gemv["all"])  # bf16 output
+    assert [b["ms"] for b in gemv["best"]] == sorted(b["ms"] for b in gemv["best"])
+    assert deq["failed"] == 0 and all(row["bit_exact"] for row in deq["all"])
+    assert [line.split(" ", 1)[0] for line in proc.stderr.splitlines() if line.startswith("sweep ")] == ["sweep"] * 2

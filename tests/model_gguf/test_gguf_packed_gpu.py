@@ -1,14 +1,15 @@
 """Packed GGUF weights on CUDA (the Triton quant_matmul inside the real
 engine), against the same file dequantized at load; skipped without a GPU.
-``model.quantized_weights = "auto"`` dequantizes on CUDA until this passes on
-a GPU (``tools/gpu_check.sh``).
+It passes on an H200 (``tools/gpu_check.sh``); ``model.quantized_weights =
+"auto"`` still dequantizes on CUDA, which decodes faster there
+(docs/quantization.md).
 
 - a packed engine's greedy tokens with CUDA graphs on are exactly those with
   graphs off (the same kernels, replayed: GEMV tiles for decode batches);
 - packed and dequantized engines (both bf16) generate the same tokens, up to
   a near tie: where they part, the dequantized engine's top-2 logprob margin
-  is under ``NEAR_TIE`` (the packed kernel reads the weights exactly in fp32,
-  the dequantized model holds them rounded to bf16);
+  is at most ``NEAR_TIE`` (the packed kernel reads the weights exactly in
+  fp32, the dequantized model holds them rounded to bf16);
 - the packed engine's weights are the file's blocks: far below bf16's.
 """
 
@@ -35,7 +36,10 @@ pytestmark = [
 
 PROMPTS = [[1, 17, 250, 3, 99, 42, 42, 7, 300, 5], [1, 5, 6, 7], [1] + list(range(20, 60)), [1, 300, 301, 2, 9]]
 NEW = 12
-NEAR_TIE = 0.1
+# bf16 logits of magnitude 16-32 (these random models') are 0.125 apart: a margin of 0.125 is one
+# step, the nearest tie there is (the H200 run parted Q8_0 at exactly that); as the bf16 HF oracle's
+# LOW_PRECISION_TIE (tests/enginecore/test_oracle.py)
+NEAR_TIE = 0.125
 
 
 async def _greedy(path: Path, tokenizer_dir: Path, mode: str, graphs: bool,
@@ -81,7 +85,7 @@ async def test_packed_engine_on_cuda(tmp_path, qtype):
         assert len(margin) == len(want) == NEW
         parted = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         if parted is not None:
-            assert margin[parted] < NEAR_TIE, (got, want, margin)
+            assert margin[parted] <= NEAR_TIE, (got, want, margin)
         compared += NEW if parted is None else parted
     assert compared >= NEW * len(PROMPTS) // 2, (graphs, dense)  # mostly no tie at all
     assert packed_bytes < 0.6 * dense_bytes

@@ -78,7 +78,7 @@ def test_quick_cpu_run_reports_every_section():
     assert sp["caching_on"]["cached_tokens_p50"] == 64 and sp["caching_off"]["cached_tokens_p50"] == 0
     t = r["tiers"]
     assert t["ttft_p50_later_turns_s"]["recompute"] > 0 and t["ttft_p50_later_turns_s"]["tiers"] > 0
-    assert t["ttft_p50_later_turns_s"]["tiers_batched"] > 0 and t["tier_hit_tokens_batched"]
+    assert t["ttft_p50_later_turns_s"]["tiers_per_chunk"] > 0 and t["tier_hit_tokens_per_chunk"]
     assert t["tier_hit_tokens"]["cpu"] > 0 and t["workload"]["working_set_over_pool"] > 2
 
 

@@ -18,8 +18,8 @@ on CUDA, inline on CPU)::
     wait_for_save      every transfer of the step is complete (a step that
                        fails before it: ``clear_connector_metadata`` waits)
 
-Every transfer goes by ``_Batch``: with ``batched_layer_transfers`` (default
-on for a CPU cache) a batch is all of a step's chunks of one length (bulk
+Every transfer goes by ``_Batch``: with ``batched_layer_transfers`` (the
+default) a batch is all of a step's chunks of one length (bulk
 loads: of one request), their slots joined and copied to the device once
 per step, moved by one ``KVStreams`` segment call (per layer, for layer
 transfers); without it, a batch is one chunk and its slots stay on the host
@@ -103,7 +103,7 @@ class OffloadWorker:
         self.kv_caches = list(kv_caches)
         self.streams = KVStreams(torch.device(device), len(kv_caches))
         opt = self._batched_option
-        self.batched = (not self.streams.is_cuda) if opt is None else bool(opt)
+        self.batched = True if opt is None else bool(opt)
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata | None) -> None:
         self._reset(metadata if isinstance(metadata, OffloadMetadata) else None)
