@@ -17,7 +17,9 @@ On Llama-8B's MLP shapes (gate [14336, 4096], down [4096, 14336]) in
               read + bf16 written), bit-exactness against the default tiles,
               and a device copy of the same bytes for scale
 
-Per section: every config, the best five, the default. --compile-only
+Per section and layer (tiles are chosen per shape: K differs): every
+config, the best five, the default; per section the default's ms and the
+best-per-layer ms summed over the layers. --compile-only
 compiles every config (in --jobs processes, into Triton's on-disk cache) and
 times nothing: tools/gpu_check.sh runs that beside its tests, then the
 timed sweep alone. On a CPU it runs tiny shapes in the Triton interpreter
@@ -56,7 +58,7 @@ WORDS = (1024, 2048, 4096)  # quant words x tokens a program loads per K step (t
 WARPS = (4, 8)
 DEQ_BLOCK_N = (1, 4, 16)
 DEQ_BLOCK_K = (256, 1024)
-DRY = dict(BLOCK_N=(4, 16), WORDS=(512,), WARPS=(4,), DEQ_BLOCK_N=(4,), DEQ_BLOCK_K=(256,))
+DRY = dict(BLOCK_N=(4, 16), WORDS=(512, 2048), WARPS=(4,), DEQ_BLOCK_N=(4,), DEQ_BLOCK_K=(256,))
 
 
 def few_configs(tokens: int, k: int, qtype: str, grid: dict) -> list[dict]:
@@ -95,9 +97,7 @@ def gemv_call(w: PackedWeight, x: torch.Tensor, out: torch.Tensor, cfg: dict | N
 
 def sweep_gemv(qtype: str, tokens: int, shapes: dict, grid: dict, reps: int, device: str,
                compile_only: bool) -> dict:
-    rows: list[dict] = []
-    default_ms = 0.0
-    per_layer: dict[str, list] = {}
+    layers: dict[str, dict] = {}
     for i, (name, (n, k)) in enumerate(shapes.items()):
         w = random_packed(qtype, n, k, seed=i, device=device)
         x, out = _x(tokens, k, device), torch.empty(tokens, n, device=device, dtype=torch.bfloat16)
@@ -105,9 +105,8 @@ def sweep_gemv(qtype: str, tokens: int, shapes: dict, grid: dict, reps: int, dev
                       for _ in range(ring_copies(w.nbytes, device) - 1)] if not compile_only else [w]
         ref = torch.nn.functional.linear(x.float(), dequantize(w)).double()
         scale = x.double().abs() @ dequantize(w).double().abs().T
-        if not compile_only:
-            default_ms += cold_ms([gemv_call(c, x, out, None) for c in ring], reps, device)
-        per_layer[name] = []
+        default = gemv_few_tiles(tokens, n, k, qtype) if tokens <= 2 else "the multi-token kernel (today's path)"
+        rows = []
         for cfg in few_configs(tokens, k, qtype, grid):
             entry = {**cfg}
             try:
@@ -117,44 +116,26 @@ def sweep_gemv(qtype: str, tokens: int, shapes: dict, grid: dict, reps: int, dev
                     entry["ms"] = cold_ms([gemv_call(c, x, out, cfg) for c in ring], reps, device)
             except Exception as exc:  # a tile the compiler refuses (registers, shared memory): recorded
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            per_layer[name].append(entry)
+            rows.append(entry)
+        default_ms = None if compile_only else cold_ms([gemv_call(c, x, out, None) for c in ring], reps, device)
+        layers[name] = _layer(rows, default, default_ms, w.nbytes)
         ring = None
-    # a config's time over the set: the sum of its layers' (configs are per layer: K differs)
-    for j, entry in enumerate(per_layer[next(iter(shapes))]):
-        entries = [per_layer[name][j] if j < len(per_layer[name]) else {} for name in shapes]
-        row = {"tiles": {name: {k: e.get(k) for k in ("BLOCK_N", "BLOCK_K", "num_warps")}
-                         for name, e in zip(shapes, entries, strict=True)},
-               "err_over_S": max((e.get("err_over_S") or 0.0) for e in entries),
-               "errors": [e["error"] for e in entries if "error" in e] or None}
-        if not compile_only and not row["errors"]:
-            row["ms"] = round(sum(e["ms"] for e in entries), 4)
-        rows.append(row)
-    return _summary(rows, default_ms, compile_only, default_tiles={
-        name: gemv_few_tiles(tokens, n, k, qtype) if tokens <= 2 else "multi-token kernel (today's path)"
-        for name, (n, k) in shapes.items()})
+    return _summary(layers, compile_only)
 
 
 def sweep_dequant(qtype: str, shapes: dict, grid: dict, reps: int, device: str, compile_only: bool) -> dict:
-    rows, default_ms, nbytes = [], 0.0, 0
-    per_layer: dict[str, list] = {}
+    layers: dict[str, dict] = {}
     qt = QUANT_TYPES[qtype]
-    copy_ms = 0.0
     for i, (name, (n, k)) in enumerate(shapes.items()):
         w = random_packed(qtype, n, k, seed=i, device=device)
         out = torch.empty(n, k, device=device, dtype=torch.bfloat16)
         want = torch.empty_like(out)
         dequantize_rows_triton(w.data, qtype, qt.block, qt.type_size, k, 0, want)
-        nbytes += w.nbytes + out.numel() * 2
         call = lambda cfg, c: functools.partial(dequantize_rows_triton, c.data, qtype, qt.block,  # noqa: E731
                                                 qt.type_size, k, 0, out, cfg)
         ring = [w] + [PackedWeight(w.qtype, w.shape, w.data.clone())
                       for _ in range(ring_copies(w.nbytes, device) - 1)] if not compile_only else [w]
-        if not compile_only:
-            default_ms += cold_ms([call(None, c) for c in ring], reps, device)
-            src = torch.empty(out.numel() + w.nbytes // 2, device=device, dtype=torch.bfloat16)
-            dst = torch.empty_like(src)
-            copy_ms += cold_ms([functools.partial(dst.copy_, src)], reps, device) / 2  # read + write = its bytes
-        per_layer[name] = []
+        rows = []
         for cfg in dequant_configs(k, grid):
             entry = {**cfg}
             try:
@@ -164,35 +145,48 @@ def sweep_dequant(qtype: str, shapes: dict, grid: dict, reps: int, device: str, 
                     entry["ms"] = cold_ms([call(cfg, c) for c in ring], reps, device)
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            per_layer[name].append(entry)
+            rows.append(entry)
+        nbytes = w.nbytes + out.numel() * out.element_size()  # packed read + bf16 written
+        default_ms = None if compile_only else cold_ms([call(None, c) for c in ring], reps, device)
+        layers[name] = _layer(rows, "BLOCK_N 16, BLOCK_K min(256, K), 4 warps", default_ms, nbytes)
+        if not compile_only:
+            src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
+            dst = torch.empty_like(src)
+            # a device copy moving the same bytes (read + written): the bandwidth to compare with
+            layers[name]["copy_same_bytes_ms"] = round(cold_ms([functools.partial(dst.copy_, src)], reps, device) / 2, 4)
         ring = None
-    for j in range(len(per_layer[next(iter(shapes))])):
-        entries = [per_layer[name][j] for name in shapes]
-        row = {"tiles": {k: entries[0][k] for k in ("BLOCK_N", "num_warps")} | {
-                   "BLOCK_K": {name: e["BLOCK_K"] for name, e in zip(shapes, entries, strict=True)}},
-               "bit_exact": all(e.get("bit_exact") for e in entries),
-               "errors": [e["error"] for e in entries if "error" in e] or None}
-        if not compile_only and not row["errors"]:
-            row["ms"] = round(sum(e["ms"] for e in entries), 4)
-            row["gb_s"] = round(nbytes / row["ms"] / 1e6, 1)
-        rows.append(row)
-    res = _summary(rows, default_ms, compile_only, default_tiles="BLOCK_N 16, BLOCK_K 256, 4 warps")
-    if not compile_only:
-        res["default_gb_s"] = round(nbytes / default_ms / 1e6, 1)
-        res["copy_same_bytes_ms"] = round(copy_ms, 4)
-    return res
+    return _summary(layers, compile_only)
 
 
-def _summary(rows: list[dict], default_ms: float, compile_only: bool, default_tiles) -> dict:
+def _layer(rows: list[dict], default_tiles, default_ms: float | None, nbytes: int) -> dict:
+    """One layer's sweep: its configs, and (timed) the best five and the default."""
     res: dict = {"default_tiles": default_tiles, "configs": len(rows),
-                 "failed": sum(1 for r in rows if r.get("errors"))}
-    if compile_only:
+                 "failed": sum(1 for r in rows if "error" in r)}
+    if default_ms is None:
         return res
     timed = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-    res["default_ms"] = round(default_ms, 4)
-    res["best"] = [{**r, "speedup_vs_default": round(default_ms / r["ms"], 2)} for r in timed[:5]]
-    res["all"] = rows
+    for r in timed:
+        r["ms"] = round(r["ms"], 4)
+        r["gb_s"] = round(nbytes / r["ms"] / 1e6, 1)
+    res.update(default_ms=round(default_ms, 4), default_gb_s=round(nbytes / default_ms / 1e6, 1),
+               best=[{**r, "speedup_vs_default": round(default_ms / r["ms"], 2)} for r in timed[:5]], all=rows)
     return res
+
+
+def _summary(layers: dict[str, dict], compile_only: bool) -> dict:
+    """The layers, and (timed) the set's default and best-per-layer ms."""
+    res: dict = {"layers": layers, "configs": sum(v["configs"] for v in layers.values()),
+                 "failed": sum(v["failed"] for v in layers.values())}
+    if not compile_only and all(v.get("best") for v in layers.values()):
+        res["default_ms"] = round(sum(v["default_ms"] for v in layers.values()), 4)
+        res["best_ms"] = round(sum(v["best"][0]["ms"] for v in layers.values()), 4)
+        res["speedup_best_vs_default"] = round(res["default_ms"] / res["best_ms"], 2)
+    return res
+
+
+def _brief(r: dict) -> dict:
+    """A section without each config's row (the stderr line)."""
+    return {**r, "layers": {n: {k: v for k, v in layer.items() if k != "all"} for n, layer in r["layers"].items()}}
 
 
 def _compile_part(part: tuple[str, str, int, str]) -> str:
@@ -236,10 +230,10 @@ def main(argv: list[str] | None = None) -> dict:
         for q in types:
             for t in tokens:
                 res[f"gemv_{q}_tokens_{t}"] = r = sweep_gemv(q, t, shapes, grid, args.reps, device, False)
-                print("sweep " + json.dumps({f"gemv_{q}_tokens_{t}": {k: v for k, v in r.items() if k != "all"}}),
+                print("sweep " + json.dumps({f"gemv_{q}_tokens_{t}": _brief(r)}),
                       file=sys.stderr, flush=True)
             res[f"dequantize_{q}"] = r = sweep_dequant(q, shapes, grid, args.reps, device, False)
-            print("sweep " + json.dumps({f"dequantize_{q}": {k: v for k, v in r.items() if k != "all"}}),
+            print("sweep " + json.dumps({f"dequantize_{q}": _brief(r)}),
                   file=sys.stderr, flush=True)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(res, indent=1))

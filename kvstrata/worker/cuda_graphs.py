@@ -23,6 +23,7 @@ without a GPU.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -70,20 +71,38 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every size (largest first, one pool), then let the batch pad
         decode steps to them. Each size runs eagerly once before its capture,
-        so every kernel is compiled outside the graph."""
+        so every kernel is compiled outside the graph.
+
+        No garbage is collected while capturing: the collector, run by
+        whichever allocation triggers it, can free what an engine closed
+        earlier in this process left in reference cycles (its CUDA graphs
+        among them, whose memory pool goes back with cudaFree), and an unsafe
+        call mid-capture invalidates the capture (seen once on an H200 in 300
+        oracle engine starts: "operation failed due to a previous error during
+        capture"). So the collector runs first and is off until the captures
+        end; and the capture mode is thread-local, so only this thread's
+        calls can invalidate it, not another thread's (the loop's, a KV
+        connector's)."""
         t0 = time.perf_counter()
         batch = self._batch
         if not self.emulate:
             torch.cuda.synchronize()
             reserved_before = torch.cuda.memory_reserved()
             pool = torch.cuda.graph_pool_handle()
-            for size in reversed(self.sizes):
-                step = batch.dummy_inputs([1] * size, graph=True)
-                self._forward(step)  # warm-up: compiles, and settles the allocator
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[size] = self._forward(step)
-                self._graphs[size] = graph
+            gc.collect()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                for size in reversed(self.sizes):
+                    step = batch.dummy_inputs([1] * size, graph=True)
+                    self._forward(step)  # warm-up: compiles, and settles the allocator
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        self._outputs[size] = self._forward(step)
+                    self._graphs[size] = graph
+            finally:
+                if collecting:
+                    gc.enable()
             torch.cuda.synchronize()
             self.memory_bytes = max(0, torch.cuda.memory_reserved() - reserved_before)
         batch.graph_sizes = list(self.sizes)

@@ -137,3 +137,42 @@ def test_the_layout_puts_what_the_forward_reads_before_the_logits_rows():
     assert ends == sorted(ends) and lay.size == lay.logits + 3
     assert np.diff(ends).tolist() == [8, 9, 8, 8, 8, 128, 128]
 
+
+
+def test_graph_capture_runs_without_the_collector_and_in_thread_local_mode(three_decoding, monkeypatch):
+    """A collection mid-capture could free another engine's graphs (cudaFree)
+    and invalidate the capture: the collector runs first and is off until the
+    captures end, also when one fails; the mode is thread-local. (A CPU cannot
+    capture: torch's graph API is stood in by one that records what it saw.)"""
+    import contextlib
+    import gc
+
+    from kvstrata.worker import cuda_graphs
+
+    seen: list[tuple[str, bool]] = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):
+        seen.append((capture_error_mode, gc.isenabled()))
+        yield
+
+    cuda = cuda_graphs.torch.cuda
+    for name, fake in (("synchronize", lambda *a: None), ("memory_reserved", lambda *a: 0),
+                       ("graph_pool_handle", lambda: None), ("CUDAGraph", object), ("graph", graph)):
+        monkeypatch.setattr(cuda, name, fake)
+    batch = three_decoding
+    calls = []
+
+    def forward(step):
+        calls.append(step.graph_size)
+        if len(calls) == 5:
+            raise RuntimeError("capture invalidated")
+        return torch.zeros(step.num_tokens, 4)
+
+    assert gc.isenabled()
+    graphs = cuda_graphs.DecodeGraphs(forward, batch, [1, 2])
+    graphs.capture()
+    assert seen == [("thread_local", False)] * 2 and gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        cuda_graphs.DecodeGraphs(forward, batch, [1, 2]).capture()
+    assert gc.isenabled()
