@@ -164,6 +164,9 @@ async def run_mode(mode: str, args: argparse.Namespace, convs, num_blocks: int) 
         "prompt_tokens": stats.num_prompt_tokens,
         "preemptions": stats.num_preemptions,
         "final_history_tokens": sum(res["final_history_tokens"]),
+        # the connector's and the store's own counters and timings (load/save seconds, sync and async
+        # loads, splits, admissions): where a tier hit's time goes
+        "connector": {k: v for k, v in sorted(extra.items()) if k.split(".")[0] in ("connector", "store", "kv")},
     }
 
 

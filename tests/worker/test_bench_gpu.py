@@ -80,6 +80,9 @@ def test_quick_cpu_run_reports_every_section():
     assert t["ttft_p50_later_turns_s"]["recompute"] > 0 and t["ttft_p50_later_turns_s"]["tiers"] > 0
     assert t["ttft_p50_later_turns_s"]["tiers_per_chunk"] > 0 and t["tier_hit_tokens_per_chunk"]
     assert t["tier_hit_tokens"]["cpu"] > 0 and t["workload"]["working_set_over_pool"] > 2
+    counters = t["bench_tiers"]["modes"]["tiers"]["connector"]  # where a tier hit's time goes
+    assert counters["connector.cpu.hit_tokens"] == t["tier_hit_tokens"]["cpu"] and counters["connector.cpu.load_s"] > 0
+    assert counters["connector.sync_loads"] + counters["connector.async_loads"] > 0
 
 
 def test_trace_summary_counts_per_step():
