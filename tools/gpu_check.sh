@@ -23,6 +23,9 @@
 #   bench_base         its decode sections with fused kernels and split-K decode off (the CUDA
 #                      defaults before an H200 run checked them): bench's baseline in the same call
 #   kernels            the kernel benchmarks (bench_kernels, bench_attention, bench_fused_kernels)
+#   host_profile       py-spy (its wheel in .whl/) over bench_gpu's 64-request batch section, every
+#                      thread, collapsed stacks in $OUT/host_profile.txt: where the host's time per
+#                      decode step goes on the GPU machine (the GPU idles for it)
 # Groups: quant = quant_goal,quant_engine,quant_kernels,quant_tiles; tests = gpu_tests,pipelined,tier_oracle;
 # oracle = oracle_graphs,oracle_split,oracle_fused,oracle_eager,oracle_modes,oracle_bf16.
 #
@@ -46,7 +49,7 @@ set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 ALL="quant_goal quant_engine quant_kernels quant_tiles pipelined oracle_graphs gpu_tests oracle_split oracle_fused oracle_eager"
-ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench bench_base kernels"
+ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench bench_base kernels host_profile"
 STAGES=()
 for s in ${1:-$ALL}; do  # names separated by commas or spaces; groups expanded
   for s in ${s//,/ }; do
@@ -122,7 +125,9 @@ run() {  # run STAGE
         "$PY tools/bench_quant.py --gpu-kernels > '$OUT/bench_quant_kernels.json'"
       brief "$OUT/bench_quant_kernels.json" ;;
     pipelined) KVSTRATA_TEST_DEVICE=cuda stage pipelined_steps 90 $PYTEST tests/enginecore/test_pipelined_steps.py ;;
-    gpu_tests) stage gpu_tests 150 $PYTEST -m gpu tests/kernels ;;
+    gpu_tests) local xd=""  # 4 workers where pytest-xdist is installed (the GPU image has it): ~190 s alone
+      $PY -c "import xdist" 2>/dev/null && xd="-n 4"
+      stage gpu_tests 150 $PYTEST $xd -m gpu tests/kernels ;;
     tier_oracle) stage cuda_tier_oracle 90 $PYTEST tests/connector/test_oracle_tiers.py -k cuda ;;
     oracle_graphs) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 stage oracle_graphs "${ORACLE_S:-150}" $PYTEST $ORACLE \
         -k "${ORACLE_K:-serial or pipelined}" ;;
@@ -144,6 +149,10 @@ run() {  # run STAGE
         --fused-kernels off --split-decode off \
         --sections decode_single_stream,batch_64x512_128,profile_decode_step > '$OUT/bench_base.json'"
       brief "$OUT/bench_base.json" ;;
+    host_profile) local spy; spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
+      [[ -z $spy ]] && { echo "=== host_profile: no py-spy (put its wheel in .whl/)"; return; }
+      TAIL=2 stage host_profile "${PROFILE_S:-90}" "$spy" record -r 500 --threads --format raw \
+        -o "$OUT/host_profile.txt" -- $PY tools/bench_gpu.py --quick --sections batch_64x512_128 ;;
     kernels) for b in bench_kernels bench_attention bench_fused_kernels; do
         TAIL=2 stage "$b" 90 sh -c "$PY tools/$b.py --quick > '$OUT/$b.json'"
         brief "$OUT/$b.json"
