@@ -539,6 +539,7 @@ class AsyncEngine:
             self._dead = EngineDeadError("engine is closed")
         self._end_sinks(self._dead)
         self._looked_again()
+        self._executor.submit(self._core.release_device)  # after the last step, in the step thread
         self._executor.shutdown(wait=False)
         log.info("engine_closed")
 

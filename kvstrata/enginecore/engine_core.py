@@ -131,6 +131,13 @@ class EngineCore:
                  num_kv_cache_groups=len(self.kv.config.groups), max_model_len=self.max_model_len,
                  prefix_caching=self.kv.enable_caching)
 
+    def release_device(self) -> None:
+        """The engine closed: the runner lets go of what it can free at once
+        (its decode graphs). The step thread's last job."""
+        release = getattr(self.runner, "release_graphs", None)
+        if release is not None:
+            release()
+
     # -- requests ---------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """Queue ``req``, a request its client already checked

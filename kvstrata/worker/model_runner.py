@@ -316,6 +316,15 @@ class ModelRunner:
         self.graphs = graphs
         return graphs
 
+    def release_graphs(self) -> None:
+        """Drop the decode graphs and their memory pool (the engine closed;
+        the step thread, after its last step). Freed now, not whenever the
+        collector reaches the closed engine: a pool freed in the middle of
+        another engine's capture in this process would invalidate it."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def set_kv_connector(self, worker: KVConnectorWorker) -> None:
         """Attach a KV connector's worker side (``kvstrata.connector``): the
         forward pass then runs layer by layer with its load and save hooks."""

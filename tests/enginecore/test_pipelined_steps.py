@@ -285,3 +285,17 @@ def test_the_launch_after_a_failed_one_runs_its_other_requests(tiny, kv_managers
             tokens.extend(out.new_token_ids)
     assert tokens == expected
     assert core.kv.num_free_blocks == core.kv.num_blocks - 1
+
+
+async def test_closing_the_engine_drops_its_decode_graphs_in_the_step_thread(tiny):
+    """Graphs (and their memory pool) go when their engine closes, as the step
+    thread's last job: not whenever the collector reaches the engine, which
+    could be in the middle of another engine's capture."""
+    engine = await AsyncEngine.start(config(tiny, pipelined=False, async_scheduling=False))
+    runner = engine.core.runner
+    await asyncio.get_running_loop().run_in_executor(
+        engine._executor, lambda: runner.capture_decode_graphs([1, 2], emulate=True))
+    assert runner.graphs is not None and runner.batch.graph_sizes == [1, 2]
+    await engine.aclose()
+    engine._executor.shutdown(wait=True)  # wait for that last job
+    assert runner.graphs is None and runner.batch.graph_sizes == []
