@@ -111,3 +111,23 @@ def test_trace_summary_counts_per_step():
     assert s["memcpy_dtoh_per_step"] == 0.5 and s["memcpy_dtoh_pageable"] == 1
     assert s["host_syncs_per_step"] == 1.0 and s["host_sync_calls"] == {"cudaStreamSynchronize": 2}
     assert "few kernels" in s["note"]  # one graph launch and three kernels: CUPTI may have missed the graph's
+
+
+def test_unprofiled_busy_fraction_is_profiled_gpu_time_over_the_steady_step():
+    """64 requests at 32,000 steady tok/s are 2 ms steps; 40 % of a 4 ms
+    profiled step is 1.6 ms of kernels: 80 % busy without the profiler. Only
+    for the same request count, and never above 1."""
+    unprofiled_busy = _tool().unprofiled_busy
+
+    batch = {"workload": {"requests": 64}, "pipelined": {"steady_decode_tok_s": 32000.0},
+             "graphs_on": {"steady_decode_tok_s": 8000.0}, "graphs_off": {"steady_decode_tok_s": None}}
+    prof = {"pipelined": {"gpu_busy_fraction": 0.4, "step_ms_profiled": 4.0},
+            "graphs_on": {"gpu_busy_fraction": 0.9, "step_ms_profiled": 10.0},
+            "graphs_off": {"gpu_busy_fraction": None, "step_ms_profiled": 30.0}}
+    unprofiled_busy(prof, batch, 64)
+    assert prof["pipelined"]["gpu_busy_fraction_unprofiled_est"] == 0.8 and prof["pipelined"]["gpu_ms_per_step"] == 1.6
+    assert prof["graphs_on"]["gpu_busy_fraction_unprofiled_est"] == 1.0
+    assert "gpu_busy_fraction_unprofiled_est" not in prof["graphs_off"]
+    other = {"pipelined": {"gpu_busy_fraction": 0.4, "step_ms_profiled": 4.0}}
+    unprofiled_busy(other, {**batch, "workload": {"requests": 256}}, 64)
+    assert "gpu_busy_fraction_unprofiled_est" not in other["pipelined"]
