@@ -23,6 +23,8 @@
 #   bench_base         its decode sections with fused kernels and split-K decode off (the CUDA
 #                      defaults before an H200 run checked them): bench's baseline in the same call
 #   kernels            the kernel benchmarks (bench_kernels, bench_attention, bench_fused_kernels)
+#   attention_tune     tools/bench_attention.py --tune: decode tiles, warps, stages and split counts
+#                      against SDPA (decode attention is 1.1-1.3x SDPA from batch 8 on)
 #   host_profile       py-spy (its wheel in .whl/) over bench_gpu's 64-request batch section, every
 #                      thread, collapsed stacks in $OUT/host_profile.txt: where the host's time per
 #                      decode step goes on the GPU machine (the GPU idles for it)
@@ -49,7 +51,7 @@ set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 ALL="quant_goal quant_engine quant_kernels quant_tiles pipelined oracle_graphs gpu_tests oracle_split oracle_fused oracle_eager"
-ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench bench_base kernels host_profile"
+ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench bench_base kernels attention_tune host_profile"
 STAGES=()
 for s in ${1:-$ALL}; do  # names separated by commas or spaces; groups expanded
   for s in ${s//,/ }; do
@@ -149,6 +151,9 @@ run() {  # run STAGE
         --fused-kernels off --split-decode off \
         --sections decode_single_stream,batch_64x512_128,profile_decode_step > '$OUT/bench_base.json'"
       brief "$OUT/bench_base.json" ;;
+    attention_tune) TAIL=2 stage attention_tune "${TUNE_S:-150}" sh -c \
+        "$PY tools/bench_attention.py --quick --tune > '$OUT/attention_tune.json'"
+      BRIEF=2500 brief "$OUT/attention_tune.json" ;;
     host_profile) local spy; spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
       [[ -z $spy ]] && { echo "=== host_profile: no py-spy (put its wheel in .whl/)"; return; }
       TAIL=2 stage host_profile "${PROFILE_S:-90}" "$spy" record -r 500 --threads --format raw \
