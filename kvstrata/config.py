@@ -52,9 +52,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with the KV cache write, SiLU-and-mul). None: on for CUDA (the Triton
     # ones: the oracle is identical with them for every family on an H200)
     # and for a CPU where their C kernels load (kernels/fused_native.py); off
-    # under TRITON_INTERPRET=1 unless asked for. True: on (Triton on CUDA and
-    # under TRITON_INTERPRET=1, else C on a CPU, else the torch references);
-    # False: off.
+    # on a CPU under TRITON_INTERPRET=1 unless asked for. True: on (Triton on
+    # CUDA and under TRITON_INTERPRET=1, else C on a CPU, else the torch
+    # references); False: off.
     fused_kernels: bool | None = None
     # Decode attention split over the KV range (flash-decoding) on the Triton
     # path: fills the GPU at small batches (an H200, batch 1 at 2k context:
@@ -122,7 +122,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # host's work on a step overlaps the device's work on the one before.
     # Steps with drafts, logprobs or a KV connector read back at once. None:
     # on for CUDA (the oracle is identical with it on an H200, where it gave
-    # 1.27-1.36x output tok/s over async scheduling alone); off on a CPU (no
+    # 1.13-1.41x output tok/s over async scheduling alone); off on a CPU (no
     # gain: the device is the host).
     pipelined_steps: bool | None = None
 

@@ -500,6 +500,8 @@ def main() -> None:
                              "(default: a temporary file)")
     parser.add_argument("--write-only", action="store_true", help="--engine-gpu: write --gpu-file, run nothing")
     args = parser.parse_args()
+    if args.write_only and not (args.engine_gpu and args.gpu_file):
+        parser.error("--write-only writes --gpu-file for --engine-gpu: give both")
     from kvstrata.logs import configure_logging
 
     configure_logging("WARNING", json=False)  # logs on stderr; stdout is the JSON report

@@ -18,7 +18,7 @@ sized from it. Three engines run in one invocation, on the same workload:
     tiers    device + CPU (L1) + local disk tiers through the offload connector
     tiers-batched, tiers-per-chunk   tiers with ``batched_layer_transfers``
              on / off (one transfer call per layer, or per chunk and layer;
-             "tiers" takes the connector's default for the device)
+             "tiers" takes the connector's default: batched)
 
 Reported per mode: TTFT p50/p90, output tokens/s, wall time, device and
 per-tier hit tokens, preemptions; and the ratios of TTFT p50 (none / tiers,

@@ -10,10 +10,11 @@
 #                      compiled beside the test stages when those run side by side)
 #   pipelined          pipelined steps on CUDA, and that no launch syncs with the device (test_pipelined_steps.py)
 #   oracle_graphs      the HF oracle with the engine on CUDA, graphs on for every family (sliding-window ones
-#                      too, off by default until this passes), serial and pipelined steps
+#                      too), serial and pipelined steps, the other switches at their defaults (fused
+#                      kernels and split-K decode on)
 #   gpu_tests          the compiled-kernel tests (pytest -m gpu tests/kernels)
-#   oracle_split       the oracle with split-K decode attention on (forced to 4 splits of 16 positions), graphs on
-#   oracle_fused       the oracle with the fused Triton kernels on, graphs on
+#   oracle_split       the oracle with split-K decode attention forced to 4 splits of 16 positions, graphs on
+#   oracle_unfused     the oracle with fused kernels and split-K decode off (each switch's false), graphs on
 #   oracle_eager       the oracle with graphs off
 #   tier_oracle        the CPU-tier oracle on CUDA streams (tests/connector/test_oracle_tiers.py -k cuda)
 #   oracle_modes       the oracle's other modes with graphs on (async scheduling, speculative decoding)
@@ -29,7 +30,7 @@
 #                      thread, collapsed stacks in $OUT/host_profile.txt: where the host's time per
 #                      decode step goes on the GPU machine (the GPU idles for it)
 # Groups: quant = quant_goal,quant_engine,quant_kernels,quant_tiles; tests = gpu_tests,pipelined,tier_oracle;
-# oracle = oracle_graphs,oracle_split,oracle_fused,oracle_eager,oracle_modes,oracle_bf16.
+# oracle = oracle_graphs,oracle_split,oracle_unfused,oracle_eager,oracle_modes,oracle_bf16.
 #
 #   bash tools/gpu_check.sh [stage,stage,...]     (default: all, in the order above)
 #
@@ -50,7 +51,8 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
-ALL="quant_goal quant_engine quant_kernels quant_tiles pipelined oracle_graphs gpu_tests oracle_split oracle_fused oracle_eager"
+: >"$OUT/summary.txt"  # this run's stages only
+ALL="quant_goal quant_engine quant_kernels quant_tiles pipelined oracle_graphs gpu_tests oracle_split oracle_unfused oracle_eager"
 ALL="$ALL tier_oracle oracle_modes oracle_bf16 bench bench_base kernels attention_tune host_profile"
 STAGES=()
 for s in ${1:-$ALL}; do  # names separated by commas or spaces; groups expanded
@@ -58,7 +60,7 @@ for s in ${1:-$ALL}; do  # names separated by commas or spaces; groups expanded
     case $s in
       quant) STAGES+=(quant_goal quant_engine quant_kernels quant_tiles) ;;
       tests) STAGES+=(gpu_tests pipelined tier_oracle) ;;
-      oracle) STAGES+=(oracle_graphs oracle_split oracle_fused oracle_eager oracle_modes oracle_bf16) ;;
+      oracle) STAGES+=(oracle_graphs oracle_split oracle_unfused oracle_eager oracle_modes oracle_bf16) ;;
       *) [[ " $ALL " == *" $s "* ]] || { echo "unknown stage: $s (see the header of tools/gpu_check.sh)"; exit 2; }
          STAGES+=("$s") ;;
     esac
@@ -86,19 +88,26 @@ import torch, triton, pytest
 print("torch", torch.__version__, "triton", triton.__version__, "pytest", pytest.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
 EOF
 
-limit() {  # limit SECONDS: min(SECONDS, budget left)
+limit() {  # limit SECONDS: min(SECONDS, budget left), at least 0
   local left=$((DEADLINE - SECONDS - 5))
+  (( left < 0 )) && left=0
   (( left < $1 )) && echo "$left" || echo "$1"
 }
 stage() {  # stage NAME SECONDS COMMAND...: run under min(SECONDS, budget left), log to $OUT/NAME.log
   local name=$1 limit; limit=$(limit "${SIDE_LIMIT:-$2}"); shift 2
+  if (( limit < 5 )); then  # timeout 0 would mean no limit at all
+    printf '=== %s skipped: the budget is spent\n' "$name" | tee -a "$OUT/summary.txt"
+    return
+  fi
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s)"
   timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  local last=""  # the test stages' pytest summary line, in the same record (stages run side by side)
   [[ $name == *oracle* || $name == *tests* || $name == *steps* || $name == quant_engine ]] &&
-    tail -n 1 "$OUT/$name.log" | cut -c1-300 >>"$OUT/summary.txt"
+    last=$'\n'$(tail -n 1 "$OUT/$name.log" | cut -c1-300)
+  printf '=== %s rc=%s %ss%s\n' "$name" "$rc" "$((SECONDS - t0))" "$last" >>"$OUT/summary.txt"
+  echo "=== $name rc=$rc $((SECONDS - t0))s"
   tail -n "${TAIL:-6}" "$OUT/$name.log" | cut -c1-400
 }
 brief() {  # brief FILE.json: each top-level entry on one line, cut at BRIEF chars (the whole file is in $OUT)
@@ -138,7 +147,8 @@ run() {  # run STAGE
         -k "${ORACLE_K:-serial or pipelined}" ;;
     oracle_eager) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=0 stage oracle_eager "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
-    oracle_fused) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 KVSTRATA_TEST_FUSED_KERNELS=1 stage oracle_fused "${ORACLE_S:-100}" \
+    oracle_unfused) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 KVSTRATA_TEST_FUSED_KERNELS=0 \
+        KVSTRATA_TEST_SPLIT_DECODE=0 stage oracle_unfused "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
     oracle_split) KVSTRATA_TEST_DEVICE=cuda KVSTRATA_TEST_CUDA_GRAPHS=1 KVSTRATA_TEST_SPLIT_DECODE=1 stage oracle_split "${ORACLE_S:-100}" \
         $PYTEST $ORACLE -k "${ORACLE_K:-serial or async or pipelined}" ;;
@@ -165,13 +175,14 @@ run() {  # run STAGE
   esac
 }
 GGUF=/tmp/kvstrata-gpu-check-8b-Q4_0.gguf  # quant_goal's random checkpoint (kept for a second call)
-TESTS=" quant_engine pipelined gpu_tests tier_oracle oracle_graphs oracle_split oracle_fused oracle_eager oracle_modes oracle_bf16 "
+TESTS=" quant_engine pipelined gpu_tests tier_oracle oracle_graphs oracle_split oracle_unfused oracle_eager oracle_modes oracle_bf16 "
 if [[ ${PARALLEL:-1} != 0 ]]; then
   side=() timed=()
   for s in "${STAGES[@]}"; do [[ $TESTS == *" $s "* ]] && side+=("$s") || timed+=("$s"); done
   if [[ " ${timed[*]:-} " == *" quant_goal "* ]]; then
     $PY tools/bench_quant.py --engine-gpu --write-only --gpu-file "$GGUF" >"$OUT/gguf_write.log" 2>&1 &
     WRITER=$!
+    trap 'kill "$WRITER" 2>/dev/null' EXIT  # quant_goal not reached: the writer goes with the script
   fi
   if [[ " ${timed[*]:-} " == *" quant_tiles "* ]]; then  # the sweep's kernels compiled meanwhile (disk cache)
     $PY tools/sweep_quant_tiles.py --compile-only --jobs 8 >"$OUT/quant_tiles_compile.log" 2>&1 &

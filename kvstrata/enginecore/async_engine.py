@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol, TypeVar, Unpack
 
@@ -64,6 +64,8 @@ from kvstrata.text.tokenizer import Tokenizer
 from kvstrata.types import EngineHealth, EngineLoad, EngineStats, RequestOutput, SamplingParams, SchedulerOutput
 
 log = structlog.get_logger(__name__)
+
+RELEASE_WAIT_S = 30.0  # aclose waits this long for the step thread to drop the runner's graphs
 
 # Receives a request's outputs in order, then possibly an EngineDeadError.
 # Called on the loop, synchronously, once per output: it must not block.
@@ -387,8 +389,13 @@ class AsyncEngine:
         finally:
             if not self._closed:
                 self._closed = True
-                self._shutdown()
-                await self._close_kv()
+                released = self._shutdown()
+                try:
+                    await self._close_kv()
+                finally:
+                    if released is not None:  # the graphs gone before close returns (a step thread stuck
+                        with contextlib.suppress(Exception):  # in a dead device: not waited for long)
+                            await asyncio.wait_for(asyncio.wrap_future(released), RELEASE_WAIT_S)
 
     async def _close_kv(self) -> None:
         connector, self._connector = self._connector, None
@@ -533,15 +540,21 @@ class AsyncEngine:
         for sink in sinks.values():
             sink(EngineDeadError(str(dead), cause=dead.cause))
 
-    def _shutdown(self) -> None:
+    def _shutdown(self) -> Future | None:
+        """End every request and the step thread; returns the step thread's
+        last job (the runner lets go of its graphs), or None where it could
+        not be queued."""
         if self._dead is None:
             self._deliver(self._core.abort_requests(list(self._core.scheduler.requests)))
             self._dead = EngineDeadError("engine is closed")
         self._end_sinks(self._dead)
         self._looked_again()
-        self._executor.submit(self._core.release_device)  # after the last step, in the step thread
+        released = None
+        with contextlib.suppress(RuntimeError):  # an executor already shut down (interpreter exit)
+            released = self._executor.submit(self._core.release_device)  # after the last step
         self._executor.shutdown(wait=False)
         log.info("engine_closed")
+        return released
 
 
 def _bare_poll(so: SchedulerOutput) -> bool:

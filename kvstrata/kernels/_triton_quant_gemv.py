@@ -402,6 +402,8 @@ def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, ti
     ``gemv_few_tiles``' or ``gemv_tiles``' answer (for the kernel that runs) to
     use instead (its BLOCK_K must divide K)."""
     num_tokens, k = x.shape
+    if few and x.dtype == torch.bfloat16 and not (x.data_ptr() % 4 == 0 and (x.shape[0] == 1 or x.stride(0) % 2 == 0)):
+        raise ValueError("few=True reads bf16 x two values a 32-bit load: its rows must be 4-byte aligned")
     few = not many and (few or few_token_kernel_reads(x))
     t = tile_config or (gemv_few_tiles(num_tokens, n, k, qtype) if few else gemv_tiles(num_tokens, n, k, qtype))
     block = quant_type(qtype).block

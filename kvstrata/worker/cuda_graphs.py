@@ -24,6 +24,7 @@ without a GPU.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Callable
 
@@ -35,6 +36,34 @@ from kvstrata.worker.input_batch import InputBatch, StepInputs
 log = structlog.get_logger(__name__)
 
 MAX_GRAPH_SIZE = 512
+
+
+class _NoCollector:
+    """The cyclic garbage collector off while any thread of the process
+    captures (``gc.disable`` is process-wide: a count of the captures in
+    progress, so the last one to end turns it back on, and only if it was on
+    when the first began)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._was_enabled = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0 and self._was_enabled:
+                gc.enable()
+
+
+_NO_COLLECTOR = _NoCollector()
 
 
 def graph_sizes(max_num_seqs: int, configured: list[int] | None = None) -> list[int]:
@@ -89,10 +118,8 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             reserved_before = torch.cuda.memory_reserved()
             pool = torch.cuda.graph_pool_handle()
-            gc.collect()
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
+            with _NO_COLLECTOR:
+                gc.collect()
                 for size in reversed(self.sizes):
                     step = batch.dummy_inputs([1] * size, graph=True)
                     self._forward(step)  # warm-up: compiles, and settles the allocator
@@ -100,9 +127,6 @@ class DecodeGraphs:
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         self._outputs[size] = self._forward(step)
                     self._graphs[size] = graph
-            finally:
-                if collecting:
-                    gc.enable()
             torch.cuda.synchronize()
             self.memory_bytes = max(0, torch.cuda.memory_reserved() - reserved_before)
         batch.graph_sizes = list(self.sizes)

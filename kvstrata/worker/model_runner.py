@@ -87,9 +87,9 @@ def wants_cuda_graphs(setting: bool | None, device: torch.device) -> bool:
 
 def wants_fused_kernels(setting: bool | None, device: torch.device) -> bool:
     """``model.fused_kernels``: None turns them on for CUDA (Triton) and for
-    a CPU where their C kernels load (``kernels/fused_native.py``), not under
-    TRITON_INTERPRET=1 (the interpreter would run the Triton ones); the
-    oracle is identical with them on both, every family."""
+    a CPU where their C kernels load (``kernels/fused_native.py``), on a CPU
+    not under TRITON_INTERPRET=1 (the interpreter would run the Triton ones);
+    the oracle is identical with them on both, every family."""
     if setting is not None:
         return bool(setting)
     if device.type == "cuda":
@@ -100,11 +100,6 @@ def wants_fused_kernels(setting: bool | None, device: torch.device) -> bool:
 def on_for_cuda(setting: bool | None, device: torch.device) -> bool:
     """A switch whose None means on for CUDA, off elsewhere (``model.split_decode``)."""
     return device.type == "cuda" if setting is None else bool(setting)
-
-
-def arch_windows(arch: LlamaArchConfig) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: full attention)."""
-    return tuple(arch.layer_windows or (None,) * arch.num_hidden_layers)
 
 
 def check_max_model_len(requested: int | None, max_positions: int) -> int:

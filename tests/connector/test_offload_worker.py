@@ -143,7 +143,26 @@ def test_batched_layer_transfers_equal_the_per_chunk_ones(layout):
         results.append((backing, buffers[4], buffers[5]))
     for per_chunk, batched in zip(*results, strict=True):
         assert torch.equal(per_chunk, batched)
-    assert make("per_layer")[3].batched  # None: on for a CPU cache
+    assert make("per_layer")[3].batched  # None: on
+
+
+def test_batched_layer_transfers_default_on_for_a_cuda_cache_too(monkeypatch):
+    """The default (None) batches on CUDA too (an H200 run: 7x less host time
+    than per chunk, the CUDA tier oracle identical); False keeps per chunk."""
+    from kvstrata.connector.offload import worker as worker_module
+
+    class CudaStreams:  # what register_kv_caches builds for a CUDA cache (a CPU cannot make CUDA streams)
+        is_cuda = True
+
+        def __init__(self, device, num_layers) -> None:
+            pass
+
+    monkeypatch.setattr(worker_module, "KVStreams", CudaStreams)
+    caches = make("per_layer")[1]
+    for option, want in ((None, True), (False, False), (True, True)):
+        worker = OffloadWorker(spec(), {}, batched_layer_transfers=option)
+        worker.register_kv_caches(caches, "cuda")
+        assert worker.batched is want
 
 
 def _bulk_step(buffers) -> OffloadMetadata:

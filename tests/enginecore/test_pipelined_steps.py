@@ -11,6 +11,7 @@ import asyncio
 import os
 
 import pytest
+import torch
 from hf_utils import build_tiny_llama
 
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -181,7 +182,8 @@ async def test_pipelined_needs_async_scheduling_and_is_on_by_default_for_cuda_on
     assert SchedulerConfig().pipelined_steps is None  # on for CUDA (the oracle there: tests/enginecore/test_oracle.py)
     engine = await AsyncEngine.start(config(tiny, pipelined=None, async_scheduling=True))
     try:
-        assert engine.async_scheduling and engine.pipelined == (DEVICE == "cuda")  # a CPU's device is its host
+        on_cuda = torch.device(DEVICE).type == "cuda"
+        assert engine.async_scheduling and engine.pipelined == on_cuda  # a CPU's device is its host
     finally:
         await engine.aclose()
 
@@ -296,6 +298,5 @@ async def test_closing_the_engine_drops_its_decode_graphs_in_the_step_thread(tin
     await asyncio.get_running_loop().run_in_executor(
         engine._executor, lambda: runner.capture_decode_graphs([1, 2], emulate=True))
     assert runner.graphs is not None and runner.batch.graph_sizes == [1, 2]
-    await engine.aclose()
-    engine._executor.shutdown(wait=True)  # wait for that last job
+    await engine.aclose()  # returns once that last job is done
     assert runner.graphs is None and runner.batch.graph_sizes == []

@@ -170,6 +170,13 @@ def test_graph_capture_runs_without_the_collector_and_in_thread_local_mode(three
         return torch.zeros(step.num_tokens, 4)
 
     assert gc.isenabled()
+    guard = cuda_graphs._NoCollector()  # captures in two threads at once: the last to end turns it on
+    guard.__enter__()
+    guard.__enter__()
+    guard.__exit__(None, None, None)
+    assert not gc.isenabled()
+    guard.__exit__(None, None, None)
+    assert gc.isenabled()
     graphs = cuda_graphs.DecodeGraphs(forward, batch, [1, 2])
     graphs.capture()
     assert seen == [("thread_local", False)] * 2 and gc.isenabled()

@@ -70,7 +70,7 @@ class OffloadWorker:
                  batched_layer_transfers: bool | None = None) -> None:
         self.spec = spec
         self._batched_option = batched_layer_transfers
-        self.batched = False  # set by register_kv_caches: the option, or on for a CPU cache
+        self.batched = False  # set by register_kv_caches: the option (None: on)
         self.block_size = spec.block_size
         self.buffers = buffers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
