@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import platform
 from collections.abc import Callable
 
@@ -175,6 +176,8 @@ def tune_section(repeat: int = 10) -> dict:
                 s: round(cuda_graph_time(run(c, plan._replace(num_splits=s)), CALLS_PER_GRAPH, repeat) / sdpa_s[b], 3)
                 for s in (1, 2, 4, 8, 16, 32)}
         del cases
+        # each model's sweep at once on stderr: a run cut by a time limit keeps what it measured
+        print("bench_attention " + json.dumps({"tune": {name: entry}}), file=sys.stderr, flush=True)
     return res
 
 
