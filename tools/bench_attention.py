@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import platform
+import sys
 from collections.abc import Callable
 
 import torch
