@@ -27,7 +27,8 @@
 #   attention_tune     tools/bench_attention.py --tune: decode tiles, warps, stages and split counts
 #                      against SDPA (decode attention is 1.1-1.3x SDPA from batch 8 on)
 #   host_profile       py-spy (its wheel in .whl/) over bench_gpu's 64-request batch section, every
-#                      thread, collapsed stacks in $OUT/host_profile.txt: where the host's time per
+#                      thread, collapsed stacks in $OUT/host_profile.txt (tools/profile_summary.py: per
+#                      thread, the functions holding the busy samples): where the host's time per
 #                      decode step goes on the GPU machine (the GPU idles for it)
 # Groups: quant = quant_goal,quant_engine,quant_kernels,quant_tiles; tests = gpu_tests,pipelined,tier_oracle;
 # oracle = oracle_graphs,oracle_split,oracle_unfused,oracle_eager,oracle_modes,oracle_bf16.
@@ -167,7 +168,9 @@ run() {  # run STAGE
     host_profile) local spy; spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
       [[ -z $spy ]] && { echo "=== host_profile: no py-spy (put its wheel in .whl/)"; return; }
       TAIL=2 stage host_profile "${PROFILE_S:-90}" "$spy" record -r 500 --threads --format raw \
-        -o "$OUT/host_profile.txt" -- $PY tools/bench_gpu.py --quick --sections batch_64x512_128 ;;
+        -o "$OUT/host_profile.txt" -- $PY tools/bench_gpu.py --quick --sections batch_64x512_128
+      [[ -s $OUT/host_profile.txt ]] && $PY tools/profile_summary.py "$OUT/host_profile.txt" --top 15 \
+        --match kvstrata >"$OUT/host_profile.json" && BRIEF=1500 brief "$OUT/host_profile.json" ;;
     kernels) for b in bench_kernels bench_attention bench_fused_kernels; do
         TAIL=2 stage "$b" 90 sh -c "$PY tools/$b.py --quick > '$OUT/$b.json'"
         brief "$OUT/$b.json"
