@@ -387,8 +387,13 @@ def few_token_kernel_reads(x) -> bool:
     """Whether ``quant_gemv_triton`` gives ``x`` [T, K] to ``_gemv_few_kernel``: up
     to FEW_MAX_TOKENS tokens in rows that (bf16: it reads x two values a 32-bit
     load) are 4-byte aligned."""
-    aligned = x.dtype != torch.bfloat16 or (x.data_ptr() % 4 == 0 and (x.shape[0] == 1 or x.stride(0) % 2 == 0))
-    return x.shape[0] <= FEW_MAX_TOKENS and aligned
+    return x.shape[0] <= FEW_MAX_TOKENS and _rows_aligned(x)
+
+
+def _rows_aligned(x) -> bool:
+    """Whether the few-token kernel can read x's rows: bf16 two values a
+    32-bit load, so its rows 4-byte aligned (other dtypes: any)."""
+    return x.dtype != torch.bfloat16 or (x.data_ptr() % 4 == 0 and (x.shape[0] == 1 or x.stride(0) % 2 == 0))
 
 
 def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, tile_config: dict | None = None,
@@ -402,7 +407,7 @@ def quant_gemv_triton(x, data, qtype: str, type_size: int, n: int, bias, out, ti
     ``gemv_few_tiles``' or ``gemv_tiles``' answer (for the kernel that runs) to
     use instead (its BLOCK_K must divide K)."""
     num_tokens, k = x.shape
-    if few and x.dtype == torch.bfloat16 and not (x.data_ptr() % 4 == 0 and (x.shape[0] == 1 or x.stride(0) % 2 == 0)):
+    if few and not _rows_aligned(x):
         raise ValueError("few=True reads bf16 x two values a 32-bit load: its rows must be 4-byte aligned")
     few = not many and (few or few_token_kernel_reads(x))
     t = tile_config or (gemv_few_tiles(num_tokens, n, k, qtype) if few else gemv_tiles(num_tokens, n, k, qtype))
