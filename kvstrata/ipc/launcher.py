@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import structlog
@@ -60,14 +60,21 @@ class ProcessWatch:
 
 
 def spawn_engine(config: EngineConfig, address: str, credentials: P.Credentials, *, watch_parent: bool = True,
-                 log_json: bool | None = None, max_frame_bytes: int | None = None) -> subprocess.Popen:
+                 log_json: bool | None = None, max_frame_bytes: int | None = None,
+                 wrapper: Sequence[str] = ()) -> subprocess.Popen:
     """Start the engine process bound to ``address``; it exits when this
     process dies (``--parent-pid``), so an engine is never orphaned. The
     config and the engine's credentials are written to its stdin (a pipe
-    only it reads): no secret is ever in its argv."""
+    only it reads): no secret is ever in its argv.
+
+    ``wrapper``: a command the engine's command line is appended to (a
+    profiler such as ``["py-spy", "record", "-o", "engine.txt", "--"]``,
+    ``numactl``, or a script that prepares the process and runs
+    ``kvstrata.ipc.engine_proc.main`` itself). It must pass stdin on and
+    end when the engine does; the signals go to it."""
     if address.startswith("tcp://") and not credentials.curve:
         raise ValueError("an engine on tcp:// needs CURVE credentials (Credentials.new(curve=True))")
-    cmd = [sys.executable, "-m", "kvstrata.ipc.engine_proc", "--address", address, "--config-stdin"]
+    cmd = [*wrapper, sys.executable, "-m", "kvstrata.ipc.engine_proc", "--address", address, "--config-stdin"]
     if watch_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     if max_frame_bytes is not None:

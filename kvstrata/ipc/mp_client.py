@@ -130,8 +130,9 @@ class MPEngineClient:
     @classmethod
     async def start(cls, config: EngineConfig | None = None, *, transport: str = "ipc",
                     address: str | None = None, startup_timeout_s: float = 300.0,
-                    max_frame_bytes: int | None = None) -> "MPEngineClient":
-        """Spawn an engine subprocess, connect, and wait for its handshake."""
+                    max_frame_bytes: int | None = None, wrapper: Sequence[str] = ()) -> "MPEngineClient":
+        """Spawn an engine subprocess, connect, and wait for its handshake.
+        ``wrapper``: a command the engine process runs under (``spawn_engine``)."""
         config = config or EngineConfig()
         config.validate()
         private = None
@@ -140,7 +141,7 @@ class MPEngineClient:
             address = private.url
         address = check_address(address)
         credentials = P.Credentials.new(curve=address.startswith("tcp://"))
-        proc = spawn_engine(config, address, credentials, max_frame_bytes=max_frame_bytes)
+        proc = spawn_engine(config, address, credentials, max_frame_bytes=max_frame_bytes, wrapper=wrapper)
         client = cls(_dealer(address, credentials=credentials), address, private, proc, credentials=credentials)
         await client._handshake(startup_timeout_s)
         return client

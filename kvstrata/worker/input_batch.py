@@ -14,7 +14,9 @@ mappings are a handful of vectorised numpy operations, not work per token:
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import functools
+import operator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -90,6 +92,8 @@ class StepLayout:
     on (tokens, sequences, table width, groups): a CUDA graph captured for
     batch size n reads the same addresses at every replay of size n. The
     logits rows (read after the forward, outside any graph) come last.
+    The offsets are computed once, at construction (``step_layout`` keeps
+    the layouts of recent shapes).
     """
 
     num_tokens: int
@@ -97,36 +101,40 @@ class StepLayout:
     width: int  # block-table columns
     num_groups: int
     num_logits: int
+    ids: int = field(init=False, repr=False, compare=False)
+    positions: int = field(init=False, repr=False, compare=False)
+    qsl: int = field(init=False, repr=False, compare=False)
+    seq_lens: int = field(init=False, repr=False, compare=False)
+    logits: int = field(init=False, repr=False, compare=False)
+    size: int = field(init=False, repr=False, compare=False)
+    _slots: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _tables: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def ids(self) -> int:
-        return 0
-
-    @property
-    def positions(self) -> int:
-        return self.num_tokens
-
-    @property
-    def qsl(self) -> int:
-        return 2 * self.num_tokens
-
-    @property
-    def seq_lens(self) -> int:
-        return self.qsl + self.num_seqs + 1
+    def __post_init__(self) -> None:
+        t, n, g = self.num_tokens, self.num_seqs, self.num_groups
+        put = object.__setattr__  # frozen: set once, here
+        put(self, "ids", 0)
+        put(self, "positions", t)
+        put(self, "qsl", 2 * t)
+        put(self, "seq_lens", 2 * t + n + 1)
+        slots = tuple(2 * t + 2 * n + 1 + i * t for i in range(g + 1))
+        tables = tuple(slots[g] + i * n * self.width for i in range(g + 1))
+        put(self, "_slots", slots)
+        put(self, "_tables", tables)
+        put(self, "logits", tables[g])
+        put(self, "size", tables[g] + self.num_logits)
 
     def slots(self, g: int) -> int:
-        return self.seq_lens + self.num_seqs + g * self.num_tokens
+        return self._slots[g]
 
     def table(self, g: int) -> int:
-        return self.slots(self.num_groups) + g * self.num_seqs * self.width
+        return self._tables[g]
 
-    @property
-    def logits(self) -> int:
-        return self.table(self.num_groups)
 
-    @property
-    def size(self) -> int:
-        return self.logits + self.num_logits
+@functools.lru_cache(maxsize=1024)
+def step_layout(num_tokens: int, num_seqs: int, width: int, num_groups: int, num_logits: int) -> StepLayout:
+    """The layout of a step of this shape (shapes repeat: decode steps of one batch size)."""
+    return StepLayout(num_tokens, num_seqs, width, num_groups, num_logits)
 
 
 def layout_capacity(max_tokens: int, max_seqs: int, max_blocks: int, num_groups: int) -> int:
@@ -198,10 +206,12 @@ class InputBatch:
         self.num_groups = max(layer_groups) + 1 if layer_groups else 1
         self.block_tables = [np.zeros((16, self.max_blocks), dtype=np.int32) for _ in range(self.num_groups)]
         self.requests: dict[str, RequestState] = {}
+        self.num_with_logprobs = 0  # requests held that ask for logprobs
         self._free_rows = list(range(15, -1, -1))
         self.max_num_tokens = max(max_num_tokens, 1)
         self.max_num_seqs = max(max_num_seqs, 1)
         self.buffers = StepBuffers(self._capacity(), device)
+        self._views: dict[StepLayout, _StepViews] = {}  # of ``buffers``' device buffer
         self.graph_sizes: list[int] = []  # batch sizes a decode step may be padded to (captured graphs)
         self.num_buffer_growths = 0
         self.num_fed_tokens = 0  # input tokens read on the device from a step not yet read back
@@ -221,6 +231,8 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            if state.params.logprobs is not None:
+                self.num_with_logprobs -= 1
 
     def add(self, data: NewRequestData) -> None:
         self.remove(data.req_id)  # resumed after preemption, or re-sent: start afresh
@@ -228,6 +240,8 @@ class InputBatch:
             self._grow()
         state = RequestState(data, self._free_rows.pop(), self.device, self.num_groups)
         self.requests[data.req_id] = state
+        if state.params.logprobs is not None:
+            self.num_with_logprobs += 1
         self._append_blocks(state, data.block_ids)
 
     def update(self, cached: CachedRequestData) -> None:
@@ -278,65 +292,87 @@ class InputBatch:
         step (one token each, no drafts) is padded to the smallest of
         ``graph_sizes`` that holds it, when there is one."""
         requests = self.requests
-        num_reqs = len(num_scheduled_tokens)
-        rows = np.empty(num_reqs, dtype=np.int64)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        counts = np.empty(num_reqs, dtype=np.int64)
+        rows: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
         tokens: list[int] = []
         sample_states: list[RequestState] = []
         sample_idx: list[int] = []
         sample_drafts: list[list[int] | None] | None = [] if spec_tokens else None
-        fed: list[tuple[int, RequestState]] = []  # (token index, request) whose input token is in flight
+        # Input tokens still on the device (a decode step after a launched one):
+        # their positions in ``tokens`` and rows in their source's sampled
+        # tokens (``fed_src``: the source of most; others, rare, in ``fed_other``).
+        fed_src: torch.Tensor | None = None
+        fed_at: list[int] = []
+        fed_rows: list[int] = []
+        fed_other: list[tuple[int, RequestState]] = []
         for b, (req_id, n) in enumerate(num_scheduled_tokens.items()):
             state = requests[req_id]
             start = state.num_computed_tokens
             end = start + n
-            host = len(state.token_ids)
-            known = host + (state.flight is not None)  # num_known, inlined (per request per step)
-            rows[b], starts[b], counts[b] = state.row, start, n
+            ids = state.token_ids
+            host = len(ids)
+            flight = state.flight
+            known = host if flight is None else host + 1  # num_known, inlined (per request per step)
+            rows.append(state.row)
+            starts.append(start)
+            counts.append(n)
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts:
-                assert state.flight is None, f"{req_id}: drafts follow a step whose tokens were read"
+                assert flight is None, f"{req_id}: drafts follow a step whose tokens were read"
                 assert start + 1 == known and n == 1 + len(drafts), f"{req_id}: drafts need a decode step"
-                tokens.append(state.token_ids[start])
+                tokens.append(ids[start])
                 tokens.extend(drafts)
             else:
                 assert end <= known, f"{req_id}: scheduled past its known tokens ({end} > {known})"
                 if start == host:  # its input token is still on the device
-                    assert n == 1, f"{req_id}: only a decode step reads a token in flight"
-                    fed.append((len(tokens), state))
+                    assert n == 1 and flight is not None, f"{req_id}: only a decode step reads a token in flight"
+                    source, frow = flight
+                    if fed_src is None:
+                        fed_src = source
+                    if source is fed_src:
+                        fed_at.append(len(tokens))
+                        fed_rows.append(frow)
+                    else:
+                        fed_other.append((len(tokens), state))
                     tokens.append(0)
                 elif n == 1:
-                    tokens.append(state.token_ids[start])
+                    tokens.append(ids[start])
                 else:
-                    tokens.extend(state.token_ids[start:end])
+                    tokens.extend(ids[start:end])
             if drafts or end == known:
                 sample_states.append(state)
                 sample_idx.append(b)
                 if sample_drafts is not None:
                     sample_drafts.append(drafts or None)
-        step = self._tensors(list(num_scheduled_tokens), rows, starts, counts, tokens, sample_states, sample_idx,
-                             sample_drafts)
-        if fed:
-            self._feed(step.input_ids, fed)
-            self.num_fed_tokens += len(fed)
+        step = self._tensors(list(num_scheduled_tokens), np.array(rows, dtype=np.int64),
+                             np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64), tokens,
+                             sample_states, sample_idx, sample_drafts)
+        if fed_src is not None:
+            self._feed(step.input_ids, fed_src, fed_at, fed_rows)
+            others: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+            for at, state in fed_other:
+                assert state.flight is not None
+                source, frow = state.flight
+                _, into, from_rows = others.setdefault(id(source), (source, [], []))
+                into.append(at)
+                from_rows.append(frow)
+            for source, into, from_rows in others.values():
+                self._feed(step.input_ids, source, into, from_rows)
+            self.num_fed_tokens += len(fed_at) + len(fed_other)
         return step
 
-    def _feed(self, input_ids: torch.Tensor, fed: list[tuple[int, RequestState]]) -> None:
-        """Write the input tokens still in flight into ``input_ids`` on the
-        device, from the sampled-token tensors of the steps that drew them
-        (queued on the stream after those steps: no host sync)."""
-        by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        for at, state in fed:
-            assert state.flight is not None
-            source, row = state.flight
-            _, into, rows = by_source.setdefault(id(source), (source, [], []))
-            into.append(at)
-            rows.append(row)
-        for source, into, rows in by_source.values():
-            idx = to_device(into + rows, torch.int64, self.device)  # one copy: [positions | rows]
-            n = len(into)
-            input_ids.index_copy_(0, idx[:n], source.index_select(0, idx[n:]).to(input_ids.dtype))
+    def _feed(self, input_ids: torch.Tensor, source: torch.Tensor, into: list[int], rows: list[int]) -> None:
+        """Write input tokens still in flight into ``input_ids`` (at ``into``) on
+        the device, from rows ``rows`` of the sampled-token tensor of the step
+        that drew them (queued on the stream after that step: no host sync)."""
+        n = len(into)
+        if into[-1] == n - 1 and rows[-1] == n - 1 and into == rows == list(range(n)):
+            # steady decode: the first n inputs are the last step's n samples, in order
+            input_ids[:n].copy_(source[:n])
+            return
+        idx = to_device(into + rows, torch.int64, self.device)  # one copy: [positions | rows]
+        input_ids.index_copy_(0, idx[:n], source.index_select(0, idx[n:]).to(input_ids.dtype))
 
     def graph_size_for(self, num_tokens: int, num_seqs: int) -> int | None:
         """The captured batch size a step of ``num_tokens`` tokens over
@@ -371,10 +407,10 @@ class InputBatch:
                                    for i in range(end - len(d or ()), end + 1)], dtype=np.int64)
         graph_size = self.graph_size_for(num_tokens, num_seqs)
         if graph_size is not None:  # the captured graph's layout: padded rows, full-width tables
-            lay = StepLayout(graph_size, graph_size, self.max_blocks, self.num_groups, len(logits_idx))
+            lay = step_layout(graph_size, graph_size, self.max_blocks, self.num_groups, len(logits_idx))
         else:
             width = -(-int(seq_lens.max()) // bs)
-            lay = StepLayout(num_tokens, num_seqs, width, self.num_groups, len(logits_idx))
+            lay = step_layout(num_tokens, num_seqs, width, self.num_groups, len(logits_idx))
         if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs or lay.size > self.buffers.capacity:
             self._grow_buffers(num_tokens, num_seqs)
         pad_t, pad_s = lay.num_tokens, lay.num_seqs
@@ -401,13 +437,13 @@ class InputBatch:
             t[num_seqs:] = 0
         h[lay.logits:lay.logits + len(logits_idx)] = logits_idx
         d = self.buffers.commit(lay.size)
-        meta = self._metadata(d, lay)
+        v = self._step_views(d, lay)
         return StepInputs(
             req_ids=req_ids,
-            input_ids=d[lay.ids:lay.ids + pad_t],
-            positions=d[lay.positions:lay.positions + pad_t],
-            meta=meta,
-            logits_indices=d[lay.logits:lay.logits + len(logits_idx)],
+            input_ids=v.input_ids,
+            positions=v.positions,
+            meta=v.metadata(self.layer_groups),
+            logits_indices=v.logits_indices,
             sample_states=sample_states,
             sample_batch_idx=sample_idx,
             sample_drafts=sample_drafts,
@@ -416,20 +452,15 @@ class InputBatch:
             logits_rows=logits_idx.tolist(),
         )
 
-    def _metadata(self, d: torch.Tensor, lay: StepLayout) -> AttentionMetadata | list[AttentionMetadata]:
-        """The attention metadata views of the device buffer ``d`` laid out as
-        ``lay``: one, or one per layer (its KV cache group's)."""
-        t, n, w = lay.num_tokens, lay.num_seqs, lay.width
-        metas = [AttentionMetadata(
-            slot_mapping=d[lay.slots(g):lay.slots(g) + t],
-            block_tables=d[lay.table(g):lay.table(g) + n * w].view(n, w),
-            query_start_loc=d[lay.qsl:lay.qsl + n + 1],
-            seq_lens=d[lay.seq_lens:lay.seq_lens + n],
-        ) for g in range(self.num_groups)]
-        if self.num_groups == 1:
-            return metas[0]
-        assert self.layer_groups is not None
-        return [metas[g] for g in self.layer_groups]
+    def _step_views(self, d: torch.Tensor, lay: StepLayout) -> "_StepViews":
+        """The views of the device buffer ``d`` a step laid out as ``lay`` reads
+        (kept per layout: slicing a tensor costs more than looking it up)."""
+        views = self._views.get(lay)
+        if views is None:
+            if len(self._views) >= 512:  # eager shapes vary: keep the recent ones
+                self._views.clear()
+            views = self._views[lay] = _StepViews(d, lay)
+        return views
 
     def _grow_buffers(self, num_tokens: int, num_seqs: int) -> None:
         """A step beyond the limits the buffers were sized for (a runner used
@@ -439,6 +470,7 @@ class InputBatch:
         self.max_num_tokens = max(self.max_num_tokens, num_tokens)
         self.max_num_seqs = max(self.max_num_seqs, num_seqs)
         self.buffers = StepBuffers(self._capacity(), self.device)
+        self._views.clear()  # views of the old buffer
         self.graph_sizes = []
         self.num_buffer_growths += 1
 
@@ -456,7 +488,7 @@ class InputBatch:
             width = self.max_blocks
         else:
             width = -(-int(counts.max()) // self.block_size)
-        lay = StepLayout(num_tokens, num_seqs, width, self.num_groups, 0)
+        lay = step_layout(num_tokens, num_seqs, width, self.num_groups, 0)
         if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs or lay.size > self.buffers.capacity:
             raise ValueError(f"a step of {num_tokens} tokens over {num_seqs} sequences exceeds the step buffers")
         h = self.buffers.begin()
@@ -466,45 +498,117 @@ class InputBatch:
         h[lay.seq_lens:lay.seq_lens + num_seqs] = counts
         for g in range(self.num_groups):
             h[lay.slots(g):lay.slots(g) + num_tokens] = -1
-        d = self.buffers.commit(lay.size)
-        meta = self._metadata(d, lay)
-        return StepInputs(req_ids=[], input_ids=d[:num_tokens], positions=d[lay.positions:lay.positions + num_tokens],
-                          meta=meta, logits_indices=d[lay.logits:lay.logits], sample_states=[],
+        v = self._step_views(self.buffers.commit(lay.size), lay)
+        return StepInputs(req_ids=[], input_ids=v.input_ids, positions=v.positions,
+                          meta=v.metadata(self.layer_groups), logits_indices=v.logits_indices, sample_states=[],
                           sample_batch_idx=[], num_tokens=num_tokens, graph_size=num_seqs if graph else None,
                           logits_rows=[])
+
+
+class _StepViews:
+    """The tensors a step of one layout reads: views of the device buffer.
+    Attention metadata is made anew per step (it keeps one step's plans),
+    around the same views."""
+
+    __slots__ = ("input_ids", "positions", "logits_indices", "_groups")
+
+    def __init__(self, d: torch.Tensor, lay: StepLayout) -> None:
+        t, n, w = lay.num_tokens, lay.num_seqs, lay.width
+        self.input_ids = d[lay.ids:lay.ids + t]
+        self.positions = d[lay.positions:lay.positions + t]
+        self.logits_indices = d[lay.logits:lay.logits + lay.num_logits]
+        qsl, seq_lens = d[lay.qsl:lay.qsl + n + 1], d[lay.seq_lens:lay.seq_lens + n]
+        self._groups = [(d[lay.slots(g):lay.slots(g) + t], d[lay.table(g):lay.table(g) + n * w].view(n, w), qsl,
+                         seq_lens) for g in range(lay.num_groups)]
+
+    def metadata(self, layer_groups: list[int] | None) -> AttentionMetadata | list[AttentionMetadata]:
+        """One AttentionMetadata, or one per layer (its KV cache group's)."""
+        metas = [AttentionMetadata(slot_mapping=s, block_tables=b, query_start_loc=q, seq_lens=n)
+                 for s, b, q, n in self._groups]
+        if len(metas) == 1:
+            return metas[0]
+        assert layer_groups is not None
+        return [metas[g] for g in layer_groups]
+
+
+class RowParams:
+    """The per-row sampling tensors and flags of one list of sampled requests
+    (they change only when the list does), and the rows that need work at
+    every step: seeded ones (their generator reseeded for the position) and
+    ones under ``min_tokens`` (stop tokens banned)."""
+
+    __slots__ = ("states", "temperature", "all_greedy", "all_random", "top_k", "top_p", "min_p", "seeded",
+                 "min_tokens", "num_logprobs")
+
+    def __init__(self, states: list[RequestState], device: torch.device) -> None:
+        self.states = states
+        params = [s.params for s in states]
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        self.temperature = to_device(temps, torch.float32, device)
+        self.all_greedy = all(t == 0.0 for t in temps)
+        self.all_random = all(t != 0.0 for t in temps)
+        self.top_k = self.top_p = self.min_p = None
+        if not self.all_greedy:
+            if any(p.top_k > 0 for p in params):
+                self.top_k = to_device([p.top_k for p in params], torch.int64, device)
+            if any(p.top_p < 1.0 for p in params):
+                self.top_p = to_device([p.top_p for p in params], torch.float32, device)
+            if any(p.min_p > 0.0 for p in params):
+                self.min_p = to_device([p.min_p for p in params], torch.float32, device)
+        self.seeded = [i for i, s in enumerate(states) if s.generator is not None]
+        self.min_tokens = [i for i, p in enumerate(params) if p.min_tokens]
+        self.num_logprobs = [p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None
+
+    def metadata(self, eos_token_ids: tuple[int, ...]) -> SamplingMetadata:
+        """This step's metadata: the rows' tensors, each seeded row's generator
+        reseeded for its position, stop tokens banned for rows under ``min_tokens``."""
+        meta = SamplingMetadata(temperature=self.temperature, all_greedy=self.all_greedy,
+                                all_random=self.all_random, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                                num_logprobs=self.num_logprobs)
+        states = self.states
+        for i in self.seeded:
+            state = states[i]
+            assert state.generator is not None
+            state.generator.manual_seed(step_seed(state.params.seed, state.num_known))
+            meta.generators[i] = state.generator
+        for i in self.min_tokens:
+            state = states[i]
+            p = state.params
+            if state.num_known - state.num_prompt_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) if p.ignore_eos else [*p.stop_token_ids, *eos_token_ids]
+                if banned:
+                    meta.banned_token_ids[i] = banned
+        return meta
 
 
 def sampling_metadata(
     states: list[RequestState], eos_token_ids: tuple[int, ...], device: torch.device
 ) -> SamplingMetadata:
     """Per-row sampling parameters for the requests sampled this step."""
-    params = [s.params for s in states]
-    temps = [0.0 if p.greedy else p.temperature for p in params]
-    all_greedy = all(t == 0.0 for t in temps)
-    meta = SamplingMetadata(
-        temperature=to_device(temps, torch.float32, device),
-        all_greedy=all_greedy,
-        all_random=all(t != 0.0 for t in temps),
-    )
-    if not all_greedy:
-        if any(p.top_k > 0 for p in params):
-            meta.top_k = to_device([p.top_k for p in params], torch.int64, device)
-        if any(p.top_p < 1.0 for p in params):
-            meta.top_p = to_device([p.top_p for p in params], torch.float32, device)
-        if any(p.min_p > 0.0 for p in params):
-            meta.min_p = to_device([p.min_p for p in params], torch.float32, device)
-    for i, state in enumerate(states):
-        p = params[i]
-        if state.generator is not None:
-            state.generator.manual_seed(step_seed(p.seed, state.num_known))
-            meta.generators[i] = state.generator
-        if p.min_tokens and state.num_known - state.num_prompt_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) if p.ignore_eos else [*p.stop_token_ids, *eos_token_ids]
-            if banned:
-                meta.banned_token_ids[i] = banned
-    if any(p.logprobs is not None for p in params):
-        meta.num_logprobs = [p.logprobs for p in params]
-    return meta
+    return RowParams(states, device).metadata(eos_token_ids)
+
+
+class SamplingMetadataCache:
+    """Owns: the row params of the last list of sampled requests. A decode
+    batch samples the same requests, in the same order, step after step:
+    their per-row tensors are built (and copied to the device) once, not
+    per step. Holds those requests' states until the list changes."""
+
+    __slots__ = ("_eos", "_device", "_last", "num_builds")
+
+    def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device) -> None:
+        self._eos = eos_token_ids
+        self._device = device
+        self._last: RowParams | None = None
+        self.num_builds = 0
+
+    def __call__(self, states: list[RequestState]) -> SamplingMetadata:
+        """``sampling_metadata(states, ...)``, the row tensors reused when ``states`` is the last list."""
+        last = self._last
+        if last is None or len(last.states) != len(states) or not all(map(operator.is_, last.states, states)):
+            last = self._last = RowParams(list(states), self._device)
+            self.num_builds += 1
+        return last.metadata(self._eos)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

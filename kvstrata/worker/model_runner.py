@@ -36,7 +36,7 @@ from kvstrata.kernels.dispatch import interpret_requested
 from kvstrata.kernels.fused_native import fused_kernels
 from kvstrata.kernels.quant_linear import token_class, token_class_counts
 from kvstrata.worker.cuda_graphs import DecodeGraphs, graph_sizes
-from kvstrata.worker.input_batch import InputBatch, StepInputs, sampling_metadata
+from kvstrata.worker.input_batch import InputBatch, SamplingMetadataCache, StepInputs
 from kvstrata.worker.pending_step import Failed, Launched, PendingStep, Ready
 from kvstrata.worker.model.config import LlamaArchConfig
 from kvstrata.worker.model.default_model import default_model_dir
@@ -185,6 +185,7 @@ class ModelRunner:
         eos = [*self.tokenizer.eos_token_ids, *ckpt.arch.eos_token_ids]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(t for t in eos if t is not None))
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.sampling_metadata = SamplingMetadataCache(self.eos_token_ids, self.device)
         self.block_size = cache_config.block_size
         self.kv_layout = cache_config.kv_layout
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -379,7 +380,7 @@ class ModelRunner:
         if not step.sample_states:
             return Ready(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids]))
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-        tokens = self.sampler.sample(logits, sampling_metadata(step.sample_states, self.eos_token_ids, self.device))
+        tokens = self.sampler.sample(logits, self.sampling_metadata(step.sample_states))
         return PendingStep(step.req_ids, step.sample_states, step.sample_batch_idx, tokens)
 
     def _can_pipeline(self, so: SchedulerOutput) -> bool:
@@ -387,7 +388,10 @@ class ModelRunner:
         no drafts, no connector, and no request asking for logprobs."""
         if self.kv_connector is not None or so.scheduled_spec_decode_tokens:
             return False
-        requests = self.batch.requests
+        batch = self.batch
+        if not batch.num_with_logprobs:
+            return True
+        requests = batch.requests
         return all(requests[r].params.logprobs is None for r in so.num_scheduled_tokens)
 
     def _settle(self) -> None:
@@ -483,7 +487,7 @@ class ModelRunner:
         logprobs_out: list[Logprobs | None] | None = None
         if sample_states:
             logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
-            meta = sampling_metadata(sample_states, self.eos_token_ids, self.device)
+            meta = self.sampling_metadata(sample_states)
             tokens, logprobs = self.sampler(logits, meta)
             for state, b, token in zip(sample_states, sample_idx, tokens, strict=True):
                 state.token_ids.append(token)
@@ -520,7 +524,7 @@ class ModelRunner:
             idx = (step.logits_indices if len(keep) == len(step.sample_states)  # none dropped: the rows as built
                    else torch.tensor(rows, device=hidden.device))
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            meta = sampling_metadata(states, self.eos_token_ids, self.device)
+            meta = self.sampling_metadata(states)
             results = self.sampler.verify_drafts(logits, meta, groups)
             for i, tokens in zip(keep, results, strict=True):
                 state, b = step.sample_states[i], step.sample_batch_idx[i]

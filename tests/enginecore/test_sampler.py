@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.worker.input_batch import RequestState, sampling_metadata, step_seed
+from kvstrata.worker.input_batch import RequestState, SamplingMetadataCache, sampling_metadata, step_seed
 from kvstrata.worker.sampler import (
     Sampler,
     SamplingMetadata,
@@ -159,6 +159,35 @@ def test_metadata_seeds_generators_by_position():
     assert m.generators[0].initial_seed() == m.generators[1].initial_seed() == step_seed(5, 3)
     assert step_seed(5, 3) != step_seed(5, 4) and step_seed(5, 3) != step_seed(6, 3)
     assert _state(SamplingParams(seed=5, temperature=0.0)).generator is None  # greedy: no generator
+
+
+def test_the_metadata_cache_reuses_row_tensors_only_for_the_same_requests_and_redoes_per_step_work():
+    """A decode batch samples the same states step after step: their row
+    tensors are built once. Seeds follow each step's position and min_tokens
+    bans lift as tokens come, as without the cache; another state object
+    (the same id re-added, or a different request) rebuilds."""
+    cpu = torch.device("cpu")
+    seeded = _state(SamplingParams(seed=5, temperature=1.0, top_k=4))
+    banned = _state(SamplingParams(min_tokens=2, stop_token_ids=[5], temperature=0.5))
+    plain = _state(SamplingParams(temperature=0.0))
+    cache = SamplingMetadataCache((257,), cpu)
+    for step in range(3):
+        states = [seeded, banned, plain]
+        got, want = cache(states), sampling_metadata(states, (257,), cpu)
+        assert cache.num_builds == 1
+        assert got.temperature.tolist() == want.temperature.tolist() and got.top_k.tolist() == want.top_k.tolist()
+        assert (got.all_greedy, got.all_random, got.top_p, got.min_p) == (want.all_greedy, want.all_random, None, None)
+        assert got.generators[0].initial_seed() == step_seed(5, 3 + step) == want.generators[0].initial_seed()
+        assert got.banned_token_ids == want.banned_token_ids == ({1: [5, 257]} if step < 2 else {})
+        for s in states:
+            s.token_ids.append(9)
+    first = cache([seeded, banned, plain]).temperature
+    assert cache([seeded, banned, plain]).temperature is first  # reused, not rebuilt
+    again = _state(SamplingParams(temperature=0.7))  # same req id "r", another state: new params
+    m = cache([seeded, banned, again])
+    assert cache.num_builds == 2 and m.temperature.tolist() == pytest.approx([1.0, 0.5, 0.7])
+    m = cache([seeded, banned])
+    assert cache.num_builds == 3 and m.temperature.tolist() == pytest.approx([1.0, 0.5])
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["all-tiny", "with-a-greedy-row"])

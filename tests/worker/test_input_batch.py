@@ -183,3 +183,75 @@ def test_graph_capture_runs_without_the_collector_and_in_thread_local_mode(three
     with pytest.raises(RuntimeError, match="capture invalidated"):
         cuda_graphs.DecodeGraphs(forward, batch, [1, 2]).capture()
     assert gc.isenabled()
+
+
+def test_tokens_in_flight_are_fed_from_each_source_step_on_the_device():
+    """Decode inputs still on the device come from the sampled-token tensors
+    of the steps that drew them: most from one step, some from an older one
+    (rows as sampled there); tokens on the host are written directly."""
+    batch = _batch(max_num_seqs=16, max_num_tokens=64)
+    for rid, base in (("a", 10), ("b", 20), ("c", 30), ("d", 40)):
+        _add(batch, rid, [base, base + 1, base + 2], [1 + base // 10], computed=3)
+    newer, older = torch.tensor([7, 101, 102]), torch.tensor([201, 202])
+    s = batch.requests
+    for rid in "abcd":
+        s[rid].num_computed_tokens = 3
+    s["a"].flight, s["c"].flight, s["b"].flight = (newer, 2), (newer, 1), (older, 0)
+    s["d"].token_ids.append(44)
+    s["d"].num_computed_tokens = 3  # its token 44 is on the host
+    step = batch.prepare({"a": 1, "b": 1, "c": 1, "d": 1})
+    assert step.input_ids.tolist()[:4] == [102, 201, 101, 44]
+    assert batch.num_fed_tokens == 3
+    assert [st.req_id for st in step.sample_states] == ["a", "b", "c", "d"]
+
+
+def test_a_step_reuses_the_views_of_its_layout_until_the_buffers_grow():
+    batch = _batch(max_num_seqs=4, max_num_tokens=8)
+    batch.graph_sizes = [1, 2, 4]
+    _add(batch, "a", [1, 2, 3], [1], computed=2)
+    _add(batch, "b", [4, 5, 6], [2], computed=2)
+    first = batch.prepare({"a": 1, "b": 1})
+    batch.requests["a"].token_ids.append(9)
+    batch.requests["b"].token_ids.append(8)
+    for r in "ab":
+        batch.requests[r].num_computed_tokens += 1
+    second = batch.prepare({"a": 1, "b": 1})
+    assert second.input_ids is first.input_ids and second.meta.block_tables is first.meta.block_tables
+    assert second.meta is not first.meta  # per-step plans: a new metadata object around the same views
+    assert second.input_ids.tolist()[:2] == [9, 8] and second.positions.tolist()[:2] == [3, 3]
+    _add(batch, "long", list(range(1, 12)), [3, 4, 5])
+    grown = batch.prepare({"long": 11})  # beyond max_num_tokens: new buffers, new views
+    assert batch.num_buffer_growths == 1 and grown.input_ids.tolist() == list(range(1, 12))
+    assert grown.input_ids.untyped_storage().data_ptr() != first.input_ids.untyped_storage().data_ptr()
+
+
+def test_the_batch_counts_the_requests_that_ask_for_logprobs():
+    batch = _batch()
+    for rid, lp in (("a", None), ("b", 2), ("c", 0)):
+        batch.add(NewRequestData(req_id=rid, token_ids=[1, 2], num_prompt_tokens=2,
+                                 sampling_params=SamplingParams(temperature=0.0, logprobs=lp), block_ids=([1],),
+                                 num_computed_tokens=0))
+    assert batch.num_with_logprobs == 2
+    batch.add(NewRequestData(req_id="b", token_ids=[1, 2], num_prompt_tokens=2,  # re-added (resumed)
+                             sampling_params=SamplingParams(temperature=0.0, logprobs=2), block_ids=([1],),
+                             num_computed_tokens=0))
+    assert batch.num_with_logprobs == 2
+    batch.remove("b")
+    batch.remove("c")
+    batch.remove("nobody")
+    assert batch.num_with_logprobs == 0
+
+
+def test_a_steady_decode_step_feeds_the_last_samples_in_order():
+    """Every input in flight, each request at the row it was sampled in: the
+    first n inputs are the source's n tokens (one copy); a reordered batch
+    still maps each request to its own row."""
+    batch = _batch(max_num_seqs=16, max_num_tokens=64)
+    for rid in "abc":
+        _add(batch, rid, [1, 2, 3], [1], computed=3)
+    source = torch.tensor([70, 71, 72])
+    for row, rid in enumerate("abc"):
+        batch.requests[rid].flight = (source, row)
+    assert batch.prepare({"a": 1, "b": 1, "c": 1}).input_ids.tolist()[:3] == [70, 71, 72]
+    assert batch.prepare({"c": 1, "a": 1, "b": 1}).input_ids.tolist()[:3] == [72, 70, 71]
+    assert batch.prepare({"b": 1, "c": 1}).input_ids.tolist()[:2] == [71, 72]
