@@ -1,7 +1,9 @@
 """Reading a ZMQ socket from an asyncio loop without a future per message.
 
 The socket's FD is edge-triggered: it signals that ``ZMQ_EVENTS`` may have
-changed, not that a message is waiting. So a drain reads until EAGAIN, and
+changed, not that a message is waiting. So a drain reads until ``ZMQ_EVENTS``
+has no POLLIN (reading it processes the socket's commands, as a recv does,
+and is cheaper than a recv that raises EAGAIN), and
 every send schedules one more drain (a send may process incoming commands and
 consume the edge without the FD firing again). A drain reads at most
 ``budget`` messages before yielding to the loop, so one flooding peer cannot
@@ -66,11 +68,16 @@ class ZmqReader:
         self._scheduled = False
         if not self._active:
             return
-        recv = self._sock.recv_multipart
+        sock = self._sock
+        recv = sock.recv_multipart
         handle = self._on_message
         copy = self._copy
         for _ in range(self._budget):
             try:
+                # ZMQ_EVENTS processes the socket's pending commands, as a recv
+                # does, without an exception when nothing is waiting
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
                 frames = recv(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 break
