@@ -24,6 +24,10 @@ boundaries only; the model step is the engine's (AsyncEngine.generate).
     profile_decode_step    torch.profiler over ~20 decode steps of a 64-request batch in the
                            step thread: kernels, host launches, graph launches per step, GPU
                            busy fraction, HtoD copies (pageable?), host syncs per step
+    batch_64_served        batch_64x512_128's pipelined run with the engine in its own process
+                           over ZMQ, as ``kvstrata serve`` runs it (text and streams in this
+                           process): output and steady decode tok/s, and the GPU busy share of
+                           its decode step (profile_decode_step's GPU time per step over it)
     transformers_generate  transformers' generate_batch (else, and on a CPU, batched generate)
                            on the same 64 prompts and weights: output tok/s over its requests'
                            creation to last finish (its per-call set-up left out, as our engine
@@ -79,16 +83,19 @@ import torch
 from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstrata.connector.offload.options import OffloadOptions
 from kvstrata.enginecore.async_engine import AsyncEngine, run
+from kvstrata.enginecore.client import EngineClient
 from kvstrata.logs import configure_logging
 from kvstrata.types import SamplingParams
 
 SECTIONS = ("config", "copy_bandwidth", "model", "decode_single_stream", "batch_64x512_128", "batch_256x512_128",
-            "transformers_generate", "shared_prefix_ttft", "profile_decode_step", "first_long_prompt_s", "tiers")
+            "transformers_generate", "shared_prefix_ttft", "profile_decode_step", "batch_64_served",
+            "first_long_prompt_s", "tiers")
 # Engine sections run in this order: a fresh engine's first prompt must come before any other
 # engine has compiled kernels in this process; the shared graphs-off/on engines close before
 # transformers runs (it sizes its cache from free memory).
 ORDER = ("config", "copy_bandwidth", "model", "first_long_prompt_s", "decode_single_stream", "batch_64x512_128",
-         "batch_256x512_128", "profile_decode_step", "transformers_generate", "shared_prefix_ttft", "tiers")
+         "batch_256x512_128", "profile_decode_step", "batch_64_served", "transformers_generate",
+         "shared_prefix_ttft", "tiers")
 NEEDS_MODEL = frozenset(SECTIONS) - {"config", "copy_bandwidth", "model"}
 MODES = ("graphs_off", "graphs_on", "pipelined")
 FUSED = {"default": None, "on": True, "off": False}  # --fused-kernels / --split-decode -> the model's switch
@@ -244,7 +251,7 @@ class Timing:
         return (self.first or self.end) - self.t0
 
 
-async def timed(engine: AsyncEngine, prompt: list[int], params: SamplingParams,
+async def timed(engine: EngineClient, prompt: list[int], params: SamplingParams,
                 on_token: Callable[[int], None] | None = None) -> Timing:
     """One request through ``generate``; the time of every delta that carried tokens."""
     t = Timing(time.perf_counter())
@@ -301,7 +308,7 @@ async def close_engine(b: Bench, engine: AsyncEngine | None) -> None:
     b.free()
 
 
-async def warm(engine: AsyncEngine, b: Bench, n: int) -> None:
+async def warm(engine: EngineClient, b: Bench, n: int) -> None:
     """``n`` short requests at once: the decode batch size the section will run
     (its kernels, or its captured graph) is met once before any timing."""
     prompts = rand_prompts(7 + n, n, 16, b.shape["vocab_size"])
@@ -827,6 +834,50 @@ def unprofiled_busy(profiled: dict, batch: dict | None, requests: int) -> None:
             p["gpu_busy_fraction_unprofiled_est"] = round(min(1.0, gpu_ms / (requests / steady * 1e3)), 3)
 
 
+async def section_batch_served(b: Bench) -> dict:
+    """The pipelined 64-request batch with the engine in a subprocess
+    (``kvstrata.ipc``, the ``serve`` default): the engine's process does no
+    detokenizing and wakes no consumer per token."""
+    from kvstrata.ipc.mp_client import MPEngineClient
+
+    c = b.counts
+    n = c.batch_sizes[0]
+    prompts = batch_prompts(b, n)
+    t0 = time.perf_counter()
+    engine = await MPEngineClient.start(engine_config(b, graphs=graphs_setting(b, "pipelined"), pipelined=True))
+    b.engines_started += 1
+    start_s = time.perf_counter() - t0
+    try:
+        await warm(engine, b, n)
+        b.sync()
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(timed(engine, p, greedy(c.new_tokens)) for p in prompts))
+        wall = time.perf_counter() - t0
+    finally:
+        await engine.aclose()
+        b.free()
+    total = sum(len(t.tokens) for t in res)
+    all_started = max(t.first or t.end for t in res)
+    last = max(t.last or t.end for t in res)
+    steady_tokens = sum(k for t in res for (at, k) in t.arrivals if at > all_started)
+    steady = round(steady_tokens / (last - all_started), 1) if last > all_started else None
+    same = b.ours_batch_tokens.get("pipelined")
+    out: dict[str, Any] = {
+        "workload": {"requests": n, "prompt_tokens": c.prompt_len, "new_tokens": c.new_tokens,
+                     "engine": "subprocess over ZMQ (ipc)"},
+        "output_tok_s": round(total / wall, 1), "wall_s": round(wall, 3), "steady_decode_tok_s": steady,
+        "ttft_p50_s": _r(statistics.median(t.ttft for t in res)), "engine_start_s": round(start_s, 1),
+        "tokens_equal_in_process": None if same is None else [t.tokens for t in res] == same,
+    }
+    in_process = (b.report.get("batch_64x512_128") or {}).get("pipelined") or {}
+    out["steady_over_in_process"] = _ratio(steady, in_process.get("steady_decode_tok_s"))
+    gpu_ms = ((b.report.get("profile_decode_step") or {}).get("pipelined") or {}).get("gpu_ms_per_step")
+    if gpu_ms and steady and c.profile_requests == n:
+        out["gpu_ms_per_step"] = gpu_ms
+        out["gpu_busy_fraction_unprofiled_est"] = round(min(1.0, gpu_ms / (n / steady * 1e3)), 3)
+    return {**out, "error": None}
+
+
 # -- transformers ---------------------------------------------------------------------
 
 def _hf_generate_batch(b: Bench, model: Any, prompts: list[list[int]], new: int) -> dict:
@@ -1050,6 +1101,7 @@ async def main_async(argv: list[str] | None = None) -> dict:
             "batch_64x512_128": lambda: section_batch(b, b.counts.batch_sizes[0]),
             "batch_256x512_128": lambda: section_batch(b, b.counts.batch_sizes[1]),
             "profile_decode_step": lambda: section_profile(b),
+            "batch_64_served": lambda: section_batch_served(b),
             "transformers_generate": lambda: section_transformers(b),
             "shared_prefix_ttft": lambda: section_shared_prefix(b),
             "tiers": lambda: section_tiers(b),

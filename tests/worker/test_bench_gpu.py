@@ -70,6 +70,10 @@ def test_quick_cpu_run_reports_every_section():
         p = r["profile_decode_step"][mode]
         assert p["steps"] == 4 and p["decode_only_steps"] == 4 and p["cpu_ops_per_step"] > 0
 
+    served = r["batch_64_served"]  # the engine in its own process: the same greedy tokens
+    assert served["workload"]["requests"] == 4 and served["output_tok_s"] > 0 and served["steady_decode_tok_s"] > 0
+    assert served["tokens_equal_in_process"] is True and "gpu_busy_fraction_unprofiled_est" not in served  # no GPU
+
     hf = r["transformers_generate"]
     assert hf["output_tokens"] == 4 * 8 and hf["output_tok_s"] > 0
     assert all(x > 0 for x in hf["ours_over_theirs"].values())
