@@ -212,6 +212,7 @@ class InputBatch:
         self.max_num_seqs = max(max_num_seqs, 1)
         self.buffers = StepBuffers(self._capacity(), device)
         self._views: dict[StepLayout, _StepViews] = {}  # of ``buffers``' device buffer
+        self._iota = np.arange(self.max_num_tokens + self.max_num_seqs + 2, dtype=np.int64)  # 0, 1, 2, ...
         self.graph_sizes: list[int] = []  # batch sizes a decode step may be padded to (captured graphs)
         self.num_buffer_growths = 0
         self.num_fed_tokens = 0  # input tokens read on the device from a step not yet read back
@@ -395,16 +396,28 @@ class InputBatch:
         sample_drafts: list[list[int] | None] | None = None,
     ) -> StepInputs:
         bs = self.block_size
-        cu = np.cumsum(counts)
-        num_tokens = int(cu[-1])
+        num_tokens = len(tokens)
         num_seqs = len(counts)
         seq_lens = starts + counts
-        last = cu[sample_idx] - 1
-        if sample_drafts is None:
-            logits_idx = last
-        else:  # a request with d drafts: a row after its token and after each draft
-            logits_idx = np.array([i for end, d in zip(last.tolist(), sample_drafts)
-                                   for i in range(end - len(d or ()), end + 1)], dtype=np.int64)
+        iota = self._iota
+        if len(iota) <= num_tokens + self.max_num_seqs + 1:  # a step beyond the sized limits
+            iota = self._iota = np.arange(2 * (num_tokens + self.max_num_seqs + 1), dtype=np.int64)
+        decode = num_tokens == num_seqs and counts.max() == 1  # one token each: no per-token expansion
+        if decode:
+            cu = iota[1:num_seqs + 1]
+            positions = starts
+            token_rows = rows
+            logits_idx = np.array(sample_idx, dtype=np.int64)  # cu[i] - 1 == i
+        else:
+            cu = np.cumsum(counts)
+            positions = np.repeat(starts - cu + counts, counts) + iota[:num_tokens]
+            token_rows = np.repeat(rows, counts)
+            last = cu[sample_idx] - 1
+            if sample_drafts is None:
+                logits_idx = last
+            else:  # a request with d drafts: a row after its token and after each draft
+                logits_idx = np.array([i for end, d in zip(last.tolist(), sample_drafts)
+                                       for i in range(end - len(d or ()), end + 1)], dtype=np.int64)
         graph_size = self.graph_size_for(num_tokens, num_seqs)
         if graph_size is not None:  # the captured graph's layout: padded rows, full-width tables
             lay = step_layout(graph_size, graph_size, self.max_blocks, self.num_groups, len(logits_idx))
@@ -415,26 +428,28 @@ class InputBatch:
             self._grow_buffers(num_tokens, num_seqs)
         pad_t, pad_s = lay.num_tokens, lay.num_seqs
         h = self.buffers.begin()
-        positions = np.repeat(starts - cu + counts, counts) + np.arange(num_tokens)
         h[lay.ids:lay.ids + num_tokens] = tokens
-        h[lay.ids + num_tokens:lay.ids + pad_t] = 0
         h[lay.positions:lay.positions + num_tokens] = positions
-        h[lay.positions + num_tokens:lay.positions + pad_t] = 0
         qsl = h[lay.qsl:lay.qsl + pad_s + 1]
         qsl[0] = 0
         qsl[1:num_seqs + 1] = cu
-        qsl[num_seqs + 1:] = np.arange(num_tokens + 1, num_tokens + 1 + pad_s - num_seqs)  # padding: one token each
         h[lay.seq_lens:lay.seq_lens + num_seqs] = seq_lens
-        h[lay.seq_lens + num_seqs:lay.seq_lens + pad_s] = 1
-        token_rows = np.repeat(rows, counts)
-        block_of, offset = positions // bs, positions % bs
+        if pad_t > num_tokens:  # a graph's padding rows: token 0 at position 0, no KV written
+            h[lay.ids + num_tokens:lay.ids + pad_t] = 0
+            h[lay.positions + num_tokens:lay.positions + pad_t] = 0
+        if pad_s > num_seqs:  # padding sequences: one token each, a context of 1 (the null block)
+            qsl[num_seqs + 1:] = iota[num_tokens + 1:num_tokens + 1 + pad_s - num_seqs]
+            h[lay.seq_lens + num_seqs:lay.seq_lens + pad_s] = 1
+        block_of, offset = np.divmod(positions, bs)
         for g, table in enumerate(self.block_tables):
             o = lay.slots(g)
             h[o:o + num_tokens] = table[token_rows, block_of] * bs + offset
-            h[o + num_tokens:o + pad_t] = -1
+            if pad_t > num_tokens:
+                h[o + num_tokens:o + pad_t] = -1
             t = h[lay.table(g):lay.table(g) + pad_s * lay.width].reshape(pad_s, lay.width)
             t[:num_seqs] = table[rows, :lay.width]
-            t[num_seqs:] = 0
+            if pad_s > num_seqs:
+                t[num_seqs:] = 0
         h[lay.logits:lay.logits + len(logits_idx)] = logits_idx
         d = self.buffers.commit(lay.size)
         v = self._step_views(d, lay)
@@ -449,7 +464,7 @@ class InputBatch:
             sample_drafts=sample_drafts,
             num_tokens=num_tokens,
             graph_size=graph_size,
-            logits_rows=logits_idx.tolist(),
+            logits_rows=list(sample_idx) if decode else logits_idx.tolist(),
         )
 
     def _step_views(self, d: torch.Tensor, lay: StepLayout) -> "_StepViews":
