@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from kvstrata.enginecore.engine_core import EngineCore
@@ -83,9 +83,10 @@ class PipelinedSteps(OverlappedSteps):
         self._uncollected: deque[asyncio.Future[ModelRunnerOutput]] = deque()
 
     def submit(self, so: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
-        loop = asyncio.get_running_loop()
-        loop.run_in_executor(self._executor, self._core.launch, so)  # never raises: collect does
-        out: asyncio.Future[ModelRunnerOutput] = loop.create_future()
+        # a plain job: launch never raises (collect does) and nobody waits for
+        # it, so no loop future and no wake-up of the loop when it ends
+        self._executor.submit(self._core.launch, so)
+        out: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
         self._uncollected.append(out)
         return out
 
@@ -94,11 +95,22 @@ class PipelinedSteps(OverlappedSteps):
         oldest launched step: ``so``'s output is read after the next launch."""
         super().after(so, more=more)
         out = self._uncollected.popleft()
-        collected = asyncio.get_running_loop().run_in_executor(self._executor, self._core.collect)
-        collected.add_done_callback(partial(_settle_future, out))
+        loop = asyncio.get_running_loop()
+        collected = self._executor.submit(self._core.collect)
+        collected.add_done_callback(partial(_hand_to_loop, loop, out))
 
 
-def _settle_future(out: asyncio.Future[ModelRunnerOutput], done: asyncio.Future[ModelRunnerOutput]) -> None:
+def _hand_to_loop(loop: asyncio.AbstractEventLoop, out: asyncio.Future[ModelRunnerOutput],
+                  done: Future[ModelRunnerOutput]) -> None:
+    """In the step thread: settle ``out`` on its loop (gone at interpreter exit: dropped)."""
+    try:
+        loop.call_soon_threadsafe(_settle_future, out, done)
+    except RuntimeError:  # the loop is closed
+        pass
+
+
+def _settle_future(out: asyncio.Future[ModelRunnerOutput], done: Future[ModelRunnerOutput]) -> None:
+    """On the loop: ``out`` takes the outcome of the step thread's ``done``."""
     if out.done():
         return
     if done.cancelled():
