@@ -379,7 +379,7 @@ class ModelRunner:
         self._advance(so.num_scheduled_tokens)
         if not step.sample_states:
             return Ready(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids]))
-        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+        logits = self.model.compute_logits(_logits_rows(hidden, step))
         tokens = self.sampler.sample(logits, self.sampling_metadata(step.sample_states))
         return PendingStep(step.req_ids, step.sample_states, step.sample_batch_idx, tokens)
 
@@ -482,11 +482,11 @@ class ModelRunner:
             sample_idx = [sample_idx[i] for i in keep]
             hidden_rows = step.logits_indices[keep] if keep else None
         else:
-            hidden_rows = step.logits_indices
+            hidden_rows = None if _every_row_samples(step) else step.logits_indices
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs_out: list[Logprobs | None] | None = None
         if sample_states:
-            logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
+            logits = self.model.compute_logits(hidden if hidden_rows is None else hidden.index_select(0, hidden_rows))
             meta = self.sampling_metadata(sample_states)
             tokens, logprobs = self.sampler(logits, meta)
             for state, b, token in zip(sample_states, sample_idx, tokens, strict=True):
@@ -552,3 +552,16 @@ class ModelRunner:
             batch.add(data)
         if so.scheduled_cached_reqs.req_ids:
             batch.update(so.scheduled_cached_reqs)
+
+
+def _every_row_samples(step: StepInputs) -> bool:
+    """Whether the logits rows are every row of ``hidden``, in order (a
+    decode step where every request samples): logits rows rise strictly
+    within [0, num_tokens), so as many of them as tokens are all of them."""
+    return step.logits_rows is not None and len(step.logits_rows) == step.num_tokens
+
+
+def _logits_rows(hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """The hidden states the step samples from: ``hidden`` itself when every
+    row samples (no gather kernel), else its logits rows."""
+    return hidden if _every_row_samples(step) else hidden.index_select(0, step.logits_indices)

@@ -255,3 +255,20 @@ def test_a_steady_decode_step_feeds_the_last_samples_in_order():
     assert batch.prepare({"a": 1, "b": 1, "c": 1}).input_ids.tolist()[:3] == [70, 71, 72]
     assert batch.prepare({"c": 1, "a": 1, "b": 1}).input_ids.tolist()[:3] == [72, 70, 71]
     assert batch.prepare({"b": 1, "c": 1}).input_ids.tolist()[:2] == [71, 72]
+
+
+def test_the_logits_rows_are_the_hidden_states_themselves_only_when_every_row_samples():
+    from kvstrata.worker.model_runner import _logits_rows
+
+    batch = _batch(max_num_seqs=16, max_num_tokens=64)
+    _add(batch, "a", [1, 2, 3], [1], computed=2)
+    _add(batch, "b", [4, 5, 6, 7], [2])
+    hidden = torch.arange(20.0).reshape(5, 4)
+    decode = batch.prepare({"a": 1})
+    assert _logits_rows(hidden[:1], decode) is not None and _logits_rows(hidden[:1], decode).data_ptr() == \
+        hidden.data_ptr()  # no gather
+    mixed = batch.prepare({"a": 1, "b": 3})  # b's chunk stops short of its prompt's end: no row for it
+    assert mixed.logits_rows == [0] and _logits_rows(hidden[:4], mixed).tolist() == [hidden[0].tolist()]
+    full = batch.prepare({"a": 1, "b": 4})
+    assert full.logits_rows == [0, 4] and _logits_rows(hidden, full).tolist() == [hidden[0].tolist(),
+                                                                                 hidden[4].tolist()]
