@@ -10,7 +10,7 @@ forward is captured once per batch size at start and replayed:
         ─► graphs[size].replay() ─► hidden[:n]
 
 Everything the captured kernels read is at a fixed address: the batch's
-packed step buffer (``input_batch.StepLayout``), the weights and the KV
+packed step buffer (``step_buffers.StepLayout``), the weights and the KV
 cache. Prefill, mixed batches, batches larger than the largest size and
 steps with a KV connector's layer hooks run eagerly. Sizes are captured
 largest first into one memory pool, so the smaller graphs reuse the

@@ -14,15 +14,15 @@ mappings are a handful of vectorised numpy operations, not work per token:
 from __future__ import annotations
 
 import bisect
-import functools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvstrata.worker.model.attention import AttentionMetadata
 from kvstrata.worker.sampler import SamplingMetadata
+from kvstrata.worker.step_buffers import StepBuffers, StepLayout, StepViews, layout_capacity, step_layout
 from kvstrata.types import CachedRequestData, NewRequestData, SamplingParams
 
 _U64 = (1 << 64) - 1
@@ -84,110 +84,6 @@ class StepInputs:
     logits_rows: list[int] | None = None  # logits_indices on the host (read without a device sync)
 
 
-@dataclass(slots=True, frozen=True)
-class StepLayout:
-    """Where each index tensor of a step sits in the packed int32 buffer.
-
-    The forward's inputs come first, in an order whose offsets depend only
-    on (tokens, sequences, table width, groups): a CUDA graph captured for
-    batch size n reads the same addresses at every replay of size n. The
-    logits rows (read after the forward, outside any graph) come last.
-    The offsets are computed once, at construction (``step_layout`` keeps
-    the layouts of recent shapes).
-    """
-
-    num_tokens: int
-    num_seqs: int
-    width: int  # block-table columns
-    num_groups: int
-    num_logits: int
-    ids: int = field(init=False, repr=False, compare=False)
-    positions: int = field(init=False, repr=False, compare=False)
-    qsl: int = field(init=False, repr=False, compare=False)
-    seq_lens: int = field(init=False, repr=False, compare=False)
-    logits: int = field(init=False, repr=False, compare=False)
-    size: int = field(init=False, repr=False, compare=False)
-    _slots: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _tables: tuple[int, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        t, n, g = self.num_tokens, self.num_seqs, self.num_groups
-        put = object.__setattr__  # frozen: set once, here
-        put(self, "ids", 0)
-        put(self, "positions", t)
-        put(self, "qsl", 2 * t)
-        put(self, "seq_lens", 2 * t + n + 1)
-        slots = tuple(2 * t + 2 * n + 1 + i * t for i in range(g + 1))
-        tables = tuple(slots[g] + i * n * self.width for i in range(g + 1))
-        put(self, "_slots", slots)
-        put(self, "_tables", tables)
-        put(self, "logits", tables[g])
-        put(self, "size", tables[g] + self.num_logits)
-
-    def slots(self, g: int) -> int:
-        return self._slots[g]
-
-    def table(self, g: int) -> int:
-        return self._tables[g]
-
-
-@functools.lru_cache(maxsize=1024)
-def step_layout(num_tokens: int, num_seqs: int, width: int, num_groups: int, num_logits: int) -> StepLayout:
-    """The layout of a step of this shape (shapes repeat: decode steps of one batch size)."""
-    return StepLayout(num_tokens, num_seqs, width, num_groups, num_logits)
-
-
-def layout_capacity(max_tokens: int, max_seqs: int, max_blocks: int, num_groups: int) -> int:
-    """Elements of the packed buffer for any step within these bounds (drafts
-    give up to one logits row per token)."""
-    return StepLayout(max_tokens, max_seqs, max_blocks, num_groups, max_tokens).size
-
-
-class StepBuffers:
-    """Owns: the packed int32 buffer the forward reads its index tensors from
-    (persistent on the device: captured CUDA graphs hold its addresses) and,
-    on CUDA, two pinned host staging buffers filled in turn.
-
-    A step fills a host buffer through numpy views, then ``commit`` copies
-    the used prefix to the device with one non-blocking copy and records an
-    event; the next time that host buffer's turn comes, its event is waited
-    for (already passed in practice: the step between sampled, which syncs).
-    On a CPU the host buffer is the device buffer: nothing is copied.
-    """
-
-    __slots__ = ("device", "capacity", "device_buf", "_host", "_host_np", "_events", "_turn")
-
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        self.device = device
-        self.capacity = capacity
-        if device.type == "cpu":
-            self.device_buf = torch.zeros(capacity, dtype=torch.int32)
-            self._host = [self.device_buf]
-        else:
-            self.device_buf = torch.zeros(capacity, dtype=torch.int32, device=device)
-            self._host = [torch.zeros(capacity, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._events: list[torch.cuda.Event | None] = [None] * len(self._host)
-        self._turn = 0
-
-    def begin(self) -> np.ndarray:
-        """The host buffer to fill for the next step (numpy view)."""
-        self._turn = (self._turn + 1) % len(self._host)
-        event = self._events[self._turn]
-        if event is not None and not event.query():  # a poll; a wait only if the GPU lags two steps
-            event.synchronize()
-        return self._host_np[self._turn]
-
-    def commit(self, used: int) -> torch.Tensor:
-        """Make the first ``used`` elements visible on the device; returns the device buffer."""
-        if self.device.type != "cpu":
-            self.device_buf[:used].copy_(self._host[self._turn][:used], non_blocking=True)
-            event = self._events[self._turn] or torch.cuda.Event()
-            event.record()
-            self._events[self._turn] = event
-        return self.device_buf
-
-
 class InputBatch:
     """Owns: the state of every request the runner holds, the block-table
     arrays (one row per request slot, rows reused after a request leaves) and
@@ -211,7 +107,7 @@ class InputBatch:
         self.max_num_tokens = max(max_num_tokens, 1)
         self.max_num_seqs = max(max_num_seqs, 1)
         self.buffers = StepBuffers(self._capacity(), device)
-        self._views: dict[StepLayout, _StepViews] = {}  # of ``buffers``' device buffer
+        self._views: dict[StepLayout, StepViews] = {}  # of ``buffers``' device buffer
         self._iota = np.arange(self.max_num_tokens + self.max_num_seqs + 2, dtype=np.int64)  # 0, 1, 2, ...
         self.graph_sizes: list[int] = []  # batch sizes a decode step may be padded to (captured graphs)
         self.num_buffer_growths = 0
@@ -300,13 +196,9 @@ class InputBatch:
         sample_states: list[RequestState] = []
         sample_idx: list[int] = []
         sample_drafts: list[list[int] | None] | None = [] if spec_tokens else None
-        # Input tokens still on the device (a decode step after a launched one):
-        # their positions in ``tokens`` and rows in their source's sampled
-        # tokens (``fed_src``: the source of most; others, rare, in ``fed_other``).
-        fed_src: torch.Tensor | None = None
-        fed_at: list[int] = []
-        fed_rows: list[int] = []
-        fed_other: list[tuple[int, RequestState]] = []
+        # Input tokens still on the device (a decode step after a launched one), per
+        # source step: its sampled tokens, their positions in ``tokens``, their rows there.
+        fed: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for b, (req_id, n) in enumerate(num_scheduled_tokens.items()):
             state = requests[req_id]
             start = state.num_computed_tokens
@@ -329,13 +221,11 @@ class InputBatch:
                 if start == host:  # its input token is still on the device
                     assert n == 1 and flight is not None, f"{req_id}: only a decode step reads a token in flight"
                     source, frow = flight
-                    if fed_src is None:
-                        fed_src = source
-                    if source is fed_src:
-                        fed_at.append(len(tokens))
-                        fed_rows.append(frow)
-                    else:
-                        fed_other.append((len(tokens), state))
+                    group = fed.get(id(source))
+                    if group is None:
+                        group = fed[id(source)] = (source, [], [])
+                    group[1].append(len(tokens))
+                    group[2].append(frow)
                     tokens.append(0)
                 elif n == 1:
                     tokens.append(ids[start])
@@ -349,18 +239,9 @@ class InputBatch:
         step = self._tensors(list(num_scheduled_tokens), np.array(rows, dtype=np.int64),
                              np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64), tokens,
                              sample_states, sample_idx, sample_drafts)
-        if fed_src is not None:
-            self._feed(step.input_ids, fed_src, fed_at, fed_rows)
-            others: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-            for at, state in fed_other:
-                assert state.flight is not None
-                source, frow = state.flight
-                _, into, from_rows = others.setdefault(id(source), (source, [], []))
-                into.append(at)
-                from_rows.append(frow)
-            for source, into, from_rows in others.values():
-                self._feed(step.input_ids, source, into, from_rows)
-            self.num_fed_tokens += len(fed_at) + len(fed_other)
+        for source, into, from_rows in fed.values():
+            self._feed(step.input_ids, source, into, from_rows)
+            self.num_fed_tokens += len(into)
         return step
 
     def _feed(self, input_ids: torch.Tensor, source: torch.Tensor, into: list[int], rows: list[int]) -> None:
@@ -368,7 +249,7 @@ class InputBatch:
         the device, from rows ``rows`` of the sampled-token tensor of the step
         that drew them (queued on the stream after that step: no host sync)."""
         n = len(into)
-        if into[-1] == n - 1 and rows[-1] == n - 1 and into == rows == list(range(n)):
+        if into[0] == 0 and into[-1] == n - 1 and into == rows:  # ``into`` rises: it is 0..n-1
             # steady decode: the first n inputs are the last step's n samples, in order
             input_ids[:n].copy_(source[:n])
             return
@@ -467,14 +348,14 @@ class InputBatch:
             logits_rows=list(sample_idx) if decode else logits_idx.tolist(),
         )
 
-    def _step_views(self, d: torch.Tensor, lay: StepLayout) -> "_StepViews":
+    def _step_views(self, d: torch.Tensor, lay: StepLayout) -> StepViews:
         """The views of the device buffer ``d`` a step laid out as ``lay`` reads
         (kept per layout: slicing a tensor costs more than looking it up)."""
         views = self._views.get(lay)
         if views is None:
             if len(self._views) >= 512:  # eager shapes vary: keep the recent ones
                 self._views.clear()
-            views = self._views[lay] = _StepViews(d, lay)
+            views = self._views[lay] = StepViews(d, lay)
         return views
 
     def _grow_buffers(self, num_tokens: int, num_seqs: int) -> None:
@@ -518,32 +399,6 @@ class InputBatch:
                           meta=v.metadata(self.layer_groups), logits_indices=v.logits_indices, sample_states=[],
                           sample_batch_idx=[], num_tokens=num_tokens, graph_size=num_seqs if graph else None,
                           logits_rows=[])
-
-
-class _StepViews:
-    """The tensors a step of one layout reads: views of the device buffer.
-    Attention metadata is made anew per step (it keeps one step's plans),
-    around the same views."""
-
-    __slots__ = ("input_ids", "positions", "logits_indices", "_groups")
-
-    def __init__(self, d: torch.Tensor, lay: StepLayout) -> None:
-        t, n, w = lay.num_tokens, lay.num_seqs, lay.width
-        self.input_ids = d[lay.ids:lay.ids + t]
-        self.positions = d[lay.positions:lay.positions + t]
-        self.logits_indices = d[lay.logits:lay.logits + lay.num_logits]
-        qsl, seq_lens = d[lay.qsl:lay.qsl + n + 1], d[lay.seq_lens:lay.seq_lens + n]
-        self._groups = [(d[lay.slots(g):lay.slots(g) + t], d[lay.table(g):lay.table(g) + n * w].view(n, w), qsl,
-                         seq_lens) for g in range(lay.num_groups)]
-
-    def metadata(self, layer_groups: list[int] | None) -> AttentionMetadata | list[AttentionMetadata]:
-        """One AttentionMetadata, or one per layer (its KV cache group's)."""
-        metas = [AttentionMetadata(slot_mapping=s, block_tables=b, query_start_loc=q, seq_lens=n)
-                 for s, b, q, n in self._groups]
-        if len(metas) == 1:
-            return metas[0]
-        assert layer_groups is not None
-        return [metas[g] for g in layer_groups]
 
 
 class RowParams:

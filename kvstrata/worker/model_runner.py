@@ -476,17 +476,16 @@ class ModelRunner:
         if step.sample_drafts is not None:
             return self._sample_with_drafts(so, step, hidden, invalid_blocks)
         sample_states, sample_idx = step.sample_states, step.sample_batch_idx
+        keep: list[int] | None = None  # the sampled requests left when some loads failed
         if invalid_blocks and sample_states:
             keep = [i for i, st in enumerate(sample_states) if not self.batch.holds_any(st, invalid_blocks)]
             sample_states = [sample_states[i] for i in keep]
             sample_idx = [sample_idx[i] for i in keep]
-            hidden_rows = step.logits_indices[keep] if keep else None
-        else:
-            hidden_rows = None if _every_row_samples(step) else step.logits_indices
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs_out: list[Logprobs | None] | None = None
         if sample_states:
-            logits = self.model.compute_logits(hidden if hidden_rows is None else hidden.index_select(0, hidden_rows))
+            rows = _logits_rows(hidden, step) if keep is None else hidden.index_select(0, step.logits_indices[keep])
+            logits = self.model.compute_logits(rows)
             meta = self.sampling_metadata(sample_states)
             tokens, logprobs = self.sampler(logits, meta)
             for state, b, token in zip(sample_states, sample_idx, tokens, strict=True):
@@ -554,14 +553,11 @@ class ModelRunner:
             batch.update(so.scheduled_cached_reqs)
 
 
-def _every_row_samples(step: StepInputs) -> bool:
-    """Whether the logits rows are every row of ``hidden``, in order (a
-    decode step where every request samples): logits rows rise strictly
-    within [0, num_tokens), so as many of them as tokens are all of them."""
-    return step.logits_rows is not None and len(step.logits_rows) == step.num_tokens
-
-
 def _logits_rows(hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
-    """The hidden states the step samples from: ``hidden`` itself when every
-    row samples (no gather kernel), else its logits rows."""
-    return hidden if _every_row_samples(step) else hidden.index_select(0, step.logits_indices)
+    """The hidden states the step samples from: its logits rows, or ``hidden``
+    itself (no gather kernel) when they are every row in order (a decode step
+    where every request samples): logits rows rise strictly within
+    [0, num_tokens), so as many of them as tokens are all of them."""
+    if step.logits_rows is not None and len(step.logits_rows) == step.num_tokens:
+        return hidden
+    return hidden.index_select(0, step.logits_indices)

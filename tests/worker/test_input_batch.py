@@ -14,7 +14,8 @@ import torch
 
 from kvstrata.types import CachedRequestData, NewRequestData, SamplingParams
 from kvstrata.worker.cuda_graphs import graph_sizes
-from kvstrata.worker.input_batch import InputBatch, StepLayout
+from kvstrata.worker.input_batch import InputBatch
+from kvstrata.worker.step_buffers import StepLayout
 
 BS = 4
 
