@@ -82,9 +82,10 @@ class ModelRunnerLike(Protocol):
 class PipelinedRunner(Protocol):
     """A runner that can launch a step before reading back the one before
     (``kvstrata.worker.pending_step``): ``launch`` never raises; ``collect``
-    returns (or raises) the outputs in launch order."""
+    returns (or raises) the outputs in launch order; a launch that ran the
+    whole step returns its output too (else None)."""
 
-    def launch(self, scheduler_output: SchedulerOutput) -> None: ...
+    def launch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None: ...
     def collect(self) -> ModelRunnerOutput: ...
 
 
@@ -218,10 +219,12 @@ class EngineCore:
     def can_pipeline(self) -> bool:
         return self._pipelined is not None
 
-    def launch(self, scheduler_output: SchedulerOutput) -> None:
-        """Launch a step (the step thread; a ``PipelinedRunner``); never raises."""
+    def launch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch a step (the step thread; a ``PipelinedRunner``); never raises.
+        Returns the step's output when the launch ran it whole (``collect``
+        returns it again, in turn), else None."""
         assert self._pipelined is not None
-        self._pipelined.launch(scheduler_output)
+        return self._pipelined.launch(scheduler_output)
 
     def collect(self) -> ModelRunnerOutput:
         """The oldest launched step's output (the step thread)."""

@@ -74,6 +74,9 @@ class PipelinedSteps(OverlappedSteps):
     host's work on a step hides behind the device's work on the one before.
     The step thread's jobs, in order: launch N, launch N+1, collect N,
     launch N+2, collect N+1, ... (``ModelRunner.launch``/``collect``).
+    A step that must read its tokens at once (a KV connector, drafts,
+    logprobs) runs whole in its launch: its output reaches the loop when
+    that launch ends, so the loop applies it while N+1 runs.
 
     Owns also: the output futures of launched steps not yet being collected,
     oldest first (each launch gets exactly one collect, in order)."""
@@ -84,9 +87,13 @@ class PipelinedSteps(OverlappedSteps):
 
     def submit(self, so: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         # a plain job: launch never raises (collect does) and nobody waits for
-        # it, so no loop future and no wake-up of the loop when it ends
-        self._executor.submit(self._core.launch, so)
-        out: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
+        # it, so no loop future and no wake-up of the loop when it ends, unless
+        # the launch ran the whole step (a connector, drafts, logprobs): then
+        # its output goes to the loop at once, not after the launch queued
+        # behind it (its collect only finds the future settled)
+        loop = asyncio.get_running_loop()
+        out: asyncio.Future[ModelRunnerOutput] = loop.create_future()
+        self._executor.submit(self._core.launch, so).add_done_callback(partial(_hand_whole_to_loop, loop, out))
         self._uncollected.append(out)
         return out
 
@@ -107,6 +114,15 @@ def _hand_to_loop(loop: asyncio.AbstractEventLoop, out: asyncio.Future[ModelRunn
         loop.call_soon_threadsafe(_settle_future, out, done)
     except RuntimeError:  # the loop is closed
         pass
+
+
+def _hand_whole_to_loop(loop: asyncio.AbstractEventLoop, out: asyncio.Future[ModelRunnerOutput],
+                        launched: Future[ModelRunnerOutput | None]) -> None:
+    """In the step thread, when a launch ends: a step it ran whole settles
+    ``out`` now (a launch never raises; one that queued its step returns None)."""
+    if launched.cancelled() or launched.exception() is not None or launched.result() is None:
+        return
+    _hand_to_loop(loop, out, launched)
 
 
 def _settle_future(out: asyncio.Future[ModelRunnerOutput], done: Future[ModelRunnerOutput]) -> None:

@@ -339,22 +339,27 @@ class ModelRunner:
         return self._execute(scheduler_output)
 
     # -- pipelined steps (kvstrata.worker.pending_step) ----------------------
-    def launch(self, scheduler_output: SchedulerOutput) -> None:
+    def launch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Queue step ``scheduler_output`` on the device and return without
         reading its sampled tokens back; ``collect()`` returns the outputs in
         launch order. Never raises: a failure is ``collect()``'s to raise,
         and the launch after a failed one leaves the failed one's requests
         out (their tokens never come; the others run). A step that must read
         its tokens at once (a KV connector, drafts, logprobs) first lands
-        every token in flight, then runs whole."""
+        every token in flight, then runs whole: its output is returned too
+        (what its ``collect()`` will return), so the caller can hand it on
+        before the next launch. Otherwise None."""
         orphans, self._orphans = self._orphans, frozenset()
         try:
-            self._launched.append(self._launch(scheduler_output, orphans))
+            launched = self._launch(scheduler_output, orphans)
         except Exception as e:
             self._launched.append(Failed(e))
             # The step launched next (already scheduled behind this one) cannot
             # run these: their tokens from this step never come.
             self._orphans = frozenset(scheduler_output.num_scheduled_tokens)
+            return None
+        self._launched.append(launched)
+        return launched.output if isinstance(launched, Ready) else None
 
     def collect(self) -> ModelRunnerOutput:
         """The output of the oldest launched step (waits for its tokens)."""

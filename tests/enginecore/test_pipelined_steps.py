@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
+import msgspec
 import pytest
 import torch
 from hf_utils import build_tiny_llama
 
-from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstrata.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from kvstrata.enginecore.async_engine import AsyncEngine
 from kvstrata.enginecore.builder import build_engine_core, build_runner
 from kvstrata.enginecore.request import EngineRequest
@@ -300,3 +302,44 @@ async def test_closing_the_engine_drops_its_decode_graphs_in_the_step_thread(tin
     assert runner.graphs is not None and runner.batch.graph_sizes == [1, 2]
     await engine.aclose()  # returns once that last job is done
     assert runner.graphs is None and runner.batch.graph_sizes == []
+
+
+@pytest.mark.parametrize("why", ["logprobs", "connector"])
+async def test_a_step_that_runs_whole_reaches_the_loop_before_the_next_launch_ends(tiny, why):
+    """A launch that must read its tokens at once (logprobs, drafts, a KV
+    connector) runs the whole step: its output is final when the launch
+    ends. It must reach the loop then, not after the launch queued behind
+    it (collect N runs after launch N+1): else every such step's tokens come
+    one step late, and the step thread idles while the loop applies them
+    (issue 22: a CPU-tier hit's first token waited for the next step)."""
+    cfg = config(tiny, pipelined=True, async_scheduling=True, cuda_graphs=False)
+    if why == "connector":  # the CPU tier of the offload connector
+        store = {"cpu": {"capacity_bytes": 1 << 20, "pin_memory": False}}
+        cfg = msgspec.structs.replace(cfg, kv_transfer=KVTransferConfig(
+            connector="offload", options={"store": store, "chunk_size": 4, "save_admission": "all"}))
+    engine = await AsyncEngine.start(cfg)
+    runner = engine.core.runner
+    assert engine.pipelined and (runner.kv_connector is not None) == (why == "connector")
+    launch, ended = runner.launch, []
+
+    def slow_launch(so):
+        time.sleep(0.05)  # the device's time on the step
+        try:
+            return launch(so)
+        finally:
+            ended.append(time.monotonic())
+
+    runner.launch = slow_launch
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1 if why == "logprobs" else None)
+    try:
+        arrived = []
+        async for out in engine.generate([5, 9, 13], params, request_id="w"):
+            arrived.append((time.monotonic(), len(out.new_token_ids)))
+        assert sum(n for _, n in arrived) == 5
+        # output k is step k's (one token a step); step k+1 was launched behind it
+        late = [k for k, (t, _) in enumerate(arrived) if k + 1 < len(ended) and t >= ended[k + 1]]
+        assert not late, f"outputs {late} reached the loop only after the launch behind their step ended"
+    finally:
+        runner.launch = launch
+        await engine.aclose()
+
