@@ -85,7 +85,10 @@ class OffloadMetadata(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One step of the offload worker. ``load_s[req_id]`` is the time spent
     moving that request's chunks into the device cache; ``forward_s`` and
-    ``forward_tokens`` measure the model (for the recompute-time estimate)."""
+    ``forward_tokens`` measure the model (for the recompute-time estimate):
+    from the forward's start to ``wait_for_save``, less the time in the
+    connector's hooks (the forward and the sampler, whose read of the tokens
+    waits for the device)."""
 
     step: int
     saved: list[int] = []

@@ -437,7 +437,11 @@ class ModelRunner:
 
     def _execute_with_connector(self, so: SchedulerOutput, conn: KVConnectorWorker) -> ModelRunnerOutput:
         """The step with the connector's hooks: loads before (and layer by layer
-        within) the forward, saves after each layer; then what it finished."""
+        within) the forward, saves after each layer; then what it finished.
+        The sampler goes in before ``wait_for_save`` (on CUDA a sync of the
+        transfer streams), so the device computes the logits while the host
+        waits; the loads that failed are known by then (when their copies
+        were issued), and their requests sample nothing."""
         conn.bind_connector_metadata(so.kv_connector_metadata)
         try:
             conn.start_load_kv()
@@ -445,13 +449,13 @@ class ModelRunner:
             if so.num_scheduled_tokens:
                 step = self.batch.prepare(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens)
                 hidden = self._forward_layerwise(step, conn)
+            invalid = conn.get_block_ids_with_load_errors()
+            out = self._sample(so, step, hidden, invalid) if step is not None else ModelRunnerOutput.empty()
             conn.wait_for_save()
             sending, recving = conn.get_finished(so.finished_req_ids)
-            invalid = conn.get_block_ids_with_load_errors()
             report = conn.take_report()
         finally:
             conn.clear_connector_metadata()
-        out = self._sample(so, step, hidden, invalid) if step is not None else ModelRunnerOutput.empty()
         if not (sending or recving or invalid or report is not None):
             return out
         return msgspec.structs.replace(

@@ -178,3 +178,46 @@ async def test_a_failed_overlapped_step_fails_only_its_requests_and_drops_what_i
     assert stats.prefix_cache_hits == 0 and stats.extra["connector.cpu.hit_tokens"] == 0
     assert engine.core.num_failed_steps == 1 and engine.core.consecutive_failed_steps == 0
     assert engine.num_overlapped_steps > 0
+
+
+async def test_a_connector_step_samples_before_it_waits_for_its_transfers(oracle, make_core):
+    """With a connector the step's end waits for its loads and saves
+    (``wait_for_save``: on CUDA a sync of the side streams). The sampler's
+    kernels go in first, so the device computes the logits while the host
+    waits, instead of sitting idle until that wait ends (issue 22). The
+    tokens are the oracle's either way; what a failed load withholds is
+    known when its copies are issued, before the wait."""
+    core = await make_core(offload_config())
+    runner, order, steps = core.runner, [], [0]
+    worker, sampler = runner.kv_connector, runner.sampler
+    bind, wait_for_save, clear = worker.bind_connector_metadata, worker.wait_for_save, worker.clear_connector_metadata
+
+    def bound(meta):
+        steps[0] += 1
+        bind(meta)
+
+    def sample(*args, **kwargs):
+        order.append(("sample", steps[0]))
+        return sampler(*args, **kwargs)
+
+    def wait():
+        order.append(("wait_for_save", steps[0]))
+        return wait_for_save()
+
+    def cleared():
+        order.append(("cleared", steps[0]))
+        clear()
+
+    runner.sampler = sample
+    worker.bind_connector_metadata, worker.wait_for_save, worker.clear_connector_metadata = bound, wait, cleared
+    outputs: dict[str, list[int]] = {}
+    p = prompt(50, 50)
+    add(core, "a", p)
+    await run_until_idle(core, outputs)
+    runner.sampler = sampler
+    worker.bind_connector_metadata, worker.wait_for_save, worker.clear_connector_metadata = bind, wait_for_save, clear
+    assert outputs["a"] == oracle.greedy(p, N)
+    sampled = [st for what, st in order if what == "sample"]
+    assert len(sampled) == N
+    for st in sampled:  # within its step's connector work, before the wait
+        assert order.index(("sample", st)) < order.index(("wait_for_save", st)) < order.index(("cleared", st)), order
