@@ -14,6 +14,7 @@ imports triton and never needs a GPU.
     scatter_kv(chunk, kv_caches, slot_mapping)
     gather_kv_segments(kv_caches, slot_mapping, S, out=None) -> [S, L, 2, n, Hkv, D]   (S chunks, one launch)
     scatter_kv_segments(chunk, kv_caches, slot_mapping)
+    scatter_kv_layer_segments(chunks, layer, key_cache, value_cache, slot_mapping)  (one layer of S chunks)
     gather_kv_layer(key_cache, value_cache, slot_mapping, out=None) -> [2, n, Hkv, D]
     scatter_kv_layer(chunk, key_cache, value_cache, slot_mapping)
     allocate_kv_caches(KVCacheShape(...), "per_layer" | "cross_layer", dtype, device)
@@ -42,7 +43,7 @@ from kvstrata.kernels.layout import KV_LAYOUTS, KVCacheShape, allocate_kv_caches
 from kvstrata.kernels.quant import QUANT_TYPES, PackedWeight, QuantType, cat_rows, dequantize, pack_weight, quant_type
 from kvstrata.kernels.quant_cpu import CpuChoice, QuantScratch, choose_cpu_path, with_cpu_path
 from kvstrata.kernels.quant_linear import packed_embedding, quant_matmul, quant_matmul_ref, quant_matmul_unchecked
-from kvstrata.kernels.streams import KVStreams, KVTransfer
+from kvstrata.kernels.streams import KVStreams, KVTransfer, StagedChunks
 from kvstrata.kernels.transfer import (
     gather_kv,
     gather_kv_layer,
@@ -52,6 +53,7 @@ from kvstrata.kernels.transfer import (
     scatter_kv_layer,
     scatter_kv_segments,
     scatter_kv_layer_ref,
+    scatter_kv_layer_segments,
 )
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "KVCacheShape",
     "KVStreams",
     "KVTransfer",
+    "StagedChunks",
     "KernelArgumentError",
     "PackedWeight",
     "QUANT_TYPES",
@@ -90,6 +93,7 @@ __all__ = [
     "scatter_kv_layer",
     "scatter_kv_segments",
     "scatter_kv_layer_ref",
+    "scatter_kv_layer_segments",
     "silu_and_mul",
     "use_triton",
     "with_cpu_path",

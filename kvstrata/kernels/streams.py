@@ -78,6 +78,7 @@ from kvstrata.kernels.transfer import (
     gather_kv_segments,
     scatter_kv,
     scatter_kv_layer,
+    scatter_kv_layer_segments,
     scatter_kv_segments,
 )
 
@@ -112,6 +113,41 @@ class KVTransfer:
         if self._event is not None:
             self._event.synchronize()
             self._event, self._buffers = None, None
+
+
+class StagedChunks:
+    """S host chunks [L, 2, n, Hkv, D] (one n) loaded layer by layer from one
+    device buffer (``KVStreams.stage_chunks`` / ``load_staged_layer``).
+
+    Owns: the staging buffer [S, L, 2, n, Hkv, D] (on a CPU: the chunks
+    stacked), the layer groups it is copied in (one non-blocking copy per
+    chunk and group) and how many of them are queued, and whether the load
+    stream has waited for the compute stream yet (once per staging)."""
+
+    __slots__ = ("host_chunks", "staging", "groups", "num_copied", "waited")
+
+    def __init__(self, host_chunks: list[torch.Tensor], staging: torch.Tensor, groups: list[range]) -> None:
+        self.host_chunks = host_chunks
+        self.staging = staging
+        self.groups = groups
+        self.num_copied = len(groups) if staging.device.type == "cpu" else 0
+        self.waited = False
+
+    def group_of(self, layer: int) -> int:
+        return next(g for g, layers in enumerate(self.groups) if layer in layers)
+
+
+def layer_groups(num_layers: int, num_groups: int) -> list[range]:
+    """``num_layers`` layers in ``num_groups`` (at most one per layer) runs of
+    consecutive layers, the first ones one layer longer where they differ."""
+    num_groups = max(1, min(num_layers, num_groups))
+    size, extra = divmod(num_layers, num_groups)
+    groups, start = [], 0
+    for g in range(num_groups):
+        stop = start + size + (g < extra)
+        groups.append(range(start, stop))
+        start = stop
+    return groups
 
 
 # Lowest CUDA stream priority (larger numbers map to it; torch's range is
@@ -226,6 +262,68 @@ class KVStreams:
             return KVTransfer(None, (), None)
         return self._load_on_side(host_chunks, slot_mapping, layer, lambda dev, slots: scatter_kv_segments(
             dev.unsqueeze(1), [(key_cache, value_cache)], slots))
+
+    def stage_chunks(self, host_chunks: Sequence[torch.Tensor], key_cache: torch.Tensor,
+                     num_groups: int) -> StagedChunks:
+        """Ready S host chunks [L, 2, n, Hkv, D] (one n, the cache's dtype) for
+        :meth:`load_staged_layer`: checked once here, not once per layer. On
+        CUDA a device staging buffer [S, L, 2, n, Hkv, D] (the load stream's)
+        that the chunks are copied into ``num_groups`` runs of layers at a
+        time: S * num_groups host copies for the step's layer loads instead
+        of S * L. On a CPU the chunks stacked (one copy)."""
+        if not host_chunks:
+            raise KernelArgumentError("host chunks: need at least one")
+        first = host_chunks[0]
+        check_tensor("host chunk", first, 5, KV_DTYPES)
+        shape = (self.num_layers, 2, first.shape[2], *key_cache.shape[2:])
+        chunks = [self._host_buffer(c, shape, key_cache.dtype, "host chunk") for c in host_chunks]
+        groups = layer_groups(self.num_layers, num_groups)
+        if self._load is None:
+            return StagedChunks(chunks, torch.stack(chunks), groups)
+        with torch.cuda.stream(self._load):
+            staging = torch.empty((len(chunks), *shape), dtype=key_cache.dtype, device=self.device)
+        return StagedChunks(chunks, staging, groups)
+
+    def load_staged_layer(self, staged: StagedChunks, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> KVTransfer:
+        """Layer ``layer`` of ``staged`` into the caches' S * n slots (segment s
+        to slots [s * n, (s + 1) * n)): one scatter launch; the compute stream
+        waits for it at :meth:`wait_layer_loaded`. On CUDA, on the load
+        stream: first the copies of the layer's group and the group after it
+        that are not queued yet (the next group's copy runs beside this
+        layer's compute), then the scatter. The first call of a staging
+        waits for the compute stream's work so far (a block an earlier step
+        still reads is never overwritten), the later ones do not: within
+        the step, a loaded block's layer is read only after its own load."""
+        self._check_layer(layer)
+        check_cache_pair(key_cache, value_cache)
+        check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+        if self._load is None:
+            scatter_kv_layer_segments(staged.staging, layer, key_cache, value_cache, slot_mapping)
+            return KVTransfer(None, (), None)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._load):
+            dev_slots = self._on_side_stream(slot_mapping, self._load)
+            if not staged.waited:
+                self._load.wait_stream(compute)
+                staged.waited = True
+            self._copy_groups(staged, min(staged.group_of(layer) + 2, len(staged.groups)))
+            scatter_kv_layer_segments(staged.staging, layer, key_cache, value_cache, dev_slots)
+            event = torch.cuda.Event()
+            event.record(self._load)
+        self._loaded[layer] = event
+        return self._track(KVTransfer(event, (*staged.host_chunks, staged.staging, dev_slots), None))
+
+    def _copy_groups(self, staged: StagedChunks, upto: int) -> None:
+        """Queue (on the current stream: the load stream) the host copies of
+        ``staged``'s layer groups [num_copied, upto): one non-blocking copy
+        per chunk and group, earlier groups first."""
+        for g in range(staged.num_copied, upto):
+            layers = staged.groups[g]
+            lo, hi = layers.start, layers.stop
+            for s, chunk in enumerate(staged.host_chunks):
+                staged.staging[s, lo:hi].copy_(chunk[lo:hi], non_blocking=True)
+        staged.num_copied = max(staged.num_copied, upto)
 
     def load_all(self, host_chunk: torch.Tensor, kv_caches, slot_mapping: torch.Tensor) -> KVTransfer:
         """Copy ``host_chunk`` [L, 2, n, Hkv, D] into every layer's slots on the

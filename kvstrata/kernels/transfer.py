@@ -9,6 +9,7 @@ buffer, and scatter such a buffer back into given slots.
     segments:    S chunks in one call, [S, num_layers, 2, n, Hkv, D], over
                  S * n slots (segment s: slots [s * n, (s + 1) * n)): one
                  kernel launch for a step's chunks instead of one per chunk
+                 (``scatter_kv_layer_segments``: one layer of them)
 
 ``kv_caches`` is the per-layer list of (key_cache, value_cache) pairs, each
 [num_blocks, block_size, Hkv, D]; per-layer tensors and cross-layer views
@@ -129,6 +130,38 @@ def _scatter(chunk: torch.Tensor, kv_caches: KVCaches, dims: tuple[int, int, int
         for s in range(num_segments):
             for layer, (k, v) in enumerate(kv_caches):
                 scatter_kv_layer_ref(chunk[s, layer], k, v, slot_mapping[s * n:(s + 1) * n])
+
+
+def scatter_kv_layer_segments(
+    segments: torch.Tensor,
+    layer: int,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> None:
+    """Layer ``layer`` of S chunks ``segments`` [S, L, 2, n, Hkv, D] (contiguous:
+    a staging buffer of whole chunks) to one layer's caches, segment s to
+    slots [s * n, (s + 1) * n): one kernel launch, reading the layer in place."""
+    nb, bs, h, d = check_cache_pair(key_cache, value_cache)
+    total = _check_slots(slot_mapping, key_cache, nb * bs)
+    check_tensor("segments", segments, 6, KV_DTYPES)
+    num_segments, num_layers = segments.shape[:2]
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise KernelArgumentError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
+    n = _segment_tokens(total, num_segments)
+    _check_chunk(segments, (num_segments, num_layers, 2, n, h, d), key_cache, name="segments")
+    if total == 0:
+        return
+    if use_triton(impl, key_cache.device):
+        from kvstrata.kernels._triton_transfer import transfer_triton
+
+        # [S, 1, 2, n, Hkv, D]: each segment's layer contiguous, segments a whole chunk apart
+        transfer_triton([(key_cache, value_cache)], segments[:, layer:layer + 1], slot_mapping, to_cache=True)
+    else:
+        for s in range(num_segments):
+            scatter_kv_layer_ref(segments[s, layer], key_cache, value_cache, slot_mapping[s * n:(s + 1) * n])
 
 
 def gather_kv_layer(

@@ -22,12 +22,12 @@ def spec() -> ConnectorSpec:
                          max_model_len=64)
 
 
-def make(layout: str, batched: bool | None = None, seed: int = 0):
+def make(layout: str, batched: bool | None = None, seed: int = 0, staged: bool = False):
     backing, caches = allocate_kv_caches(KVCacheShape(num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H,
                                                       head_size=D), layout, torch.float32, "cpu")
     backing.copy_(torch.randn(backing.shape, generator=torch.Generator().manual_seed(seed)))
     buffers: dict[int, torch.Tensor] = {}
-    worker = OffloadWorker(spec(), buffers, batched_layer_transfers=batched)
+    worker = OffloadWorker(spec(), buffers, batched_layer_transfers=batched, staged_layer_loads=staged)
     worker.register_kv_caches(caches, "cpu")
     return backing, caches, buffers, worker
 
@@ -132,17 +132,19 @@ def _mixed_step(buffers) -> OffloadMetadata:
 @pytest.mark.parametrize("layout", ["per_layer", "cross_layer"])
 def test_batched_layer_transfers_equal_the_per_chunk_ones(layout):
     """One call per layer and chunk length moves exactly what one call per
-    chunk and layer moves, for loads and saves, partial chunks included."""
+    chunk and layer moves, for loads and saves, partial chunks included;
+    so do staged layer loads (each batch's chunks stacked once, each layer
+    scattered from there)."""
     results = []
-    for batched in (False, True):
-        backing, _, buffers, worker = make(layout, batched)
+    for batched, staged in ((False, False), (True, False), (True, True)):
+        backing, _, buffers, worker = make(layout, batched, staged=staged)
         assert worker.batched is batched
         _, invalid, report = run_step(worker, _mixed_step(buffers))
         assert invalid == set() and report.failed == []
         assert sorted(report.loaded) == [1, 2, 3] and sorted(report.saved) == [4, 5]
         results.append((backing, buffers[4], buffers[5]))
-    for per_chunk, batched in zip(*results, strict=True):
-        assert torch.equal(per_chunk, batched)
+    for per_chunk, batched, staged in zip(*results, strict=True):
+        assert torch.equal(per_chunk, batched) and torch.equal(per_chunk, staged)
     assert make("per_layer")[3].batched  # None: on
 
 
@@ -195,8 +197,9 @@ def test_batched_bulk_transfers_equal_the_per_chunk_ones(layout):
         assert torch.equal(per_chunk, batched)
 
 
-def test_a_failed_batch_fails_every_chunk_in_it():
-    _, _, buffers, worker = make("per_layer", batched=True)
+@pytest.mark.parametrize("staged", [False, True], ids=["per_layer_calls", "staged"])
+def test_a_failed_batch_fails_every_chunk_in_it(staged):
+    _, _, buffers, worker = make("per_layer", batched=True, staged=staged)
     meta = _mixed_step(buffers)
     buffers[2] = torch.zeros(L, 2, 8, H, 2 * D)  # wrong head size: its batch (the 8-token loads) raises
     _, invalid, report = run_step(worker, meta)
@@ -272,3 +275,61 @@ def test_a_step_that_fails_before_wait_for_save_waits_for_its_transfers():
     assert [name for name, _ in spy.calls] == ["synchronize"]
     run_step(worker, meta)  # a step that reached wait_for_save is not waited for again when cleared
     assert [name for name, _ in spy.calls] == ["synchronize"]
+
+
+def test_staged_layer_loads_stage_each_batch_once_and_scatter_each_layer_from_it(monkeypatch):
+    """With ``staged_layer_loads`` the host chunks of a batch are checked and
+    staged once per step, and every layer is one scatter from the staging
+    (not a host copy per chunk and layer)."""
+    from kvstrata.kernels import KVStreams
+
+    calls = {"stage": 0, "staged_layer": 0, "per_layer": 0}
+    for name, key in (("stage_chunks", "stage"), ("load_staged_layer", "staged_layer"),
+                      ("load_layer_segments", "per_layer")):
+        def counted(self, *args, _f=getattr(KVStreams, name), _k=key, **kwargs):
+            calls[_k] += 1
+            return _f(self, *args, **kwargs)
+        monkeypatch.setattr(KVStreams, name, counted)
+    backing, _, buffers, worker = make("per_layer", True, staged=True)
+    _, invalid, report = run_step(worker, _mixed_step(buffers))
+    assert invalid == set() and sorted(report.loaded) == [1, 2, 3]
+    # two load batches (chunks of 8 and of 3 tokens): staged once each, scattered once each per layer
+    assert calls == {"stage": 2, "staged_layer": 2 * L, "per_layer": 0}
+
+
+def test_staged_chunks_are_copied_a_run_of_layers_at_a_time():
+    """On CUDA the staging is filled by ``_copy_groups``: one copy per chunk
+    and group of layers, a group when its first layer (or the layer before
+    it) is loaded. The groups split the layers in order, evenly."""
+    from kvstrata.kernels.streams import StagedChunks, layer_groups
+
+    assert layer_groups(22, 2) == [range(0, 11), range(11, 22)]
+    assert layer_groups(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert layer_groups(3, 64) == [range(0, 1), range(1, 2), range(2, 3)]  # at most one a layer
+    assert layer_groups(4, 0) == [range(0, 4)]
+    for num_layers in range(1, 30):
+        for num_groups in range(1, 40):
+            groups = layer_groups(num_layers, num_groups)
+            assert [i for g in groups for i in g] == list(range(num_layers))
+            assert max(map(len, groups)) - min(map(len, groups)) <= 1
+    streams = make("per_layer")[3].streams
+    chunks = [torch.randn(5, 2, 4, H, D, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    staged = StagedChunks(chunks, torch.zeros(3, 5, 2, 4, H, D), layer_groups(5, 3))
+    staged.num_copied = 0  # as on CUDA: nothing copied at staging
+    streams._copy_groups(staged, 1)
+    assert torch.equal(staged.staging[:, :2], torch.stack(chunks)[:, :2])
+    assert not staged.staging[:, 2:].any()
+    streams._copy_groups(staged, 3)
+    assert staged.num_copied == 3 and torch.equal(staged.staging, torch.stack(chunks))
+    assert staged.group_of(0) == 0 and staged.group_of(3) == 1 and staged.group_of(4) == 2
+
+
+def test_staged_layer_loads_need_batched_transfers():
+    from kvstrata.connector.offload.options import OffloadOptions
+
+    OffloadOptions(staged_layer_loads=True).validate()
+    with pytest.raises(ValueError, match="staged_layer_loads needs batched_layer_transfers"):
+        OffloadOptions(staged_layer_loads=True, batched_layer_transfers=False).validate()
+    with pytest.raises(ValueError, match="staged_layer_loads must be true or false"):
+        OffloadOptions(staged_layer_loads=1).validate()
+    assert OffloadOptions().staged_layer_loads is False  # until a GPU run measures it

@@ -49,19 +49,46 @@ async def test_b_cpu_tier_after_device_reset(oracle, make_engine, stepping):
     assert_stepped(engine, stepping)
 
 
+async def test_b_cpu_tier_staged_layer_loads(oracle, make_engine, stepping, monkeypatch):
+    """``staged_layer_loads``: each step's loaded chunks staged once, every
+    layer scattered from there; the tokens are the oracle's."""
+    from kvstrata.kernels import KVStreams
+
+    staged_layers = []
+    load_staged_layer = KVStreams.load_staged_layer
+
+    def counted(self, staged, layer, *args):
+        staged_layers.append(layer)
+        return load_staged_layer(self, staged, layer, *args)
+
+    monkeypatch.setattr(KVStreams, "load_staged_layer", counted)
+    engine = await make_engine(offload_config(staged_layer_loads=True), **stepping)
+    p = prompt(2, 50)
+    assert await gen(engine, p) == oracle.greedy(p, N)
+    await engine.flush_kv()
+    assert await engine.reset_prefix_cache()
+    assert await gen(engine, p) == oracle.greedy(p, N)
+    stats = await engine.stats()
+    assert tier_hits(stats, "cpu") == 48
+    assert staged_layers and set(staged_layers) == set(range(len(engine.core.runner.kv_caches)))
+    assert_stepped(engine, stepping)
+
+
 def store_of(engine):
     return engine.core.kv_connector.store
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("batched", [False, True])
-async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine, stepping, batched):
+@pytest.mark.parametrize(("batched", "staged"), [(False, False), (True, False), (True, True)],
+                         ids=["per_chunk", "batched", "staged"])
+async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine, stepping, batched, staged):
     """The CUDA path: layer i+1's load on the load stream overlaps layer i,
     saves on the store stream, a preempted request's blocks read first;
-    layer transfers one call per chunk, or batched (one per layer)."""
-    engine = await make_engine(offload_config(batched_layer_transfers=batched), device="cuda", num_blocks=33,
-                               **stepping)
+    layer transfers one call per chunk, or batched (one per layer), or
+    staged (a step's chunks to the device a run of layers at a time)."""
+    engine = await make_engine(offload_config(batched_layer_transfers=batched, staged_layer_loads=staged),
+                               device="cuda", num_blocks=33, **stepping)
     prompts = [prompt(2, 50), prompt(9, 24), prompt(19, 24)]
     assert [await gen(engine, p) for p in prompts[:1]] == [oracle.greedy(prompts[0], N)]
     await engine.flush_kv()

@@ -24,6 +24,8 @@ from kvstrata.kernels import (
     gather_kv_segments,
     reshape_and_cache,
     scatter_kv,
+    scatter_kv_layer,
+    scatter_kv_layer_segments,
     scatter_kv_segments,
 )
 from kvstrata.kernels._triton_cache_write import copy_tile, reshape_and_cache_triton
@@ -184,6 +186,29 @@ def test_segments_are_chunks_in_one_launch(layout, num_segments):
         assert torch.equal(k, rk) and torch.equal(v, rv)
     one = gather_kv_segments(caches[1:2], slots, num_segments)  # one layer: [S, 1, 2, n, H, D]
     assert torch.equal(one[:, 0], chunk[:, 1])
+
+
+@pytest.mark.parametrize("num_segments", [1, 3])
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+def test_one_layer_of_staged_segments_in_one_launch(layout, num_segments):
+    """Layer l of a staging buffer of whole chunks [S, L, 2, n, H, D] goes to
+    one layer's caches as those chunks' layer l would, read in place (its
+    segments a whole chunk apart): what a staged layer load scatters."""
+    _, caches = _caches(layout, heads=2, head_dim=8, num_blocks=40, num_layers=3)
+    staging = gather_kv_segments(caches, _padded_slots(12 * num_segments, 40 * 16, seed=3), num_segments) * 3
+    slots = _padded_slots(12 * num_segments, 40 * 16, seed=11)
+    for layer in range(3):
+        fresh_backing, fresh = _caches(layout, heads=2, head_dim=8, num_blocks=40, num_layers=3, seed=9)
+        ref = _views(fresh_backing.clone(), layout)
+        scatter_kv_layer_segments(staging, layer, *fresh[layer], slots)
+        for s in range(num_segments):
+            scatter_kv_layer(staging[s, layer].contiguous(), *ref[layer], slots[12 * s:12 * (s + 1)], impl="torch")
+        for (k, v), (rk, rv) in zip(fresh, ref, strict=True):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+    with pytest.raises(KernelArgumentError, match="layer must be an int in \\[0, 3\\)"):
+        scatter_kv_layer_segments(staging, 3, *caches[0], slots)
+    with pytest.raises(KernelArgumentError, match="segments must be contiguous"):
+        scatter_kv_layer_segments(torch.zeros(num_segments, 3, 2, 12, 2, 16)[..., :8], 0, *caches[0], slots)
 
 
 def test_segment_arguments_are_checked():

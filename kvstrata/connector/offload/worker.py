@@ -23,7 +23,10 @@ default) a batch is all of a step's chunks of one length (bulk
 loads: of one request), their slots joined and copied to the device once
 per step, moved by one ``KVStreams`` segment call (per layer, for layer
 transfers); without it, a batch is one chunk and its slots stay on the host
-(the copy rides with each call). A batch that raises fails every chunk in it.
+(the copy rides with each call). With ``staged_layer_loads`` a batch of
+layer loads is staged once per step (its chunks to the device a run of
+layers at a time, ``KVStreams.stage_chunks``) and each layer scattered
+from there. A batch that raises fails every chunk in it.
 
 A transfer that raises is reported failed: a failed load's blocks go to
 ``get_block_ids_with_load_errors`` (the scheduler recomputes them), a failed
@@ -40,7 +43,7 @@ import torch
 
 from kvstrata.connector.base import Blender, ConnectorMetadata, ConnectorSpec, KVCaches
 from kvstrata.connector.metadata import BlendLoad, ChunkTransfer, OffloadMetadata, RequestTransfer, WorkerReport
-from kvstrata.kernels import KVStreams
+from kvstrata.kernels import KVStreams, StagedChunks
 
 log = structlog.get_logger(__name__)
 
@@ -54,12 +57,19 @@ class _Xfer:
 
 class _Batch:
     """Chunks of one length moved together: one ``KVStreams`` call (per
-    layer, for layer transfers). ``slots``: theirs in order."""
+    layer, for layer transfers). ``slots``: theirs in order; ``staged``:
+    the chunks on their way to the device, for staged layer loads."""
 
-    __slots__ = ("xfers", "slots", "alive")
+    __slots__ = ("xfers", "slots", "alive", "staged")
 
     def __init__(self, xfers: list[_Xfer], slots: torch.Tensor) -> None:
         self.xfers, self.slots, self.alive = xfers, slots, True
+        self.staged: StagedChunks | None = None
+
+
+# Staged layer loads: host copies per batch and step (chunks x layer groups);
+# fewer groups than layers when there are many chunks
+STAGED_COPIES = 64
 
 
 class OffloadWorker:
@@ -67,9 +77,10 @@ class OffloadWorker:
     results. Reads the lent buffers; the step thread only."""
 
     def __init__(self, spec: ConnectorSpec, buffers: dict[int, torch.Tensor], *,
-                 batched_layer_transfers: bool | None = None) -> None:
+                 batched_layer_transfers: bool | None = None, staged_layer_loads: bool = False) -> None:
         self.spec = spec
         self._batched_option = batched_layer_transfers
+        self.staged = staged_layer_loads
         self.batched = False  # set by register_kv_caches: the option (None: on)
         self.block_size = spec.block_size
         self.buffers = buffers
@@ -144,6 +155,9 @@ class OffloadWorker:
         self._layer_saves = [self._xfer(ch, rt.req_id) for rt in meta.layer_saves for ch in rt.chunks]
         self._save_batches = self._batches(self._layer_saves)
         self._load_batches = self._batches(self._layer_loads)
+        if self.staged:
+            for b in self._load_batches:
+                self._stage(b)
         if self._layer_loads and self.streams.is_cuda:
             self._issue_layer(0)
         self._t_forward = time.perf_counter()
@@ -256,12 +270,26 @@ class OffloadWorker:
         for x in self._layer_loads:
             self._load_s[x.req_id] = self._load_s.get(x.req_id, 0.0) + share
 
+    def _stage(self, b: _Batch) -> None:
+        """Ready ``b``'s chunks for staged layer loads (``KVStreams.stage_chunks``)."""
+        groups = max(1, STAGED_COPIES // len(b.xfers))
+        try:
+            b.staged = self.streams.stage_chunks([x.buf for x in b.xfers], self.kv_caches[0][0], groups)
+        except Exception:
+            log.exception("kv_load_failed", request_ids=sorted({x.req_id for x in b.xfers}), chunks=len(b.xfers))
+            b.alive = False
+            for x in b.xfers:
+                self._load_failed(x)
+
     def _issue_layer(self, layer: int) -> None:
         key_cache, value_cache = self.kv_caches[layer]
         for b in self._load_batches:
             if not b.alive:
                 continue
             try:
+                if b.staged is not None:
+                    self.streams.load_staged_layer(b.staged, layer, key_cache, value_cache, b.slots)
+                    continue
                 self.streams.load_layer_segments(layer, [x.buf[layer] for x in b.xfers], key_cache, value_cache,
                                                  b.slots)
             except Exception:
