@@ -36,9 +36,10 @@ boundaries only; the model step is the engine's (AsyncEngine.generate).
                            prefix caching on vs off
     tiers                  tools/bench_tiers.py's workload (12 chats x 5 turns, 3k-token first
                            turns, concurrency 4, working set 3x the pool): later-turn TTFT p50,
-                           recompute vs device + CPU tier, the tier's layer transfers batched
-                           per layer (the default) and per chunk (batched_layer_transfers off);
-                           the connector's default 256-token chunks on CUDA
+                           recompute (also with the tiers' saves: role producer) vs device +
+                           CPU tier, the tier's layer loads batched per layer (the default) and
+                           staged (staged_layer_loads); the connector's default 256-token
+                           chunks on CUDA
 
 graphs_off is ``model.cuda_graphs=False`` (the eager baseline), graphs_on
 ``True``, both with ``scheduler.pipelined_steps`` off; pipelined is graphs on
@@ -980,9 +981,10 @@ def load_tool(name: str) -> Any:
 
 
 async def section_tiers(b: Bench) -> dict:
-    """tools/bench_tiers.py's own run (modes none and tiers) on this checkpoint
-    and device. Its CPU tier is sized to hold the whole working set, so a later
-    turn's history is a CPU-tier hit rather than a recompute."""
+    """tools/bench_tiers.py's own run (modes none, recompute-saving, tiers,
+    tiers-staged) on this checkpoint and device. Its CPU tier is sized to
+    hold the whole working set, so a later turn's history is a CPU-tier hit
+    rather than a recompute."""
     t = b.counts.tiers
     final = t["first_turn_tokens"] + (t["turns"] - 1) * (t["user_tokens"] + t["output_tokens"]) + t["output_tokens"]
     ws_bytes = final * t["conversations"] * kv_bytes_per_token(b.shape, b.dtype)
@@ -993,26 +995,30 @@ async def section_tiers(b: Bench) -> dict:
             # history is 12 chunks, not 48, each a host copy per layer on the CUDA load path
             "--chunk-size", str(OffloadOptions().chunk_size if b.cuda else 64),
             "--cpu-mib", str(max(48, int(ws_bytes * 1.5) >> 20)), "--disk-mib", str(max(64, int(ws_bytes * 2) >> 20)),
-            "--max-batched-tokens", str(b.counts.max_batched_tokens), "--modes", "none,tiers,tiers-per-chunk"]
-    b.engines_started += 3
+            "--max-batched-tokens", str(b.counts.max_batched_tokens),
+            "--modes", "none,recompute-saving,tiers,tiers-staged"]
+    b.engines_started += 4
     rep = await load_tool("bench_tiers").main(argv)
     b.free()
-    none, tiers, per_chunk = (rep["modes"][m] for m in ("none", "tiers", "tiers-per-chunk"))
+    m = rep["modes"]
+    none, saving, tiers, staged = (m[k] for k in ("none", "recompute-saving", "tiers", "tiers-staged"))
+    later = {name: mode["ttft_p50_later_turns_s"] for name, mode in
+             (("recompute", none), ("recompute_saving", saving), ("tiers", tiers), ("tiers_staged", staged))}
     return {"workload": {**t, "working_set_over_pool": rep["working_set_over_pool"]},
-            "ttft_p50_later_turns_s": {"recompute": none["ttft_p50_later_turns_s"],
-                                       "tiers": tiers["ttft_p50_later_turns_s"],
-                                       "tiers_per_chunk": per_chunk["ttft_p50_later_turns_s"]},
-            "later_turns_recompute_over_tiers": _ratio(none["ttft_p50_later_turns_s"],
-                                                       tiers["ttft_p50_later_turns_s"]),
-            "later_turns_recompute_over_tiers_per_chunk": _ratio(none["ttft_p50_later_turns_s"],
-                                                                 per_chunk["ttft_p50_later_turns_s"]),
+            "ttft_p50_later_turns_s": later,
+            "later_turns_recompute_over_tiers": _ratio(later["recompute"], later["tiers"]),
+            "later_turns_recompute_saving_over_tiers": _ratio(later["recompute_saving"], later["tiers"]),
+            "later_turns_recompute_over_tiers_staged": _ratio(later["recompute"], later["tiers_staged"]),
+            "later_turns_recompute_saving_over_tiers_staged": _ratio(later["recompute_saving"],
+                                                                     later["tiers_staged"]),
             "tier_hit_tokens": tiers["tier_hit_tokens"], "device_hit_tokens": tiers["device_hit_tokens"],
-            "tier_hit_tokens_per_chunk": per_chunk["tier_hit_tokens"],
-            "preemptions": {"recompute": none["preemptions"], "tiers": tiers["preemptions"],
-                            "tiers_per_chunk": per_chunk["preemptions"]},
-            "modes": "recompute: no prefix caching, no tiers; tiers: device cache + CPU (L1) + disk, the "
-                     "connector's default transfers (batched per layer); tiers_per_chunk: "
-                     "batched_layer_transfers off",
+            "tier_hit_tokens_staged": staged["tier_hit_tokens"],
+            "preemptions": {"recompute": none["preemptions"], "recompute_saving": saving["preemptions"],
+                            "tiers": tiers["preemptions"], "tiers_staged": staged["preemptions"]},
+            "modes": "recompute: no prefix caching, no tiers; recompute_saving: no prefix caching, the tiers' "
+                     "connector saving, never loading (role producer: the same save traffic, the like-for-like "
+                     "baseline); tiers: device cache + CPU (L1) + disk, the connector's default transfers "
+                     "(batched per layer); tiers_staged: staged_layer_loads on",
             "bench_tiers_argv": argv, "bench_tiers": rep, "error": None}
 
 

@@ -82,7 +82,8 @@ def test_quick_cpu_run_reports_every_section():
     assert sp["caching_on"]["cached_tokens_p50"] == 64 and sp["caching_off"]["cached_tokens_p50"] == 0
     t = r["tiers"]
     assert t["ttft_p50_later_turns_s"]["recompute"] > 0 and t["ttft_p50_later_turns_s"]["tiers"] > 0
-    assert t["ttft_p50_later_turns_s"]["tiers_per_chunk"] > 0 and t["tier_hit_tokens_per_chunk"]
+    assert t["ttft_p50_later_turns_s"]["tiers_staged"] > 0 and t["tier_hit_tokens_staged"]["cpu"] > 0
+    assert t["ttft_p50_later_turns_s"]["recompute_saving"] > 0 and t["later_turns_recompute_saving_over_tiers"] > 0
     assert t["tier_hit_tokens"]["cpu"] > 0 and t["workload"]["working_set_over_pool"] > 2
     counters = t["bench_tiers"]["modes"]["tiers"]["connector"]  # where a tier hit's time goes
     assert counters["connector.cpu.hit_tokens"] == t["tier_hit_tokens"]["cpu"] and counters["connector.cpu.load_s"] > 0
