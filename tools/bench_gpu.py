@@ -38,7 +38,7 @@ boundaries only; the model step is the engine's (AsyncEngine.generate).
                            turns, concurrency 4, working set 3x the pool): later-turn TTFT p50,
                            recompute (also with the tiers' saves: role producer) vs device +
                            CPU tier, the tier's layer loads batched per layer (the default) and
-                           staged (staged_layer_loads); the connector's default 256-token
+                           staged (staged_layer_transfers); the connector's default 256-token
                            chunks on CUDA
 
 graphs_off is ``model.cuda_graphs=False`` (the eager baseline), graphs_on
@@ -1018,7 +1018,7 @@ async def section_tiers(b: Bench) -> dict:
             "modes": "recompute: no prefix caching, no tiers; recompute_saving: no prefix caching, the tiers' "
                      "connector saving, never loading (role producer: the same save traffic, the like-for-like "
                      "baseline); tiers: device cache + CPU (L1) + disk, the connector's default transfers "
-                     "(batched per layer); tiers_staged: staged_layer_loads on",
+                     "(batched per layer); tiers_staged: staged_layer_transfers on",
             "bench_tiers_argv": argv, "bench_tiers": rep, "error": None}
 
 

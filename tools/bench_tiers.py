@@ -11,7 +11,8 @@ the back of the queue when its reply arrives), ``--concurrency`` at a time,
 so between two turns of one conversation every other conversation passes
 through the device cache. The KV working set (every conversation's final
 history) is about ``--working-set-ratio`` times the device pool, which is
-sized from it. Three engines run in one invocation, on the same workload:
+sized from it. Each mode (``--modes``, default none,device,tiers) runs one
+engine, all in one invocation, on the same workload:
 
     none     no prefix caching: every turn recomputes its whole history
     device   device prefix caching only
@@ -19,9 +20,9 @@ sized from it. Three engines run in one invocation, on the same workload:
     tiers-batched, tiers-per-chunk   tiers with ``batched_layer_transfers``
              on / off (one transfer call per layer, or per chunk and layer;
              "tiers" takes the connector's default: batched)
-    tiers-staged   tiers with ``staged_layer_loads`` (a load step's chunks to
-             the device a run of layers at a time, each layer scattered
-             from there)
+    tiers-staged   tiers with ``staged_layer_transfers`` (a step's layer
+             loads and saves through one device buffer of whole chunks,
+             copied a run of layers at a time)
     recompute-saving   "none" with the tiers' connector saving as "tiers"
              does (role producer: saves, never loads): recompute with the
              same save traffic, the like-for-like baseline of a tier hit
@@ -131,7 +132,7 @@ def engine_config(mode: str, args: argparse.Namespace, num_blocks: int, tmp: str
         kv_transfer = KVTransferConfig(connector="offload", role="producer" if mode == "recompute-saving" else "both",
                                        options={
             "chunk_size": args.chunk_size, "load_mode": args.load_mode, "batched_layer_transfers": batched,
-            "staged_layer_loads": mode == "tiers-staged",
+            "staged_layer_transfers": mode == "tiers-staged",
             "store": {"cpu": {"capacity_bytes": args.cpu_mib << 20}, "save_partial_chunks": True,
                       "tiers": [{"type": "disk", "write": "through",
                                  "options": {"path": f"{tmp}/disk", "capacity_bytes": args.disk_mib << 20}}]},

@@ -15,6 +15,7 @@ imports triton and never needs a GPU.
     gather_kv_segments(kv_caches, slot_mapping, S, out=None) -> [S, L, 2, n, Hkv, D]   (S chunks, one launch)
     scatter_kv_segments(chunk, kv_caches, slot_mapping)
     scatter_kv_layer_segments(chunks, layer, key_cache, value_cache, slot_mapping)  (one layer of S chunks)
+    gather_kv_layer_segments(key_cache, value_cache, slot_mapping, chunks, layer)   (into one layer of S chunks)
     gather_kv_layer(key_cache, value_cache, slot_mapping, out=None) -> [2, n, Hkv, D]
     scatter_kv_layer(chunk, key_cache, value_cache, slot_mapping)
     allocate_kv_caches(KVCacheShape(...), "per_layer" | "cross_layer", dtype, device)
@@ -47,8 +48,9 @@ from kvstrata.kernels.streams import KVStreams, KVTransfer, StagedChunks
 from kvstrata.kernels.transfer import (
     gather_kv,
     gather_kv_layer,
-    gather_kv_segments,
     gather_kv_layer_ref,
+    gather_kv_layer_segments,
+    gather_kv_segments,
     scatter_kv,
     scatter_kv_layer,
     scatter_kv_segments,
@@ -77,6 +79,7 @@ __all__ = [
     "gather_kv_layer",
     "gather_kv_segments",
     "gather_kv_layer_ref",
+    "gather_kv_layer_segments",
     "interpret_requested",
     "pack_weight",
     "packed_embedding",

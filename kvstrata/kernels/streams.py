@@ -75,6 +75,7 @@ from kvstrata.kernels._checks import (
 from kvstrata.kernels.transfer import (
     gather_kv,
     gather_kv_layer,
+    gather_kv_layer_segments,
     gather_kv_segments,
     scatter_kv,
     scatter_kv_layer,
@@ -116,21 +117,25 @@ class KVTransfer:
 
 
 class StagedChunks:
-    """S host chunks [L, 2, n, Hkv, D] (one n) loaded layer by layer from one
-    device buffer (``KVStreams.stage_chunks`` / ``load_staged_layer``).
+    """S host chunks [L, 2, n, Hkv, D] (one n) moved layer by layer through
+    one device buffer [S, L, 2, n, Hkv, D] (``KVStreams.stage_loads`` /
+    ``stage_saves``), a run of layers (a group) per host copy: loads copy a
+    group in ahead of its layers' scatters, saves gather each layer into the
+    buffer and copy a group out once its last layer is in. One host copy per
+    chunk and group instead of one per chunk and layer.
 
-    Owns: the staging buffer [S, L, 2, n, Hkv, D] (on a CPU: the chunks
-    stacked), the layer groups it is copied in (one non-blocking copy per
-    chunk and group) and how many of them are queued, and whether the load
-    stream has waited for the compute stream yet (once per staging)."""
+    Owns: the buffer (on a CPU a host tensor), the groups, how many of them
+    are copied (loads: queued in; saves: queued out), and whether the side
+    stream has waited for the compute stream yet (loads: once per staging)."""
 
     __slots__ = ("host_chunks", "staging", "groups", "num_copied", "waited")
 
-    def __init__(self, host_chunks: list[torch.Tensor], staging: torch.Tensor, groups: list[range]) -> None:
+    def __init__(self, host_chunks: list[torch.Tensor], staging: torch.Tensor, groups: list[range],
+                 num_copied: int = 0) -> None:
         self.host_chunks = host_chunks
         self.staging = staging
         self.groups = groups
-        self.num_copied = len(groups) if staging.device.type == "cpu" else 0
+        self.num_copied = num_copied
         self.waited = False
 
     def group_of(self, layer: int) -> int:
@@ -263,23 +268,17 @@ class KVStreams:
         return self._load_on_side(host_chunks, slot_mapping, layer, lambda dev, slots: scatter_kv_segments(
             dev.unsqueeze(1), [(key_cache, value_cache)], slots))
 
-    def stage_chunks(self, host_chunks: Sequence[torch.Tensor], key_cache: torch.Tensor,
-                     num_groups: int) -> StagedChunks:
+    def stage_loads(self, host_chunks: Sequence[torch.Tensor], key_cache: torch.Tensor,
+                    num_groups: int) -> StagedChunks:
         """Ready S host chunks [L, 2, n, Hkv, D] (one n, the cache's dtype) for
         :meth:`load_staged_layer`: checked once here, not once per layer. On
-        CUDA a device staging buffer [S, L, 2, n, Hkv, D] (the load stream's)
-        that the chunks are copied into ``num_groups`` runs of layers at a
-        time: S * num_groups host copies for the step's layer loads instead
-        of S * L. On a CPU the chunks stacked (one copy)."""
-        if not host_chunks:
-            raise KernelArgumentError("host chunks: need at least one")
-        first = host_chunks[0]
-        check_tensor("host chunk", first, 5, KV_DTYPES)
-        shape = (self.num_layers, 2, first.shape[2], *key_cache.shape[2:])
-        chunks = [self._host_buffer(c, shape, key_cache.dtype, "host chunk") for c in host_chunks]
-        groups = layer_groups(self.num_layers, num_groups)
+        CUDA a device buffer [S, L, 2, n, Hkv, D] (the load stream's) that the
+        chunks are copied into ``num_groups`` runs of layers at a time:
+        S * num_groups host copies for the step's layer loads instead of
+        S * L. On a CPU the chunks stacked (one copy)."""
+        chunks, shape, groups = self._staged_args(host_chunks, key_cache, num_groups)
         if self._load is None:
-            return StagedChunks(chunks, torch.stack(chunks), groups)
+            return StagedChunks(chunks, torch.stack(chunks), groups, num_copied=len(groups))
         with torch.cuda.stream(self._load):
             staging = torch.empty((len(chunks), *shape), dtype=key_cache.dtype, device=self.device)
         return StagedChunks(chunks, staging, groups)
@@ -307,23 +306,90 @@ class KVStreams:
             if not staged.waited:
                 self._load.wait_stream(compute)
                 staged.waited = True
-            self._copy_groups(staged, min(staged.group_of(layer) + 2, len(staged.groups)))
+            self._copy_in(staged, min(staged.group_of(layer) + 2, len(staged.groups)))
             scatter_kv_layer_segments(staged.staging, layer, key_cache, value_cache, dev_slots)
             event = torch.cuda.Event()
             event.record(self._load)
         self._loaded[layer] = event
         return self._track(KVTransfer(event, (*staged.host_chunks, staged.staging, dev_slots), None))
 
-    def _copy_groups(self, staged: StagedChunks, upto: int) -> None:
+    def stage_saves(self, host_outs: Sequence[torch.Tensor], key_cache: torch.Tensor,
+                    num_groups: int) -> StagedChunks:
+        """Ready S host chunks [L, 2, n, Hkv, D] (contiguous, the cache's dtype)
+        to receive :meth:`store_staged_layer`'s layers: checked once here. A
+        buffer [S, L, 2, n, Hkv, D] on the device (the store stream's) that
+        each layer is gathered into, copied out ``num_groups`` runs of layers
+        at a time. Read the host chunks once the last layer's transfer is done."""
+        outs, shape, groups = self._staged_args(host_outs, key_cache, num_groups)
+        if self._store is None:
+            return StagedChunks(outs, torch.empty((len(outs), *shape), dtype=key_cache.dtype), groups)
+        with torch.cuda.stream(self._store):
+            staging = torch.empty((len(outs), *shape), dtype=key_cache.dtype, device=self.device)
+        return StagedChunks(outs, staging, groups)
+
+    def store_staged_layer(self, staged: StagedChunks, layer: int, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> KVTransfer:
+        """Layer ``layer``'s K/V at the S * n slots into ``staged`` (slots
+        [s * n, (s + 1) * n) to chunk s): one gather launch, after the layer's
+        writes (on CUDA on the store stream, after an event on the compute
+        stream); when ``layer`` ends its group, that group's copies out to
+        the host chunks (one non-blocking copy per chunk). Layers come in
+        order, each once per staging."""
+        self._check_layer(layer)
+        check_cache_pair(key_cache, value_cache)
+        check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+        g = staged.group_of(layer)
+        if g != staged.num_copied:
+            raise KernelArgumentError(f"layer {layer} of a staged save: group {g}, but {staged.num_copied} "
+                                      "groups are out (layers come in order, each once)")
+        last = layer == staged.groups[g].stop - 1
+        if self._store is None:
+            gather_kv_layer_segments(key_cache, value_cache, slot_mapping, staged.staging, layer)
+            if last:
+                self._copy_out(staged, g)
+            return KVTransfer(None, (), None)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store):
+            dev_slots = self._on_side_stream(slot_mapping, self._store)
+            self._store.wait_event(written)
+            gather_kv_layer_segments(key_cache, value_cache, dev_slots, staged.staging, layer,
+                                     max_programs=self.store_programs)
+            if last:
+                self._copy_out(staged, g)
+            event = torch.cuda.Event()
+            event.record(self._store)
+        return self._track(KVTransfer(event, (*staged.host_chunks, staged.staging, dev_slots), None))
+
+    def _staged_args(self, chunks: Sequence[torch.Tensor], key_cache: torch.Tensor,
+                     num_groups: int) -> tuple[list[torch.Tensor], tuple[int, ...], list[range]]:
+        """The host chunks checked once ([L, 2, n, Hkv, D], one n), their shape and the layer groups."""
+        if not chunks:
+            raise KernelArgumentError("host chunks: need at least one")
+        check_tensor("host chunk", chunks[0], 5, KV_DTYPES)
+        shape = (self.num_layers, 2, chunks[0].shape[2], *key_cache.shape[2:])
+        checked = [self._host_buffer(c, shape, key_cache.dtype, "host chunk") for c in chunks]
+        return checked, shape, layer_groups(self.num_layers, num_groups)
+
+    @staticmethod
+    def _copy_in(staged: StagedChunks, upto: int) -> None:
         """Queue (on the current stream: the load stream) the host copies of
-        ``staged``'s layer groups [num_copied, upto): one non-blocking copy
-        per chunk and group, earlier groups first."""
+        ``staged``'s layer groups [num_copied, upto) into its buffer: one
+        non-blocking copy per chunk and group, earlier groups first."""
         for g in range(staged.num_copied, upto):
             layers = staged.groups[g]
-            lo, hi = layers.start, layers.stop
             for s, chunk in enumerate(staged.host_chunks):
-                staged.staging[s, lo:hi].copy_(chunk[lo:hi], non_blocking=True)
+                staged.staging[s, layers.start:layers.stop].copy_(chunk[layers.start:layers.stop], non_blocking=True)
         staged.num_copied = max(staged.num_copied, upto)
+
+    @staticmethod
+    def _copy_out(staged: StagedChunks, g: int) -> None:
+        """Queue group ``g`` of ``staged``'s buffer out to its host chunks: one
+        non-blocking copy per chunk (on the current stream)."""
+        layers = staged.groups[g]
+        for s, chunk in enumerate(staged.host_chunks):
+            chunk[layers.start:layers.stop].copy_(staged.staging[s, layers.start:layers.stop], non_blocking=True)
+        staged.num_copied = g + 1
 
     def load_all(self, host_chunk: torch.Tensor, kv_caches, slot_mapping: torch.Tensor) -> KVTransfer:
         """Copy ``host_chunk`` [L, 2, n, Hkv, D] into every layer's slots on the

@@ -9,7 +9,8 @@ buffer, and scatter such a buffer back into given slots.
     segments:    S chunks in one call, [S, num_layers, 2, n, Hkv, D], over
                  S * n slots (segment s: slots [s * n, (s + 1) * n)): one
                  kernel launch for a step's chunks instead of one per chunk
-                 (``scatter_kv_layer_segments``: one layer of them)
+                 (``scatter_kv_layer_segments`` / ``gather_kv_layer_segments``:
+                 one layer of them, in place in a staging buffer)
 
 ``kv_caches`` is the per-layer list of (key_cache, value_cache) pairs, each
 [num_blocks, block_size, Hkv, D]; per-layer tensors and cross-layer views
@@ -146,12 +147,7 @@ def scatter_kv_layer_segments(
     slots [s * n, (s + 1) * n): one kernel launch, reading the layer in place."""
     nb, bs, h, d = check_cache_pair(key_cache, value_cache)
     total = _check_slots(slot_mapping, key_cache, nb * bs)
-    check_tensor("segments", segments, 6, KV_DTYPES)
-    num_segments, num_layers = segments.shape[:2]
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-        raise KernelArgumentError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
-    n = _segment_tokens(total, num_segments)
-    _check_chunk(segments, (num_segments, num_layers, 2, n, h, d), key_cache, name="segments")
+    num_segments, n = _check_layer_segments(segments, layer, total, key_cache, h, d)
     if total == 0:
         return
     if use_triton(impl, key_cache.device):
@@ -162,6 +158,48 @@ def scatter_kv_layer_segments(
     else:
         for s in range(num_segments):
             scatter_kv_layer_ref(segments[s, layer], key_cache, value_cache, slot_mapping[s * n:(s + 1) * n])
+
+
+def gather_kv_layer_segments(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    segments: torch.Tensor,
+    layer: int,
+    *,
+    impl: str = "auto",
+    max_programs: int | None = None,
+) -> None:
+    """Inverse of :func:`scatter_kv_layer_segments`: one layer's K/V at S * n
+    slots into layer ``layer`` of ``segments`` [S, L, 2, n, Hkv, D]
+    (contiguous: a staging buffer of whole chunks), slots [s * n, (s + 1) * n)
+    into segment s: one kernel launch, writing the layer in place."""
+    nb, bs, h, d = check_cache_pair(key_cache, value_cache)
+    total = _check_slots(slot_mapping, key_cache, nb * bs)
+    num_segments, n = _check_layer_segments(segments, layer, total, key_cache, h, d)
+    _check_max_programs(max_programs)
+    if total == 0:
+        return
+    if use_triton(impl, key_cache.device):
+        from kvstrata.kernels._triton_transfer import transfer_triton
+
+        transfer_triton([(key_cache, value_cache)], segments[:, layer:layer + 1], slot_mapping, to_cache=False,
+                        max_programs=max_programs)
+    else:
+        for s in range(num_segments):
+            gather_kv_layer_ref(key_cache, value_cache, slot_mapping[s * n:(s + 1) * n], segments[s, layer])
+
+
+def _check_layer_segments(segments: object, layer: object, total: int, cache: torch.Tensor, h: int,
+                          d: int) -> tuple[int, int]:
+    """(S, n) of a staging buffer ``segments`` [S, L, 2, n, Hkv, D] over ``total`` slots, ``layer`` one of its L."""
+    check_tensor("segments", segments, 6, KV_DTYPES)
+    num_segments, num_layers = segments.shape[:2]
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise KernelArgumentError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
+    n = _segment_tokens(total, num_segments)
+    _check_chunk(segments, (num_segments, num_layers, 2, n, h, d), cache, name="segments")
+    return num_segments, n
 
 
 def gather_kv_layer(

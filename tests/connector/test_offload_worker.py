@@ -27,7 +27,7 @@ def make(layout: str, batched: bool | None = None, seed: int = 0, staged: bool =
                                                       head_size=D), layout, torch.float32, "cpu")
     backing.copy_(torch.randn(backing.shape, generator=torch.Generator().manual_seed(seed)))
     buffers: dict[int, torch.Tensor] = {}
-    worker = OffloadWorker(spec(), buffers, batched_layer_transfers=batched, staged_layer_loads=staged)
+    worker = OffloadWorker(spec(), buffers, batched_layer_transfers=batched, staged_layer_transfers=staged)
     worker.register_kv_caches(caches, "cpu")
     return backing, caches, buffers, worker
 
@@ -277,28 +277,30 @@ def test_a_step_that_fails_before_wait_for_save_waits_for_its_transfers():
     assert [name for name, _ in spy.calls] == ["synchronize"]
 
 
-def test_staged_layer_loads_stage_each_batch_once_and_scatter_each_layer_from_it(monkeypatch):
-    """With ``staged_layer_loads`` the host chunks of a batch are checked and
-    staged once per step, and every layer is one scatter from the staging
-    (not a host copy per chunk and layer)."""
+def test_staged_layer_transfers_stage_each_batch_once_and_move_each_layer_through_it(monkeypatch):
+    """With ``staged_layer_transfers`` the host chunks of a batch are checked
+    and staged once per step, and every layer is one scatter from (loads) or
+    one gather into (saves) the staging: no call per chunk and layer."""
     from kvstrata.kernels import KVStreams
 
-    calls = {"stage": 0, "staged_layer": 0, "per_layer": 0}
-    for name, key in (("stage_chunks", "stage"), ("load_staged_layer", "staged_layer"),
-                      ("load_layer_segments", "per_layer")):
-        def counted(self, *args, _f=getattr(KVStreams, name), _k=key, **kwargs):
+    calls = dict.fromkeys(("stage_loads", "load_staged_layer", "stage_saves", "store_staged_layer",
+                           "load_layer_segments", "store_layer_segments"), 0)
+    for name in calls:
+        def counted(self, *args, _f=getattr(KVStreams, name), _k=name, **kwargs):
             calls[_k] += 1
             return _f(self, *args, **kwargs)
         monkeypatch.setattr(KVStreams, name, counted)
     backing, _, buffers, worker = make("per_layer", True, staged=True)
     _, invalid, report = run_step(worker, _mixed_step(buffers))
-    assert invalid == set() and sorted(report.loaded) == [1, 2, 3]
-    # two load batches (chunks of 8 and of 3 tokens): staged once each, scattered once each per layer
-    assert calls == {"stage": 2, "staged_layer": 2 * L, "per_layer": 0}
+    assert invalid == set() and sorted(report.loaded) == [1, 2, 3] and sorted(report.saved) == [4, 5]
+    # two load batches (chunks of 8 and of 3 tokens), two save batches (8 and 4): staged once each,
+    # moved once each per layer
+    assert calls == {"stage_loads": 2, "load_staged_layer": 2 * L, "stage_saves": 2, "store_staged_layer": 2 * L,
+                     "load_layer_segments": 0, "store_layer_segments": 0}
 
 
 def test_staged_chunks_are_copied_a_run_of_layers_at_a_time():
-    """On CUDA the staging is filled by ``_copy_groups``: one copy per chunk
+    """On CUDA the staging is filled by ``_copy_in``: one copy per chunk
     and group of layers, a group when its first layer (or the layer before
     it) is loaded. The groups split the layers in order, evenly."""
     from kvstrata.kernels.streams import StagedChunks, layer_groups
@@ -316,20 +318,46 @@ def test_staged_chunks_are_copied_a_run_of_layers_at_a_time():
     chunks = [torch.randn(5, 2, 4, H, D, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     staged = StagedChunks(chunks, torch.zeros(3, 5, 2, 4, H, D), layer_groups(5, 3))
     staged.num_copied = 0  # as on CUDA: nothing copied at staging
-    streams._copy_groups(staged, 1)
+    streams._copy_in(staged, 1)
     assert torch.equal(staged.staging[:, :2], torch.stack(chunks)[:, :2])
     assert not staged.staging[:, 2:].any()
-    streams._copy_groups(staged, 3)
+    streams._copy_in(staged, 3)
     assert staged.num_copied == 3 and torch.equal(staged.staging, torch.stack(chunks))
     assert staged.group_of(0) == 0 and staged.group_of(3) == 1 and staged.group_of(4) == 2
 
 
-def test_staged_layer_loads_need_batched_transfers():
+def test_staged_saves_go_out_a_group_at_a_time_and_in_layer_order():
+    """A staged save gathers each layer into the staging and copies a group
+    of layers out to the host chunks when its last layer is in; layers out
+    of order (or twice) are refused: a group would go out incomplete."""
+    from kvstrata.kernels import KernelArgumentError
+
+    _, caches, _, worker = make("per_layer")
+    streams = worker.streams
+    outs = [torch.zeros(L, 2, 8, H, D) for _ in range(2)]
+    slots = torch.arange(16) + 4
+    staged = streams.stage_saves(outs, caches[0][0], 2)  # L = 3 layers: groups [0, 1], [2]
+    assert staged.groups == [range(0, 2), range(2, 3)]
+    streams.store_staged_layer(staged, 0, *caches[0], slots)
+    assert not any(o.any() for o in outs) and staged.num_copied == 0  # group 0 not complete: nothing out yet
+    with pytest.raises(KernelArgumentError, match="layers come in order"):
+        streams.store_staged_layer(staged, 2, *caches[2], slots)
+    streams.store_staged_layer(staged, 1, *caches[1], slots)
+    assert staged.num_copied == 1 and not any(o[2].any() for o in outs)
+    streams.store_staged_layer(staged, 2, *caches[2], slots)
+    from kvstrata.kernels import gather_kv
+    for s, out in enumerate(outs):
+        assert torch.equal(out, gather_kv(caches, slots[8 * s:8 * (s + 1)]))
+    with pytest.raises(KernelArgumentError, match="layers come in order"):
+        streams.store_staged_layer(staged, 2, *caches[2], slots)
+
+
+def test_staged_layer_transfers_need_batched_transfers():
     from kvstrata.connector.offload.options import OffloadOptions
 
-    OffloadOptions(staged_layer_loads=True).validate()
-    with pytest.raises(ValueError, match="staged_layer_loads needs batched_layer_transfers"):
-        OffloadOptions(staged_layer_loads=True, batched_layer_transfers=False).validate()
-    with pytest.raises(ValueError, match="staged_layer_loads must be true or false"):
-        OffloadOptions(staged_layer_loads=1).validate()
-    assert OffloadOptions().staged_layer_loads is False  # until a GPU run measures it
+    OffloadOptions(staged_layer_transfers=True).validate()
+    with pytest.raises(ValueError, match="staged_layer_transfers needs batched_layer_transfers"):
+        OffloadOptions(staged_layer_transfers=True, batched_layer_transfers=False).validate()
+    with pytest.raises(ValueError, match="staged_layer_transfers must be true or false"):
+        OffloadOptions(staged_layer_transfers=1).validate()
+    assert OffloadOptions().staged_layer_transfers is False  # until a GPU run measures it

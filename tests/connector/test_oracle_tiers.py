@@ -49,20 +49,19 @@ async def test_b_cpu_tier_after_device_reset(oracle, make_engine, stepping):
     assert_stepped(engine, stepping)
 
 
-async def test_b_cpu_tier_staged_layer_loads(oracle, make_engine, stepping, monkeypatch):
-    """``staged_layer_loads``: each step's loaded chunks staged once, every
-    layer scattered from there; the tokens are the oracle's."""
+async def test_b_cpu_tier_staged_layer_transfers(oracle, make_engine, stepping, monkeypatch):
+    """``staged_layer_transfers``: each step's saved and loaded chunks go
+    through one staging buffer, every layer gathered into or scattered from
+    it; the tokens are the oracle's."""
     from kvstrata.kernels import KVStreams
 
-    staged_layers = []
-    load_staged_layer = KVStreams.load_staged_layer
-
-    def counted(self, staged, layer, *args):
-        staged_layers.append(layer)
-        return load_staged_layer(self, staged, layer, *args)
-
-    monkeypatch.setattr(KVStreams, "load_staged_layer", counted)
-    engine = await make_engine(offload_config(staged_layer_loads=True), **stepping)
+    moved: dict[str, list[int]] = {"load_staged_layer": [], "store_staged_layer": []}
+    for name, layers in moved.items():
+        def counted(self, staged, layer, *args, _f=getattr(KVStreams, name), _layers=layers):
+            _layers.append(layer)
+            return _f(self, staged, layer, *args)
+        monkeypatch.setattr(KVStreams, name, counted)
+    engine = await make_engine(offload_config(staged_layer_transfers=True), **stepping)
     p = prompt(2, 50)
     assert await gen(engine, p) == oracle.greedy(p, N)
     await engine.flush_kv()
@@ -70,7 +69,8 @@ async def test_b_cpu_tier_staged_layer_loads(oracle, make_engine, stepping, monk
     assert await gen(engine, p) == oracle.greedy(p, N)
     stats = await engine.stats()
     assert tier_hits(stats, "cpu") == 48
-    assert staged_layers and set(staged_layers) == set(range(len(engine.core.runner.kv_caches)))
+    num_layers = len(engine.core.runner.kv_caches)
+    assert all(set(layers) == set(range(num_layers)) for layers in moved.values()), moved
     assert_stepped(engine, stepping)
 
 
@@ -87,7 +87,7 @@ async def test_b_cpu_tier_on_cuda_streams(oracle, make_engine, stepping, batched
     saves on the store stream, a preempted request's blocks read first;
     layer transfers one call per chunk, or batched (one per layer), or
     staged (a step's chunks to the device a run of layers at a time)."""
-    engine = await make_engine(offload_config(batched_layer_transfers=batched, staged_layer_loads=staged),
+    engine = await make_engine(offload_config(batched_layer_transfers=batched, staged_layer_transfers=staged),
                                device="cuda", num_blocks=33, **stepping)
     prompts = [prompt(2, 50), prompt(9, 24), prompt(19, 24)]
     assert [await gen(engine, p) for p in prompts[:1]] == [oracle.greedy(prompts[0], N)]

@@ -21,6 +21,7 @@ from kvstrata.kernels import (
     allocate_kv_caches,
     gather_kv,
     gather_kv_layer,
+    gather_kv_layer_segments,
     gather_kv_segments,
     reshape_and_cache,
     scatter_kv,
@@ -193,7 +194,8 @@ def test_segments_are_chunks_in_one_launch(layout, num_segments):
 def test_one_layer_of_staged_segments_in_one_launch(layout, num_segments):
     """Layer l of a staging buffer of whole chunks [S, L, 2, n, H, D] goes to
     one layer's caches as those chunks' layer l would, read in place (its
-    segments a whole chunk apart): what a staged layer load scatters."""
+    segments a whole chunk apart): what a staged layer load scatters; and
+    a staged save gathers each layer into its place there."""
     _, caches = _caches(layout, heads=2, head_dim=8, num_blocks=40, num_layers=3)
     staging = gather_kv_segments(caches, _padded_slots(12 * num_segments, 40 * 16, seed=3), num_segments) * 3
     slots = _padded_slots(12 * num_segments, 40 * 16, seed=11)
@@ -205,8 +207,14 @@ def test_one_layer_of_staged_segments_in_one_launch(layout, num_segments):
             scatter_kv_layer(staging[s, layer].contiguous(), *ref[layer], slots[12 * s:12 * (s + 1)], impl="torch")
         for (k, v), (rk, rv) in zip(fresh, ref, strict=True):
             assert torch.equal(k, rk) and torch.equal(v, rv)
+    gathered = torch.zeros_like(staging)
+    for layer in range(3):
+        gather_kv_layer_segments(*caches[layer], slots, gathered, layer)
+    assert torch.equal(gathered, gather_kv_segments(caches, slots, num_segments))
     with pytest.raises(KernelArgumentError, match="layer must be an int in \\[0, 3\\)"):
         scatter_kv_layer_segments(staging, 3, *caches[0], slots)
+    with pytest.raises(KernelArgumentError, match="layer must be an int"):
+        gather_kv_layer_segments(*caches[0], slots, gathered, True)
     with pytest.raises(KernelArgumentError, match="segments must be contiguous"):
         scatter_kv_layer_segments(torch.zeros(num_segments, 3, 2, 12, 2, 16)[..., :8], 0, *caches[0], slots)
 

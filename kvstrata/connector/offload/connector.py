@@ -90,7 +90,7 @@ class OffloadConnector:
             raise RuntimeError("the offload connector's worker side was already built")
         self._check(spec)
         self.worker = OffloadWorker(spec, self.lender.buffers, batched_layer_transfers=self.opts.batched_layer_transfers,
-                                    staged_layer_loads=self.opts.staged_layer_loads)
+                                    staged_layer_transfers=self.opts.staged_layer_transfers)
         return self.worker
 
     def _check(self, spec: ConnectorSpec) -> None:

@@ -42,13 +42,14 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     12 chunks x 22 layers loaded in 9 ms instead of 64; the CUDA tier oracle
     is identical either way); False: per chunk.
 
-    ``staged_layer_loads`` (needs batched transfers): a batch of layer loads
-    goes to the device as whole chunks, a run of layers at a time
-    (``KVStreams.stage_chunks``: at most ``STAGED_COPIES`` host copies a batch
-    per step), each layer then scattered from that device buffer. A load
-    step of S chunks then makes ~64 host copies instead of S per layer
-    (26 chunks x 22 layers: 572 copies, ~34 us of host time each on an
-    H200). False (the default) until a GPU run measures it: on a CPU the
+    ``staged_layer_transfers`` (needs batched transfers): a batch of layer
+    transfers goes through one device buffer of whole chunks per step, its
+    host copies a run of layers at a time (``KVStreams.stage_loads`` /
+    ``stage_saves``: about ``worker.STAGED_COPIES`` host copies a batch per
+    step): loads scatter each layer from it, saves gather each layer into
+    it. A step of S chunks then makes ~64 host copies instead of S per
+    layer (26 chunks x 22 layers: 572, ~34 us of host time each on an
+    H200). False (the default) until a GPU run times it: on a CPU the
     tokens are identical either way (tests/connector), on CUDA untimed.
     """
 
@@ -70,7 +71,7 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     load_split: Literal["cost", "load", "compute"] = "cost"
     load_split_fraction: float | None = None
     batched_layer_transfers: bool | None = None
-    staged_layer_loads: bool = False
+    staged_layer_transfers: bool = False
 
     def validate(self, prefix: str = "kv_transfer.options") -> None:
         self.store.validate()
@@ -80,10 +81,12 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         check_float(f"{prefix}.load_timeout_s", self.load_timeout_s)
         if self.load_split not in ("cost", "load", "compute"):
             raise ValueError(f"{prefix}.load_split must be 'cost', 'load' or 'compute', got {self.load_split!r}")
-        if not isinstance(self.staged_layer_loads, bool):
-            raise ValueError(f"{prefix}.staged_layer_loads must be true or false, got {self.staged_layer_loads!r}")
-        if self.staged_layer_loads and self.batched_layer_transfers is False:
-            raise ValueError(f"{prefix}.staged_layer_loads needs batched_layer_transfers (it stages a batch's chunks)")
+        if not isinstance(self.staged_layer_transfers, bool):
+            raise ValueError(f"{prefix}.staged_layer_transfers must be true or false, "
+                             f"got {self.staged_layer_transfers!r}")
+        if self.staged_layer_transfers and self.batched_layer_transfers is False:
+            raise ValueError(f"{prefix}.staged_layer_transfers needs batched_layer_transfers "
+                             "(it stages a batch's chunks)")
         f = self.load_split_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0):
             raise ValueError(f"{prefix}.load_split_fraction must be a number in [0, 1], got {f!r}")

@@ -23,10 +23,11 @@ default) a batch is all of a step's chunks of one length (bulk
 loads: of one request), their slots joined and copied to the device once
 per step, moved by one ``KVStreams`` segment call (per layer, for layer
 transfers); without it, a batch is one chunk and its slots stay on the host
-(the copy rides with each call). With ``staged_layer_loads`` a batch of
-layer loads is staged once per step (its chunks to the device a run of
-layers at a time, ``KVStreams.stage_chunks``) and each layer scattered
-from there. A batch that raises fails every chunk in it.
+(the copy rides with each call). With ``staged_layer_transfers`` a batch of
+layer transfers goes through one device buffer of whole chunks per step,
+its host copies a run of layers at a time (``KVStreams.stage_loads`` /
+``stage_saves``): loads scatter each layer from it, saves gather each layer
+into it. A batch that raises fails every chunk in it.
 
 A transfer that raises is reported failed: a failed load's blocks go to
 ``get_block_ids_with_load_errors`` (the scheduler recomputes them), a failed
@@ -67,8 +68,8 @@ class _Batch:
         self.staged: StagedChunks | None = None
 
 
-# Staged layer loads: host copies per batch and step (chunks x layer groups);
-# fewer groups than layers when there are many chunks
+# Staged layer transfers: host copies per batch and step (chunks x layer
+# groups); fewer groups than layers when there are many chunks
 STAGED_COPIES = 64
 
 
@@ -77,10 +78,10 @@ class OffloadWorker:
     results. Reads the lent buffers; the step thread only."""
 
     def __init__(self, spec: ConnectorSpec, buffers: dict[int, torch.Tensor], *,
-                 batched_layer_transfers: bool | None = None, staged_layer_loads: bool = False) -> None:
+                 batched_layer_transfers: bool | None = None, staged_layer_transfers: bool = False) -> None:
         self.spec = spec
         self._batched_option = batched_layer_transfers
-        self.staged = staged_layer_loads
+        self.staged = staged_layer_transfers
         self.batched = False  # set by register_kv_caches: the option (None: on)
         self.block_size = spec.block_size
         self.buffers = buffers
@@ -157,7 +158,9 @@ class OffloadWorker:
         self._load_batches = self._batches(self._layer_loads)
         if self.staged:
             for b in self._load_batches:
-                self._stage(b)
+                self._stage(b, self.streams.stage_loads, "kv_load_failed")
+            for b in self._save_batches:
+                self._stage(b, self.streams.stage_saves, "kv_save_failed")
         if self._layer_loads and self.streams.is_cuda:
             self._issue_layer(0)
         self._t_forward = time.perf_counter()
@@ -270,16 +273,21 @@ class OffloadWorker:
         for x in self._layer_loads:
             self._load_s[x.req_id] = self._load_s.get(x.req_id, 0.0) + share
 
-    def _stage(self, b: _Batch) -> None:
-        """Ready ``b``'s chunks for staged layer loads (``KVStreams.stage_chunks``)."""
+    def _stage(self, b: _Batch, stage, failure: str) -> None:
+        """Ready ``b``'s chunks for staged layer transfers (``stage``: the
+        streams' ``stage_loads`` or ``stage_saves``); a staging that raises
+        fails the batch's chunks (``failure``: the log event)."""
         groups = max(1, STAGED_COPIES // len(b.xfers))
         try:
-            b.staged = self.streams.stage_chunks([x.buf for x in b.xfers], self.kv_caches[0][0], groups)
+            b.staged = stage([x.buf for x in b.xfers], self.kv_caches[0][0], groups)
         except Exception:
-            log.exception("kv_load_failed", request_ids=sorted({x.req_id for x in b.xfers}), chunks=len(b.xfers))
+            log.exception(failure, request_ids=sorted({x.req_id for x in b.xfers}), chunks=len(b.xfers))
             b.alive = False
             for x in b.xfers:
-                self._load_failed(x)
+                if failure == "kv_load_failed":
+                    self._load_failed(x)
+                else:
+                    self._failed.add(x.handle)
 
     def _issue_layer(self, layer: int) -> None:
         key_cache, value_cache = self.kv_caches[layer]
@@ -308,6 +316,9 @@ class OffloadWorker:
             if not b.alive:
                 continue
             try:
+                if b.staged is not None:
+                    self.streams.store_staged_layer(b.staged, layer, key_cache, value_cache, b.slots)
+                    continue
                 self.streams.store_layer_segments(layer, key_cache, value_cache, b.slots,
                                                   [x.buf[layer] for x in b.xfers])
             except Exception:
