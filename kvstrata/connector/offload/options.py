@@ -49,8 +49,11 @@ class OffloadOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     step): loads scatter each layer from it, saves gather each layer into
     it. A step of S chunks then makes ~64 host copies instead of S per
     layer (26 chunks x 22 layers: 572, ~34 us of host time each on an
-    H200). False (the default) until a GPU run times it: on a CPU the
-    tokens are identical either way (tests/connector), on CUDA untimed.
+    H200). The buffer holds a step's chunks on the device while they move
+    (bulk loads and saves already do: 26 chunks of 256 tokens of a
+    TinyLlama-shaped bf16 model, ~150 MB). False (the default) until a GPU
+    run times it: on a CPU the tokens are identical either way
+    (tests/connector), on CUDA untimed.
     """
 
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
