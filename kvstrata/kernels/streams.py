@@ -31,7 +31,11 @@ same on both.
 Each call moves one chunk, or S chunks of one length (``*_segments``): one
 gather/scatter launch over a device staging buffer [S, ...] filled or
 emptied by one non-blocking copy per chunk, instead of S launches (each
-launch costs the host tens to hundreds of microseconds).
+launch costs the host tens to hundreds of microseconds). Layer by layer
+that is still a host copy per chunk and layer; staged (``stage_loads`` /
+``stage_saves`` then ``load_staged_layer`` / ``store_staged_layer`` per
+layer) a step's chunks sit whole in one device buffer, copied a run of
+layers at a time, and each layer is one launch into or out of it.
 
 Stores steal little from the forward pass running beside them:
 
