@@ -33,6 +33,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # to bf16); dequantize on CUDA (the Triton GEMV/GEMM over packed blocks
     # has not been run on a GPU yet). Ignored for Hugging Face checkpoints.
     quantized_weights: str = "auto"
+    # Packed weights re-laid for the GPU at load (docs/quantization.md, "A GPU
+    # layout"): on CUDA (or a CPU under TRITON_INTERPRET=1) each packed Q8_0,
+    # Q4_0, Q4_K or Q6_K weight's values become one 16-byte aligned run of
+    # 32-bit words a row, its scales arrays of their own (the file's values,
+    # unchanged; its blocks dropped), read by a GEMV with 128-bit loads for 1-8
+    # tokens, and dequantized then multiplied for more. Off by default: no GPU
+    # run has timed or verified it yet. Only with packed weights.
+    gpu_quant_layout: bool = False
     max_model_len: int | None = None
     seed: int = 0
     # torch intra-op threads for the model step (torch.set_num_threads, which
@@ -219,6 +227,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.model.quantized_weights not in ("auto", "packed", "dequantize"):
             raise ValueError("model.quantized_weights must be 'auto', 'packed' or 'dequantize', "
                              f"got {self.model.quantized_weights!r}")
+        if not isinstance(self.model.gpu_quant_layout, bool):
+            raise ValueError(f"model.gpu_quant_layout must be true or false, got {self.model.gpu_quant_layout!r}")
         if self.model.max_model_len is not None:
             _positive("model.max_model_len", self.model.max_model_len)
         if self.model.num_threads is not None:

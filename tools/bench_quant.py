@@ -31,7 +31,10 @@ Per set and type:
                    speedups; at 1 token also the multi-token GEMV kernel (gemv_many:
                    what the few-token kernel replaced); at 16 tokens also _triton_quant
                    with 16-row tiles (general_bn16: 4x its default's programs, an A/B
-                   for tiles());
+                   for tiles()); for Q8_0, Q4_0, Q4_K and Q6_K also quant_matmul on the
+                   weight re-laid for the GPU (layout: model.gpu_quant_layout; its GEMV
+                   up to 8 tokens, dequantize-then-mm above), its GB/s, its speedups
+                   over dense bf16 and over the blocks' path, and its error;
                    device time from a CUDA graph cycling through
                    >= 256 MB of weight copies (reads from HBM, not L2), median
                    of --reps. --gpu-kernels runs only this, on the 8b set in
@@ -63,12 +66,16 @@ Per set and type:
                    tok/s single-stream and at batch 16 (as "engine"), the seconds
                    to the first token of a 480-token prompt alone (its prefill:
                    packed dequantizes then multiplies from 128 tokens), resident
-                   weight bytes, and packed over dequantize. On a CPU it runs a
+                   weight bytes, and packed over dequantize. --gpu-layout adds a
+                   third mode, packed_gpu_layout (model.gpu_quant_layout on; its
+                   "relaid" says whether the engine's weights were re-laid), and its
+                   figures over dequantize. On a CPU it runs a
                    tiny shape with float32 activations and says so (a dry run of
                    the code, not a GPU figure).
 
 Usage: python tools/bench_quant.py [--quick] [--threads N] [--reps N] [--engine [--engine-only] [--engine-repeats N]]
        python tools/bench_quant.py --engine-gpu [--gpu-shape 8b|3b|tinyllama] [--gpu-qtype Q4_0] [--engine-repeats N]
+                                   [--gpu-layout]
        python tools/bench_quant.py --gpu-kernels [--reps N]
 --quick runs one CPU thread unless --threads says otherwise: on a shared
 machine a two-thread parallel region waits whenever the other thread is
@@ -98,6 +105,7 @@ import torch.nn.functional as F
 from kvstrata.kernels import PackedWeight, choose_cpu_path, dequantize, pack_weight, quant_matmul, with_cpu_path
 from kvstrata.kernels.quant import QUANT_TYPES
 from kvstrata.kernels.quant_cpu import CPU_PATHS, Int4Path, time_paths
+from kvstrata.kernels.quant_gpu_layout import GPU_LAYOUT_TYPES, with_gpu_layout
 from kvstrata.kernels.quant_native import native_kernels, native_status
 
 from bench_timing import cpu_time, cuda_graph_time  # tools/
@@ -192,7 +200,8 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
     kernel's baseline). From 9 to 127 tokens also ``_triton_quant`` with 16 weight rows a program
     ("general_bn16": its tl.dot tiles take 64, so a 4096-row weight is 64
     programs on a 132-SM GPU). ``device`` "cpu": a dry run of this code under
-    the Triton interpreter."""
+    the Triton interpreter. Q8_0, Q4_0, Q4_K, Q6_K: also ``quant_matmul`` on the weight
+    re-laid for the GPU ("layout": its GEMV up to 8 tokens, dequantize-then-mm above)."""
     from kvstrata.kernels._triton_quant import GEMV_MAX_TOKENS, quant_matmul_triton, tiles
     from kvstrata.kernels._triton_quant_gemv import quant_gemv_triton
     from kvstrata.kernels.quant_linear import PREFILL_DEQUANT_TOKENS
@@ -201,7 +210,7 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
     gen = torch.Generator(device=device).manual_seed(0)
     for tokens in GPU_TOKENS:
         ms = {"packed": 0.0, "general": 0.0, "dense_bf16": 0.0}
-        packed_bytes, worst = 0, 0.0
+        packed_bytes, layout_bytes, worst, layout_worst = 0, 0, 0.0, 0.0
         for packed in layers.values():
             w = packed.to(device)
             qt, n, nbytes = w.qtype, w.out_features, w.nbytes
@@ -214,6 +223,13 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
                                           out, tiles_) for c in ring]
 
             ms["packed"] += cold_ms([functools.partial(quant_matmul, x, c, out=out) for c in ring], reps, device)
+            if qt.name in GPU_LAYOUT_TYPES:  # the same copies re-laid (one at a time: the blocks go)
+                relaid = [with_gpu_layout(c) for c in ring]
+                ms["layout"] = ms.get("layout", 0.0) + cold_ms(
+                    [functools.partial(quant_matmul, x, c, out=out) for c in relaid], reps, device)
+                layout_bytes += relaid[0].nbytes
+                layout_worst = max(layout_worst, _err_over_s(quant_matmul(x, relaid[0]), x, w))
+                relaid = None
             ms["general"] += cold_ms(general(), reps, device)
             if tokens == 1:  # the multi-token GEMV at one token: the few-token kernel's baseline
                 many = [functools.partial(quant_gemv_triton, x, c.data, qt.name, qt.type_size, n, None, out, many=True)
@@ -225,9 +241,7 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
             dense_bytes = 2 * n * w.in_features
             dense = [dequantize(w, torch.bfloat16) for _ in range(ring_copies(dense_bytes, device))]
             ms["dense_bf16"] += cold_ms([functools.partial(torch.mm, x, d.T, out=out) for d in dense], reps, device)
-            ref = F.linear(x.float(), dequantize(w)).double()
-            scale = x.double().abs() @ dequantize(w).double().abs().T
-            worst = max(worst, ((quant_matmul(x, w).double() - ref).abs() / scale).max().item())
+            worst = max(worst, _err_over_s(quant_matmul(x, w), x, w))
             packed_bytes += nbytes
             ring = dense = None  # freed before the next layer's copies (the graphs have run)
         res[f"tokens_{tokens}"] = {
@@ -237,8 +251,24 @@ def bench_gpu(layers: dict[str, PackedWeight], reps: int, device: str = "cuda") 
             "packed_speedup_vs_general": round(ms["general"] / ms["packed"], 2),
             **({"packed_speedup_vs_gemv_many": round(ms["gemv_many"] / ms["packed"], 2)} if "gemv_many" in ms else {}),
             "max_err_over_S": worst,
+            **(_layout_row(ms, layout_bytes, layout_worst) if "layout" in ms else {}),
         }
     return res
+
+
+def _err_over_s(got: torch.Tensor, x: torch.Tensor, w: PackedWeight) -> float:
+    """max |got - x @ W.T| / S, S = |x| @ |W|.T, against ``dequantize``'s weights in float64."""
+    ref = F.linear(x.float(), dequantize(w)).double()
+    scale = x.double().abs() @ dequantize(w).double().abs().T
+    return ((got.double() - ref).abs() / scale).max().item()
+
+
+def _layout_row(ms: dict, layout_bytes: int, worst: float) -> dict:
+    """The re-laid weights' figures of one token count (``bench_gpu``)."""
+    return {"layout_gb_s": round(layout_bytes / ms["layout"] / 1e6, 1),
+            "layout_speedup_vs_dense_bf16": round(ms["dense_bf16"] / ms["layout"], 2),
+            "layout_speedup_vs_packed": round(ms["packed"] / ms["layout"], 2),
+            "layout_max_err_over_S": worst}
 
 
 def bench_set(set_name: str, qtype: str, args) -> dict:
@@ -279,14 +309,15 @@ ENGINE_SETTINGS = (("dequantize", "float32"), ("packed", "float32"), ("packed", 
 
 
 async def start_engine(path: str, mode: str, dtype: str, threads: int | None, max_batch: int, *,
-                       device: str = "cpu", tokenizer: str | None = None):
+                       device: str = "cpu", tokenizer: str | None = None, gpu_layout: bool = False):
     from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from kvstrata.enginecore import AsyncEngine
 
     # graphs only for the batch sizes measured (fewer captures and kernel compiles at start)
     sizes = [s for s in (1, 2, 4, 8, 16, 32) if s <= max_batch] if device == "cuda" else None
     cfg = EngineConfig(model=ModelConfig(model=path, max_model_len=512, quantized_weights=mode, dtype=dtype,
-                                         num_threads=threads, tokenizer=tokenizer, cuda_graph_sizes=sizes),
+                                         num_threads=threads, tokenizer=tokenizer, cuda_graph_sizes=sizes,
+                                         gpu_quant_layout=gpu_layout),
                        scheduler=SchedulerConfig(max_num_seqs=16) if device == "cuda" else SchedulerConfig(),
                        device=device,
                        cache=CacheConfig(num_blocks=64 + 8 * max_batch), log_level="WARNING")
@@ -441,15 +472,21 @@ def bench_engine_gpu(args) -> dict:
             return res
         tokenizer = f"{tmp}/bytes"  # the random model has no tokenizer: byte-level, token-id prompts
         os.mkdir(tokenizer)
+        modes = ("dequantize", "packed", "packed_gpu_layout") if args.gpu_layout else ("dequantize", "packed")
         res["modes"] = {mode: {"single_runs": [], "batch16_runs": [], "ttft_runs_s": [], "start_s": []}
-                        for mode in ("dequantize", "packed")}
+                        for mode in modes}
 
         async def one_engine(mode: str, entry: dict) -> None:
             t0 = time.perf_counter()
-            engine = await start_engine(path, mode, dtype, args.threads, 16, device=device, tokenizer=tokenizer)
+            layout = mode == "packed_gpu_layout"
+            engine = await start_engine(path, "packed" if layout else mode, dtype, args.threads, 16, device=device,
+                                        tokenizer=tokenizer, gpu_layout=layout)
             entry["start_s"].append(round(time.perf_counter() - t0, 1))
             try:
                 entry["weight_bytes"] = engine.core.runner.weight_bytes
+                if layout:  # whether the runner carried the switch to the loader
+                    entry["relaid"] = any(getattr(p, "gpu_layout", None) is not None
+                                          for m in engine.core.runner.model.modules() for p in getattr(m, "parts", ()))
                 entry["single_runs"].append(round(await decode_tok_s(engine, 1, tokens[0], True), 2))
                 entry["batch16_runs"].append(round(await decode_tok_s(engine, 16, tokens[1], True), 2))
                 entry["ttft_runs_s"].append(round(await prompt_ttft(engine, TTFT_PROMPT), 4))
@@ -463,13 +500,19 @@ def bench_engine_gpu(args) -> dict:
                 if cuda:
                     torch.cuda.empty_cache()
     _medians(res["modes"].values())
-    base, packed = res["modes"]["dequantize"], res["modes"]["packed"]
-    res["packed_over_dequantize"] = {
-        "single": round(packed["single_tok_s"] / base["single_tok_s"], 2),
-        "batch16": round(packed["batch16_tok_s"] / base["batch16_tok_s"], 2),
-        "ttft_speed": round(base["ttft_s"] / packed["ttft_s"], 2),
-        "weight_bytes": round(packed["weight_bytes"] / base["weight_bytes"], 3)}
+    base = res["modes"]["dequantize"]
+    res["packed_over_dequantize"] = _over(res["modes"]["packed"], base)
+    if args.gpu_layout:
+        res["packed_gpu_layout_over_dequantize"] = _over(res["modes"]["packed_gpu_layout"], base)
     return res
+
+
+def _over(entry: dict, base: dict) -> dict:
+    """A mode's figures over the dequantized engine's (``bench_engine_gpu``)."""
+    return {"single": round(entry["single_tok_s"] / base["single_tok_s"], 2),
+            "batch16": round(entry["batch16_tok_s"] / base["batch16_tok_s"], 2),
+            "ttft_speed": round(base["ttft_s"] / entry["ttft_s"], 2),
+            "weight_bytes": round(entry["weight_bytes"] / base["weight_bytes"], 3)}
 
 
 def progress(part: str, value: dict) -> None:
@@ -499,6 +542,8 @@ def main() -> None:
                         help="--engine-gpu's GGUF: written there if absent (and kept), else taken as it is "
                              "(default: a temporary file)")
     parser.add_argument("--write-only", action="store_true", help="--engine-gpu: write --gpu-file, run nothing")
+    parser.add_argument("--gpu-layout", action="store_true",
+                        help="--engine-gpu: also the packed engine with model.gpu_quant_layout on (a third mode)")
     args = parser.parse_args()
     if args.write_only and not (args.engine_gpu and args.gpu_file):
         parser.error("--write-only writes --gpu-file for --engine-gpu: give both")

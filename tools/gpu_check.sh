@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One GPU check, run from the repository root on a machine with a CUDA GPU.
 # Stages, in the order they run by default (most telling first):
-#   quant_goal         issue 26's goal: tools/bench_quant.py --engine-gpu, a random Llama-8B-shape Q4_0
-#                      GGUF written on the spot, packed vs bf16-dequantized decode, batch 1 and 16 (a 4.5 GB
-#                      file, two engine loads, ~50 kernel compiles)
-#   quant_engine       packed GGUF engines on CUDA against dequantized ones (tests/model_gguf/test_gguf_packed_gpu.py)
-#   quant_kernels      the matmuls alone on Llama-8B's shapes (tools/bench_quant.py --gpu-kernels)
+#   quant_goal         issue 26's goal: tools/bench_quant.py --engine-gpu --gpu-layout, a random Llama-8B-shape
+#                      Q4_0 GGUF written on the spot, packed (blocks, and re-laid: model.gpu_quant_layout) vs
+#                      bf16-dequantized decode, batch 1 and 16 (a 4.5 GB file, three engine loads)
+#   quant_engine       packed GGUF engines on CUDA against dequantized ones (tests/model_gguf/test_gguf_packed_gpu.py,
+#                      and with the GPU layout: test_gguf_gpu_layout.py -m gpu)
+#   quant_kernels      the matmuls alone on Llama-8B's shapes, the blocks' kernels and the GPU layout's
+#                      (tools/bench_quant.py --gpu-kernels)
 #   quant_tiles        the packed kernels' tile sweep (tools/sweep_quant_tiles.py; its configs are
 #                      compiled beside the test stages when those run side by side)
 #   pipelined          pipelined steps on CUDA, and that no launch syncs with the device (test_pipelined_steps.py)
@@ -127,13 +129,14 @@ ORACLE="tests/enginecore/test_oracle.py"
 run() {  # run STAGE
   case $1 in
     quant_goal) [[ -n ${WRITER:-} ]] && wait "$WRITER"  # the GGUF written beside the tests
-      TAIL=3 stage bench_quant_gpu "${QUANT_S:-420}" sh -c \
-        "$PY tools/bench_quant.py --engine-gpu --engine-repeats 1 --gpu-file '$GGUF' > '$OUT/bench_quant_gpu.json'"
+      TAIL=3 stage bench_quant_gpu "${QUANT_S:-500}" sh -c \
+        "$PY tools/bench_quant.py --engine-gpu --gpu-layout --engine-repeats 1 --gpu-file '$GGUF' > '$OUT/bench_quant_gpu.json'"
       BRIEF=1500 brief "$OUT/bench_quant_gpu.json" ;;
     quant_tiles) TAIL=2 stage quant_tiles "${TILES_S:-120}" sh -c "$PY tools/sweep_quant_tiles.py > '$OUT/quant_tiles.json'"
       BRIEF=1200 brief "$OUT/quant_tiles.json" ;;
-    quant_engine) stage quant_engine 150 $PYTEST tests/model_gguf/test_gguf_packed_gpu.py ;;
-    quant_kernels) TAIL=3 stage bench_quant_kernels "${QUANT_K_S:-200}" sh -c \
+    quant_engine) stage quant_engine 240 $PYTEST -m gpu tests/model_gguf/test_gguf_packed_gpu.py \
+      tests/model_gguf/test_gguf_gpu_layout.py ;;
+    quant_kernels) TAIL=3 stage bench_quant_kernels "${QUANT_K_S:-260}" sh -c \
         "$PY tools/bench_quant.py --gpu-kernels > '$OUT/bench_quant_kernels.json'"
       brief "$OUT/bench_quant_kernels.json" ;;
     pipelined) KVSTRATA_TEST_DEVICE=cuda stage pipelined_steps 90 $PYTEST tests/enginecore/test_pipelined_steps.py ;;

@@ -14,6 +14,9 @@ instruction count of its K loop per weight it handles, counted here for
              tokens (one layout, scale per word), its multi-token kernel at more
   gemv_many  (1-2 tokens only) the multi-token kernel there: what the few-token
              kernel replaced
+  layout     (Q8_0, Q4_0, Q4_K, Q6_K, up to 8 tokens) _triton_quant_gpu_layout's GEMV
+             over the GPU layout (model.gpu_quant_layout): its K loop's global loads
+             by width (``load_widths``: LDG.E.128 is a 16-byte load of 4 words)
 
 per format and token count: the loop's instructions per K step (the largest
 backward branch's body over the K steps one pass makes, where ptxas unrolled
@@ -25,6 +28,7 @@ timing: memory latency, occupancy and the issue of other warps are not in
 it; tools/bench_quant.py on a GPU times the same kernels.
 
 Usage: python tools/quant_gemv_sass.py [--types Q4_0,Q4_K] [--tokens 1,2,4,8] [--n 4096] [--k 4096] [--dtype bf16]
+       python tools/quant_gemv_sass.py --layout-only [--types Q4_0] ...   (the layout GEMV alone)
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstrata.kernels import _triton_quant as general  # noqa: E402
 from kvstrata.kernels import _triton_quant_gemv as gemv  # noqa: E402
 from kvstrata.kernels import _triton_quant_gemv_few as gemv_few  # noqa: E402
+from kvstrata.kernels import _triton_quant_gpu_layout as layout  # noqa: E402
+from kvstrata.kernels.quant_gpu_layout import LAYOUT_FIELDS  # noqa: E402
 from kvstrata.kernels.quant import quant_type  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -55,16 +61,20 @@ _DOT = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 _TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
-def _compile(raw, dtype: str, consts: dict, launch: dict):
+_PTR = {torch_name: f"*{short}" for torch_name, short in
+        (("int32", "i32"), ("int16", "i16"), ("int8", "i8"), ("uint8", "u8"), ("float16", "fp16"))}
+
+
+def _compile(raw, dtype: str, consts: dict, launch: dict, pointers: dict[str, str] | None = None):
     fn = triton.jit(raw)
     types = dict(x_ptr=_TYPES[dtype], w_ptr="*u8", bias_ptr=_TYPES[dtype], out_ptr=_TYPES[dtype], num_tokens="i32",
-                 x_stride="i32", out_stride="i32", one="i32")
+                 x_stride="i32", out_stride="i32", one="i32", **(pointers or {}))
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
     # what the launcher marks on real tensors: 16-byte aligned pointers, and x's row stride (K:
     # a multiple of every format's block, so of 16)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in ("x_ptr", "w_ptr", "out_ptr", "x_stride")}
+             for name in ("x_ptr", "w_ptr", "out_ptr", "x_stride", *(pointers or {})) if name in fn.arg_names}
     try:
         source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     except TypeError as e:  # triton < 3.3 spells this API differently
@@ -90,6 +100,20 @@ def compile_gemv(qtype: str, tokens: int, n: int, k: int, dtype: str, many: bool
         return _compile(gemv_few._gemv_few_kernel, dtype, consts, launch)
     consts.update(VALUE=triton.jit(gemv._value), Q6_VALUE=triton.jit(gemv._q6_value))
     return _compile(gemv._gemv_kernel, dtype, consts, launch)
+
+
+def compile_layout(qtype: str, tokens: int, n: int, k: int, dtype: str):
+    """_triton_quant_gpu_layout's GEMV with the tiles ``layout_gemv_tiles`` picks; its
+    ``tiles`` say BLOCK_K (NV vectors of weights) as the other kernels' do."""
+    t = layout.layout_gemv_tiles(tokens, n, k, qtype)
+    launch = {"num_warps": t.pop("num_warps")}
+    names = ("q_ptr", "f1_ptr", "f2_ptr", "f3_ptr", "f4_ptr")
+    fields = [_PTR[str(dt).removeprefix("torch.")] for _, dt, _ in LAYOUT_FIELDS[qtype]]
+    pointers = dict(zip(names, fields + [fields[0]] * (len(names) - len(fields))))
+    consts = dict(N=n, K=k, QT=general.QT_CODES[qtype], HAS_BIAS=False, **t)
+    kernel = _compile(layout._layout_gemv_kernel, dtype, consts, launch, pointers)
+    kernel.tiles = dict(K=k, BLOCK_T=t["BLOCK_T"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["NV"] * layout.VECTOR_WEIGHTS[qtype])
+    return kernel
 
 
 def compile_general(qtype: str, tokens: int, n: int, k: int, dtype: str):
@@ -173,6 +197,7 @@ def count(kernel) -> dict:
         loop = [op for _, op in insns]
         per_step = round(len(loop) / steps)
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in loop)
+    widths = Counter(m.group(1) for op in loop for m in [re.match(r"(?:@!?U?P\w+\s+)?(LDG\S*)", op)] if m)
     threads = 32 * kernel.num_warps
     return {
         "k_loop": round(per_step, 2),
@@ -181,6 +206,7 @@ def count(kernel) -> dict:
         "weights_per_thread_step": t["BLOCK_N"] * t["BLOCK_K"] // threads,
         "tokens_per_program": t["BLOCK_T"],
         "global_loads": ops["LDG"],
+        "load_widths": dict(sorted(widths.items())),
         "shuffles": ops["SHFL"],
         "barriers": ops["BAR"],
         "local_memory": sum(op.split()[0].startswith(("LDL", "STL")) for _, op in insns),
@@ -195,24 +221,36 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DOT))
+    parser.add_argument("--layout-only", action="store_true", help="only the GPU layout's GEMV")
     args = parser.parse_args()
     cases = []
     for qtype in args.types.split(","):
         for tokens in map(int, args.tokens.split(",")):
-            row = {"qtype": qtype, "tokens": tokens}
-            builds = [("general", compile_general), ("gemv", compile_gemv)]
-            if tokens <= gemv.FEW_MAX_TOKENS:  # the multi-token GEMV there: what _gemv_few_kernel replaced
-                builds.append(("gemv_many", lambda *a: compile_gemv(*a, many=True)))
-            for name, build in builds:
-                c = count(build(qtype, tokens, args.n, args.k, args.dtype))
-                c["per_weight"] = round(c["k_loop"] / c["weights_per_thread_step"], 2)
-                row[name] = c
-            row["instructions_general_over_gemv"] = round(row["general"]["per_weight"] / row["gemv"]["per_weight"], 2)
-            if tokens <= gemv.FEW_MAX_TOKENS:
-                row["instructions_many_over_few"] = round(row["gemv_many"]["per_weight"] / row["gemv"]["per_weight"], 2)
-            cases.append(row)
+            cases.append(_case(qtype, tokens, args))
     print(json.dumps({"triton": triton.__version__, "target": "sm_90", "shape": [args.n, args.k],
                       "dtype": args.dtype, "cases": cases}, indent=1))
+
+
+def _case(qtype: str, tokens: int, args) -> dict:
+    """One format and token count: each kernel's counts, and their ratios."""
+    row = {"qtype": qtype, "tokens": tokens}
+    builds = [] if args.layout_only else [("general", compile_general), ("gemv", compile_gemv)]
+    if tokens <= gemv.FEW_MAX_TOKENS and not args.layout_only:  # the multi-token GEMV: what _gemv_few_kernel replaced
+        builds.append(("gemv_many", lambda *a: compile_gemv(*a, many=True)))
+    if qtype in LAYOUT_FIELDS and tokens <= layout.LAYOUT_GEMV_MAX_TOKENS:
+        builds.append(("layout", compile_layout))
+    for name, build in builds:
+        c = count(build(qtype, tokens, args.n, args.k, args.dtype))
+        c["per_weight"] = round(c["k_loop"] / c["weights_per_thread_step"], 2)
+        row[name] = c
+    if "gemv" in row:
+        row["instructions_general_over_gemv"] = round(row["general"]["per_weight"] / row["gemv"]["per_weight"], 2)
+        if "layout" in row:
+            row["instructions_gemv_over_layout"] = round(row["gemv"]["per_weight"] / row["layout"]["per_weight"], 2)
+    if "gemv_many" in row:
+        row["instructions_many_over_few"] = round(row["gemv_many"]["per_weight"] / row["gemv"]["per_weight"], 2)
+    return row
+
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ memory, and their torch reference (``dequantize``).
 
     PackedWeight(qtype, shape=(out, in), data)   data: uint8 [out, in // QK * TS]
     pack_weight(raw, qtype, shape, device) -> PackedWeight   (GGUF bytes, any uint8 view)
+    quant_gpu_layout.with_gpu_layout(packed)                 the GPU decode layout (blocks dropped)
     packed.rows(index), cat_rows([...]), packed.to(device)
     dequantize(packed, dtype) -> [out, in]                == gguf.quants.dequantize, cast
 
@@ -107,6 +108,10 @@ class PackedWeight:
     ``planes``: what the "int4" path reads (((nibbles, scales_and_zeros),)
     per plane) or the "native" path ((the tensors ``quant_native.LAYOUTS``
     names for the type),), else None.
+    ``gpu_layout``: the tensors ``quant_gpu_layout.LAYOUT_FIELDS`` names for
+    the type (the GPU decode GEMV's layout, every one [out_features, ...]),
+    else None; set by ``quant_gpu_layout.with_gpu_layout``, which drops the
+    blocks (``data`` None): the Triton kernels and the torch reference read it.
     """
 
     qtype: QuantType
@@ -114,6 +119,7 @@ class PackedWeight:
     data: torch.Tensor | None
     cpu_path: str = "dequant"
     planes: tuple[tuple[torch.Tensor, ...], ...] | None = None
+    gpu_layout: tuple[torch.Tensor, ...] | None = None
 
     @property
     def out_features(self) -> int:
@@ -125,28 +131,39 @@ class PackedWeight:
 
     @property
     def device(self) -> torch.device:
-        return self.data.device if self.data is not None else self.planes[0][0].device
+        if self.data is not None:
+            return self.data.device
+        return self.gpu_layout[0].device if self.gpu_layout is not None else self.planes[0][0].device
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: the blocks (unless dropped) plus any planes."""
+        """Resident bytes: the blocks (unless dropped) plus any planes or GPU layout."""
         extra = sum(t.numel() * t.element_size() for plane in self.planes or () for t in plane)
+        extra += sum(t.numel() * t.element_size() for t in self.gpu_layout or ())
         return (0 if self.data is None else self.data.numel()) + extra
 
     def to(self, device: torch.device | str) -> PackedWeight:
-        """The same weight on ``device`` (the planes, CPU only, are not carried)."""
+        """The same weight on ``device``: its blocks, or its GPU layout (the
+        CPU planes are not carried)."""
+        if self.gpu_layout is not None:
+            return dataclasses.replace(self, gpu_layout=tuple(t.to(device) for t in self.gpu_layout))
         return PackedWeight(self.qtype, self.shape, _blocks(self).to(device))
 
     def rows(self, index: torch.Tensor | slice) -> PackedWeight:
         """The weight's rows ``index`` (a slice or an index tensor), e.g. to undo
-        llama.cpp's q/k head permutation before packing."""
+        llama.cpp's q/k head permutation before packing; of the blocks, or of
+        the GPU layout (a row gather of each of its tensors)."""
+        if self.gpu_layout is not None:
+            layout = tuple(t[index].contiguous() for t in self.gpu_layout)
+            return dataclasses.replace(self, shape=(layout[0].shape[0], self.shape[1]), gpu_layout=layout)
         data = _blocks(self)[index].contiguous()
         return PackedWeight(self.qtype, (data.shape[0], self.shape[1]), data)
 
 
 def _blocks(packed: PackedWeight, name: str = "packed") -> torch.Tensor:
     if packed.data is None:
-        raise KernelArgumentError(f"{name} has no GGUF blocks left (dropped for a CPU path's planes)")
+        where = "re-laid for the GPU" if packed.gpu_layout is not None else "dropped for a CPU path's planes"
+        raise KernelArgumentError(f"{name} has no GGUF blocks left ({where})")
     return packed.data
 
 
@@ -182,17 +199,24 @@ def pack_weight(
 
 def cat_rows(weights: list[PackedWeight] | tuple[PackedWeight, ...]) -> PackedWeight:
     """One weight of the rows of ``weights`` stacked (a fused qkv or gate/up
-    projection): they must share type, in_features and device."""
+    projection): they must share type, in_features and device, and all hold
+    their blocks or all a GPU layout (each of its tensors stacked)."""
     if not weights:
         raise KernelArgumentError("weights must be a non-empty list of PackedWeight")
-    first = check_packed(weights[0], "weights[0]")
+    first = check_packed(weights[0], "weights[0]", need_blocks=False)
     for i, w in enumerate(weights[1:], 1):
-        check_packed(w, f"weights[{i}]")
+        check_packed(w, f"weights[{i}]", need_blocks=False)
         if (w.qtype, w.in_features, w.device) != (first.qtype, first.in_features, first.device):
             raise KernelArgumentError(
                 f"weights[{i}] is {w.qtype.name} [{w.out_features}, {w.in_features}] on {w.device}; weights[0] "
                 f"is {first.qtype.name} [{first.out_features}, {first.in_features}] on {first.device}")
-    data = torch.cat([w.data for w in weights])
+    relaid = [w.gpu_layout is not None for w in weights]
+    if any(relaid):
+        if not all(relaid):
+            raise KernelArgumentError("weights mix GGUF blocks and GPU layouts: re-lay all or none before cat_rows")
+        layout = tuple(torch.cat(ts) for ts in zip(*(w.gpu_layout for w in weights), strict=True))
+        return dataclasses.replace(first, shape=(layout[0].shape[0], first.in_features), gpu_layout=layout)
+    data = torch.cat([_blocks(w, "weights[]") for w in weights])
     return PackedWeight(first.qtype, (data.shape[0], first.in_features), data)
 
 
@@ -205,6 +229,8 @@ def check_packed(packed: object, name: str = "packed", *, need_blocks: bool = Tr
     if packed.cpu_path not in CPU_PATH_NAMES or (packed.planes is not None) != (packed.cpu_path in PLANE_PATHS):
         raise KernelArgumentError(f"{name}.cpu_path {packed.cpu_path!r} does not match its planes "
                                   f"(set it with with_cpu_path)")
+    if packed.gpu_layout is not None and (packed.data is not None or packed.planes is not None):
+        raise KernelArgumentError(f"{name} has a GPU layout beside its blocks or planes (with_gpu_layout drops them)")
     if packed.data is None and not need_blocks:
         return packed
     check_tensor(f"{name}.data", _blocks(packed, name), 2, (torch.uint8,))

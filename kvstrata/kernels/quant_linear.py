@@ -11,9 +11,12 @@ tokens its few-token kernel);
 from PREFILL_DEQUANT_TOKENS (128) tokens, row chunks of the weight are
 dequantized into the scratch buffer by ``_triton_quant.dequantize_rows_triton``
 and multiplied by F.linear; everything else takes ``_triton_quant``'s
-GEMV/GEMM) or the reference ("torch"); CPU -> the weight's CPU path
-(``packed.cpu_path``, ``quant_cpu``), or the Triton interpreter ("triton",
-or "auto" under TRITON_INTERPRET=1).
+GEMV/GEMM; a weight re-laid for the GPU (``quant_gpu_layout``) takes
+``_triton_quant_gpu_layout``: its GEMV up to 8 tokens, its layout
+dequantized into the scratch buffer then F.linear above) or the reference
+("torch"); CPU -> the weight's CPU path (``packed.cpu_path``, ``quant_cpu``;
+a re-laid weight: the reference by row chunks read from its layout), or the
+Triton interpreter ("triton", or "auto" under TRITON_INTERPRET=1).
 
 Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms):
 
@@ -22,6 +25,7 @@ Exactness and tolerance (S = |x| @ |W|.T + |bias|, the scale of the sum's terms)
                                bf16 x: <= 2^-7 * S (weights and sum rounded to bf16, 2^-9 each)
     few-token GEMV, Q4_1 Q5_1  as above with S' = |x| @ (|q d| + |m|).T for S: it sums d * x.q
     Q4_K Q5_K (with a min)     and m * sum(x) apart (S' is ~2-4x S on blocks centred by their min)
+    GPU layout GEMV (1-8)      as the few-token GEMV: fp32 bound, S' for Q4_K; one-hot x bit for bit
     Triton, >= 128 tokens      F.linear on ``dequantize(W, x.dtype)``'s very values, by row chunks:
                                bit-equal to quant_matmul_ref where one chunk holds W (CPU, tested)
     CPU "int4" path            <= 2^-7 * S (bf16 x, scales and plane sums; measured <= 2^-8 * S)
@@ -61,6 +65,7 @@ from kvstrata.kernels._checks import (
 from kvstrata.kernels.dispatch import is_interpreted, use_triton
 from kvstrata.kernels.quant import PackedWeight, check_packed, dequantize
 from kvstrata.kernels.quant_cpu import CPU_PATHS, QuantScratch, dequantized_linear, planes_rows
+from kvstrata.kernels.quant_gpu_layout import check_gpu_layout, gpu_layout_dequantize, gpu_layout_rows_into
 
 def quant_matmul(
     x: torch.Tensor,
@@ -82,7 +87,8 @@ def quant_matmul(
     the Triton interpreter ("triton", or "auto" under TRITON_INTERPRET).
     """
     triton = use_triton(impl, x.device)
-    _check_matmul_args(x, packed, bias, out, scratch, need_blocks=triton or x.device.type != "cpu")
+    relaid = isinstance(packed, PackedWeight) and packed.gpu_layout is not None  # a non-PackedWeight: a TypeError below
+    _check_matmul_args(x, packed, bias, out, scratch, need_blocks=not relaid and (triton or x.device.type != "cpu"))
     if out is None:
         out = torch.empty((x.shape[0], packed.out_features), dtype=x.dtype, device=x.device)
     _run(x, packed, bias, out, scratch, triton)
@@ -104,6 +110,9 @@ def _run(x, packed, bias, out, scratch, triton: bool) -> None:
         return
     if triton:
         _matmul_triton(x, packed, bias, out, scratch)
+    elif packed.gpu_layout is not None:  # the torch reference, by row chunks read from the layout
+        dequantized_linear(x, packed, bias, out, scratch, PREFILL_CHUNK, torch.float32,
+                           lambda start, w: gpu_layout_rows_into(packed, start, start + w.shape[0], w))
     elif x.device.type == "cpu":
         CPU_PATHS[packed.cpu_path].matmul(x, packed, bias, out, scratch)
     else:
@@ -111,8 +120,15 @@ def _run(x, packed, bias, out, scratch, triton: bool) -> None:
 
 
 def quant_matmul_ref(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference: F.linear with the weight dequantized to x's dtype (no checks)."""
-    return F.linear(x, dequantize(packed, x.dtype), bias)
+    """Torch reference: F.linear with the weight dequantized to x's dtype (no checks;
+    a weight re-laid for the GPU is read back from its layout, bit-equal)."""
+    return F.linear(x, _dequantized(packed, x.dtype), bias)
+
+
+def _dequantized(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    if packed.gpu_layout is not None:
+        return gpu_layout_dequantize(packed, dtype)
+    return dequantize(packed, dtype)
 
 
 # Token counts from which the Triton path dequantizes the weight into a scratch buffer (chunks of
@@ -155,6 +171,9 @@ def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     from kvstrata.kernels._triton_quant_gemv import GEMV_TYPES, quant_gemv_triton
 
     qt = packed.qtype
+    if packed.gpu_layout is not None:
+        _matmul_layout(x, packed, bias, out, scratch)
+        return
     if x.shape[0] >= PREFILL_DEQUANT_TOKENS:
         _dequantize_then_mm(x, packed, bias, out, scratch)
         return
@@ -167,6 +186,30 @@ def _matmul_triton(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
         quant_gemv_triton(x, packed.data, qt.name, qt.type_size, packed.out_features, bias, dest)
     else:
         quant_matmul_triton(x, packed.data, qt.name, qt.block, qt.type_size, packed.out_features, bias, dest)
+    if not direct:
+        out.copy_(dest)
+
+
+def _matmul_layout(x, packed: PackedWeight, bias, out, scratch: QuantScratch | None) -> None:
+    """A weight re-laid for the GPU (``quant_gpu_layout``): up to LAYOUT_GEMV_MAX_TOKENS (8)
+    tokens by its GEMV, more by row chunks dequantized from the layout into the scratch
+    buffer (bit-equal to ``dequantize``), then F.linear (as ``_dequantize_then_mm``)."""
+    from kvstrata.kernels._triton_quant_gpu_layout import (
+        LAYOUT_GEMV_MAX_TOKENS,
+        layout_dequantize_rows_triton,
+        layout_gemv_triton,
+    )
+
+    interpreted = is_interpreted(x.device)
+    if x.shape[0] > LAYOUT_GEMV_MAX_TOKENS:
+        # the interpreter's float32 -> bf16 cast truncates: there the kernel writes float32, torch rounds
+        w_dtype = torch.float32 if interpreted else x.dtype
+        dequantized_linear(x, packed, bias, out, scratch, PREFILL_CHUNK, w_dtype,
+                           lambda start, w: layout_dequantize_rows_triton(packed, start, w))
+        return
+    direct = out.dtype == torch.float32 or not interpreted
+    dest = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    layout_gemv_triton(x, packed, bias, dest)
     if not direct:
         out.copy_(dest)
 
@@ -187,13 +230,16 @@ def _dequantize_then_mm(x, packed: PackedWeight, bias, out, scratch: QuantScratc
 
 def _check_matmul_args(x, packed, bias, out, scratch, need_blocks: bool) -> None:
     check_packed(packed, need_blocks=need_blocks)
+    if packed.gpu_layout is not None:
+        check_gpu_layout(packed)
     check_tensor("x", x, 2, KV_DTYPES)
     check_inner_contiguous("x", x, 1)
     if x.shape[1] != packed.in_features:
         raise KernelArgumentError(
             f"x must have {packed.in_features} columns (the weight's in_features), got shape {tuple(x.shape)}"
         )
-    tensors = {"x": x, "packed": packed.data if packed.data is not None else packed.planes[0][0]}
+    held = packed.data if packed.data is not None else (packed.gpu_layout or packed.planes[0])[0]
+    tensors = {"x": x, "packed": held}
     if bias is not None:
         check_tensor("bias", bias, 1, KV_DTYPES)
         check_shape("bias", bias, (packed.out_features,))
@@ -217,12 +263,14 @@ def packed_embedding(ids: torch.Tensor, packed: PackedWeight, dtype: torch.dtype
     embedding lookup that reads only those rows' blocks (or planes)."""
     check_packed(packed, need_blocks=False)
     check_tensor("ids", ids, 1, (torch.int64, torch.int32))
-    if packed.data is None and packed.planes is None:
-        raise KernelArgumentError("packed has neither GGUF blocks nor planes")
+    if packed.data is None and packed.planes is None and packed.gpu_layout is None:
+        raise KernelArgumentError("packed has neither GGUF blocks nor planes nor a GPU layout")
     if dtype not in KV_DTYPES:
         raise KernelArgumentError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
     if ids.device != packed.device:
         raise KernelArgumentError(f"ids are on {ids.device}, packed on {packed.device}")
+    if packed.gpu_layout is not None:
+        return gpu_layout_dequantize(packed.rows(ids), dtype)
     if packed.data is None:
         return planes_rows(packed, ids, dtype)
     return dequantize(packed.rows(ids), dtype)

@@ -172,7 +172,8 @@ class ModelRunner:
         path = model_config.model
         if path is None:
             path = str(default_model_dir(model_config.seed))
-        ckpt = load_checkpoint(path, model_config.dtype, str(self.device), model_config.quantized_weights)
+        ckpt = load_checkpoint(path, model_config.dtype, str(self.device), model_config.quantized_weights,
+                               gpu_quant_layout=model_config.gpu_quant_layout)
         self.model = ckpt.model
         self.weight_bytes: int = ckpt.weight_bytes  # resident, as held (packed blocks stay packed)
         self.arch = ckpt.arch

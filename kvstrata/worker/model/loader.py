@@ -36,13 +36,16 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from kvstrata.kernels import PackedWeight
+from kvstrata.kernels.dispatch import use_triton
+from kvstrata.kernels.quant_gpu_layout import GPU_LAYOUT_TYPES, with_gpu_layout
 from kvstrata.kernels.quant_native import native_kernels
 from kvstrata.text.gguf_tokenizer import GGUFMetadata
 from kvstrata.worker.model.config import (CheckpointError, HFConfig, LlamaArchConfig, parse_arch_config,
                                           with_generation_eos)
 from kvstrata.worker.model.fingerprint import checkpoint_fingerprint
 from kvstrata.worker.model.gguf_file import GGUFCheckpoint, GGUFTensor, is_gguf_path
-from kvstrata.worker.model.gguf_packed import choose_paths, install, pack_linears, resident_bytes
+from kvstrata.worker.model.gguf_packed import PackPlan, choose_paths, install, pack_linears, resident_bytes
 from kvstrata.worker.model.llama import LlamaForCausalLM
 from kvstrata.worker.model.rope import RotaryEmbedding
 
@@ -75,16 +78,19 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(path: str, dtype: str = "float32", device: str = "cpu",
-                    quantized_weights: str = "auto") -> LoadedCheckpoint:
+                    quantized_weights: str = "auto", gpu_quant_layout: bool = False) -> LoadedCheckpoint:
     """Build the model in ``dtype`` ("float32", "float16", "bfloat16" or "auto":
     a safetensors checkpoint's own; for a GGUF bf16 on a GPU, on a CPU the
     faster measured, ``gguf_packed.py``) on ``device`` and fill it from
     ``path``. ``quantized_weights`` (a GGUF only): "packed", "dequantize",
     or "auto" (``resolve_quantized``: packed on a CPU for dtype "auto" or
     "bfloat16"; dequantize on CUDA until the Triton kernel over packed
-    blocks has been run on a GPU)."""
+    blocks has been run on a GPU). ``gpu_quant_layout`` (``ModelConfig``'s;
+    packed GGUF weights only): where the Triton kernels run the matmuls
+    (CUDA, or a CPU under TRITON_INTERPRET=1) re-lay the packed weights for
+    the GPU GEMV (``kernels/quant_gpu_layout.py``)."""
     if is_gguf_path(path):
-        return _load_gguf(path, dtype, device, quantized_weights)
+        return _load_gguf(path, dtype, device, quantized_weights, gpu_quant_layout)
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise CheckpointError(f"model: {str(directory)!r} is not a directory")
@@ -207,14 +213,15 @@ def resolve_quantized(requested: str, device: str, dtype: str) -> str:
     return requested
 
 
-def _load_gguf(path: str, dtype: str, device: str, quantized_weights: str) -> LoadedCheckpoint:
+def _load_gguf(path: str, dtype: str, device: str, quantized_weights: str,
+               gpu_quant_layout: bool = False) -> LoadedCheckpoint:
     """A GGUF file: its metadata as config.json; its tensors dequantized, or
     its linear layers kept packed (``gguf_packed.py``)."""
     mode = resolve_quantized(quantized_weights, device, dtype)
     ck = GGUFCheckpoint(path)
     raw = ck.hf_config()
     if mode == "packed":
-        model, arch, dtype_name, paths = _build_packed(ck, raw, dtype, device)
+        model, arch, dtype_name, paths = _build_packed(ck, raw, dtype, device, gpu_quant_layout)
     else:  # each tensor is dequantized straight into its parameter (GGUFTensor.read_into)
         dtype_name = resolve_dtype(dtype, "bfloat16" if torch.device(device).type == "cuda" else "float32")
         model, arch = build_model(raw, ck.tensor_sources(), dtype=dtype_name, device=device, source=str(ck.path))
@@ -227,8 +234,8 @@ def _load_gguf(path: str, dtype: str, device: str, quantized_weights: str) -> Lo
     return LoadedCheckpoint(model, arch, ck.path, dtype_name, fingerprint, ck.metadata, weight_bytes, mode)
 
 
-def _build_packed(ck: GGUFCheckpoint, raw: HFConfig, dtype: str,
-                  device: str) -> tuple[LlamaForCausalLM, LlamaArchConfig, str, str]:
+def _build_packed(ck: GGUFCheckpoint, raw: HFConfig, dtype: str, device: str,
+                  gpu_quant_layout: bool = False) -> tuple[LlamaForCausalLM, LlamaArchConfig, str, str]:
     """The model with its linear layers packed: built on the meta device (no
     dense weight is ever allocated for them), the packed modules put in,
     the rest (norms, biases, dense fallbacks) allocated and filled.
@@ -236,11 +243,15 @@ def _build_packed(ck: GGUFCheckpoint, raw: HFConfig, dtype: str,
     arch = parse_arch_config(raw, str(ck.path))
     sources = dict(ck.tensor_sources())
     plan = pack_linears(sources, arch, device, ck.path.name)
-    if torch.device(device).type == "cpu":
+    relaid = gpu_quant_layout and use_triton("auto", torch.device(device))
+    if relaid:
+        _relay_for_gpu(plan)
+    if torch.device(device).type == "cpu" and not relaid:
         torch_dtype, choices = choose_paths(plan, None if dtype == "auto" else _DTYPES[resolve_dtype(dtype, None)])
         paths = "/packed:" + ",".join(sorted(f"{q}{list(shape)}={c.path}" for (q, shape), c in choices.items()))
-    else:
-        torch_dtype, choices, paths = _DTYPES["bfloat16" if dtype == "auto" else resolve_dtype(dtype, None)], None, "/packed"
+    else:  # the GPU layout's GEMV sums in another order than the blocks' kernels: another fingerprint
+        torch_dtype, choices = _DTYPES["bfloat16" if dtype == "auto" else resolve_dtype(dtype, None)], None
+        paths = "/packed+gpu_layout" if relaid else "/packed"
     model = LlamaForCausalLM(arch, torch_dtype, "meta")
     install(model, plan, choices, torch_dtype, device)
     model.to_empty(device=device)
@@ -251,6 +262,19 @@ def _build_packed(ck: GGUFCheckpoint, raw: HFConfig, dtype: str,
     _fill_tensors(model, arch, rest, ck.path)
     model.eval()
     return model, arch, str(torch_dtype).removeprefix("torch."), paths
+
+
+def _relay_for_gpu(plan: PackPlan) -> None:
+    """The plan's packed matmul weights of a type with a GPU layout (Q8_0, Q4_0, Q4_K, Q6_K)
+    re-laid for the GPU GEMV, their blocks dropped; other types keep their blocks (the block
+    kernels read them). An untied embedding keeps its blocks: a lookup reads a few rows, and
+    the layout would speed nothing up; a tied one is the lm_head's weight and is re-laid."""
+    def relaid(w):
+        return with_gpu_layout(w) if isinstance(w, PackedWeight) and w.qtype.name in GPU_LAYOUT_TYPES else w
+
+    plan.linears = {name: [relaid(p) for p in parts] for name, parts in plan.linears.items()}
+    if plan.tied and plan.embedding is not None:
+        plan.embedding = relaid(plan.embedding)
 
 
 def _header_shapes(files: list[Path]) -> Iterator[tuple[str, tuple[int, ...], str]]:

@@ -98,9 +98,11 @@ class PackedEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The packed storage (uint8 blocks, or the first plane tensor): here
-        for code that asks an embedding for its device; not a dense weight."""
-        return self.packed.data if self.packed.data is not None else self.packed.planes[0][0]
+        """The packed storage (uint8 blocks, or the first tensor of its GPU
+        layout or planes): here for code that asks an embedding for its
+        device; not a dense weight."""
+        packed = self.packed
+        return packed.data if packed.data is not None else (packed.gpu_layout or packed.planes[0])[0]
 
     @property
     def nbytes(self) -> int:
