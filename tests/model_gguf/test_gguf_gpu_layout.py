@@ -35,7 +35,7 @@ from kvstrata.worker.model import load_checkpoint  # noqa: E402
 from kvstrata.worker.model.gguf_file import GGUFCheckpoint  # noqa: E402
 from kvstrata.worker.model.packed import PackedEmbedding, PackedLinear  # noqa: E402
 
-SHAPE = dict(hidden=256, inter=512, layers=1, heads=4, kv_heads=2, vocab=320)
+SHAPE = dict(hidden=256, inter=256, layers=1, heads=4, kv_heads=2, vocab=320)
 
 
 def _packed_parts(model) -> list[PackedWeight]:
@@ -81,7 +81,7 @@ def test_relaid_model_decodes_the_dequantized_models_tokens(tmp_path, monkeypatc
     assert relaid.fingerprint != load_checkpoint(str(path), "float32", "cpu", "packed").fingerprint
     prompt = [1, 17, 250, 3, 99]
     want = _greedy(dense, prompt, 6, monkeypatch, interpret=False)
-    assert _greedy(relaid, prompt, 3, monkeypatch, interpret=True) == want[:3]  # 5-7 tokens a step: the GEMV
+    assert _greedy(relaid, prompt, 2, monkeypatch, interpret=True) == want[:2]  # 5-6 tokens a step: the GEMV
     # 9 tokens: the layout dequantized, then F.linear
     assert _greedy(relaid, prompt + want[:4], 1, monkeypatch, interpret=True) == want[4:5]
 
