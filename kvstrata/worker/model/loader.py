@@ -84,8 +84,7 @@ def load_checkpoint(path: str, dtype: str = "float32", device: str = "cpu",
     faster measured, ``gguf_packed.py``) on ``device`` and fill it from
     ``path``. ``quantized_weights`` (a GGUF only): "packed", "dequantize",
     or "auto" (``resolve_quantized``: packed on a CPU for dtype "auto" or
-    "bfloat16"; dequantize on CUDA until the Triton kernel over packed
-    blocks has been run on a GPU). ``gpu_quant_layout`` (``ModelConfig``'s;
+    "bfloat16"; dequantize on CUDA, measured faster there). ``gpu_quant_layout`` (``ModelConfig``'s;
     packed GGUF weights only): where the Triton kernels run the matmuls
     (CUDA, or a CPU under TRITON_INTERPRET=1) re-lay the packed weights for
     the GPU GEMV (``kernels/quant_gpu_layout.py``)."""
