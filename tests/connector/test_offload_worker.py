@@ -208,6 +208,16 @@ def test_a_failed_batch_fails_every_chunk_in_it(staged):
     assert invalid == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["per_layer_calls", "staged"])
+def test_a_failed_save_batch_drops_its_chunks_and_fails_no_load(staged):
+    _, _, buffers, worker = make("per_layer", batched=True, staged=staged)
+    meta = _mixed_step(buffers)
+    buffers[4] = torch.zeros(L, 2, 8, H, 2 * D)  # wrong head size: its batch (the 8-token saves) raises
+    _, invalid, report = run_step(worker, meta)
+    assert sorted(report.failed) == [4] and sorted(report.saved) == [5]
+    assert sorted(report.loaded) == [1, 2, 3] and invalid == set()
+
+
 def test_no_metadata_no_work():
     _, _, _, worker = make("per_layer")
     (sending, recving), invalid, report = run_step(worker, None)

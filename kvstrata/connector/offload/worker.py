@@ -59,7 +59,7 @@ class _Xfer:
 class _Batch:
     """Chunks of one length moved together: one ``KVStreams`` call (per
     layer, for layer transfers). ``slots``: theirs in order; ``staged``:
-    the chunks on their way to the device, for staged layer loads."""
+    their device buffer, for staged layer transfers."""
 
     __slots__ = ("xfers", "slots", "alive", "staged")
 
@@ -158,9 +158,9 @@ class OffloadWorker:
         self._load_batches = self._batches(self._layer_loads)
         if self.staged:
             for b in self._load_batches:
-                self._stage(b, self.streams.stage_loads, "kv_load_failed")
+                self._stage(b, self.streams.stage_loads, "kv_load_failed", self._load_failed)
             for b in self._save_batches:
-                self._stage(b, self.streams.stage_saves, "kv_save_failed")
+                self._stage(b, self.streams.stage_saves, "kv_save_failed", self._save_failed)
         if self._layer_loads and self.streams.is_cuda:
             self._issue_layer(0)
         self._t_forward = time.perf_counter()
@@ -248,6 +248,9 @@ class OffloadWorker:
         self._failed.add(x.handle)
         self._invalid.update(x.block_ids)
 
+    def _save_failed(self, x: _Xfer) -> None:
+        self._failed.add(x.handle)
+
     # -- layer by layer ------------------------------------------------------------
     def set_blender(self, blender: Blender) -> bool:
         self.blender = blender
@@ -273,21 +276,18 @@ class OffloadWorker:
         for x in self._layer_loads:
             self._load_s[x.req_id] = self._load_s.get(x.req_id, 0.0) + share
 
-    def _stage(self, b: _Batch, stage, failure: str) -> None:
+    def _stage(self, b: _Batch, stage, event: str, fail) -> None:
         """Ready ``b``'s chunks for staged layer transfers (``stage``: the
         streams' ``stage_loads`` or ``stage_saves``); a staging that raises
-        fails the batch's chunks (``failure``: the log event)."""
+        is logged (``event``) and fails each of the batch's chunks (``fail``)."""
         groups = max(1, STAGED_COPIES // len(b.xfers))
         try:
             b.staged = stage([x.buf for x in b.xfers], self.kv_caches[0][0], groups)
         except Exception:
-            log.exception(failure, request_ids=sorted({x.req_id for x in b.xfers}), chunks=len(b.xfers))
+            log.exception(event, request_ids=sorted({x.req_id for x in b.xfers}), chunks=len(b.xfers))
             b.alive = False
             for x in b.xfers:
-                if failure == "kv_load_failed":
-                    self._load_failed(x)
-                else:
-                    self._failed.add(x.handle)
+                fail(x)
 
     def _issue_layer(self, layer: int) -> None:
         key_cache, value_cache = self.kv_caches[layer]
