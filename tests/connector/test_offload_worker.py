@@ -198,24 +198,18 @@ def test_batched_bulk_transfers_equal_the_per_chunk_ones(layout):
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["per_layer_calls", "staged"])
-def test_a_failed_batch_fails_every_chunk_in_it(staged):
+@pytest.mark.parametrize(("bad", "failed", "loaded", "saved", "invalid"), [
+    (2, [1, 2], [3], [4, 5], {0, 1, 2, 3}),  # the 8-token loads' batch: their blocks reported
+    (4, [4], [1, 2, 3], [5], set()),  # the 8-token saves' batch: dropped, no load fails
+], ids=["load_batch", "save_batch"])
+def test_a_failed_batch_fails_every_chunk_in_it(staged, bad, failed, loaded, saved, invalid):
     _, _, buffers, worker = make("per_layer", batched=True, staged=staged)
     meta = _mixed_step(buffers)
-    buffers[2] = torch.zeros(L, 2, 8, H, 2 * D)  # wrong head size: its batch (the 8-token loads) raises
-    _, invalid, report = run_step(worker, meta)
-    assert sorted(report.failed) == [1, 2]
-    assert sorted(report.loaded) == [3] and sorted(report.saved) == [4, 5]
-    assert invalid == {0, 1, 2, 3}
-
-
-@pytest.mark.parametrize("staged", [False, True], ids=["per_layer_calls", "staged"])
-def test_a_failed_save_batch_drops_its_chunks_and_fails_no_load(staged):
-    _, _, buffers, worker = make("per_layer", batched=True, staged=staged)
-    meta = _mixed_step(buffers)
-    buffers[4] = torch.zeros(L, 2, 8, H, 2 * D)  # wrong head size: its batch (the 8-token saves) raises
-    _, invalid, report = run_step(worker, meta)
-    assert sorted(report.failed) == [4] and sorted(report.saved) == [5]
-    assert sorted(report.loaded) == [1, 2, 3] and invalid == set()
+    buffers[bad] = torch.zeros(L, 2, 8, H, 2 * D)  # wrong head size: its batch raises
+    _, got_invalid, report = run_step(worker, meta)
+    assert sorted(report.failed) == failed
+    assert sorted(report.loaded) == loaded and sorted(report.saved) == saved
+    assert got_invalid == invalid
 
 
 def test_no_metadata_no_work():

@@ -35,8 +35,20 @@ async def test_a_device_cache(oracle, make_engine, stepping):
     assert_stepped(engine, stepping)
 
 
-async def test_b_cpu_tier_after_device_reset(oracle, make_engine, stepping):
-    engine = await make_engine(offload_config(), **stepping)
+@pytest.mark.parametrize("staged", [False, True], ids=["batched", "staged"])
+async def test_b_cpu_tier_after_device_reset(oracle, make_engine, stepping, monkeypatch, staged):
+    """The prefix comes back from the CPU tier; with ``staged_layer_transfers``
+    each step's saved and loaded chunks go through one staging buffer, every
+    layer gathered into or scattered from it."""
+    from kvstrata.kernels import KVStreams
+
+    moved: dict[str, list[int]] = {"load_staged_layer": [], "store_staged_layer": []}
+    for name, layers in moved.items():
+        def counted(self, staged_chunks, layer, *args, _f=getattr(KVStreams, name), _layers=layers):
+            _layers.append(layer)
+            return _f(self, staged_chunks, layer, *args)
+        monkeypatch.setattr(KVStreams, name, counted)
+    engine = await make_engine(offload_config(staged_layer_transfers=staged), **stepping)
     p = prompt(2, 50)
     assert await gen(engine, p) == oracle.greedy(p, N)
     await engine.flush_kv()
@@ -46,31 +58,8 @@ async def test_b_cpu_tier_after_device_reset(oracle, make_engine, stepping):
     # 3 full chunks of 16 stored (48 tokens); the last prompt token is always computed.
     assert stats.prefix_cache_hits == 0 and tier_hits(stats, "cpu") == 48
     assert stats.extra["kv.external_hit_tokens"] == 48
-    assert_stepped(engine, stepping)
-
-
-async def test_b_cpu_tier_staged_layer_transfers(oracle, make_engine, stepping, monkeypatch):
-    """``staged_layer_transfers``: each step's saved and loaded chunks go
-    through one staging buffer, every layer gathered into or scattered from
-    it; the tokens are the oracle's."""
-    from kvstrata.kernels import KVStreams
-
-    moved: dict[str, list[int]] = {"load_staged_layer": [], "store_staged_layer": []}
-    for name, layers in moved.items():
-        def counted(self, staged, layer, *args, _f=getattr(KVStreams, name), _layers=layers):
-            _layers.append(layer)
-            return _f(self, staged, layer, *args)
-        monkeypatch.setattr(KVStreams, name, counted)
-    engine = await make_engine(offload_config(staged_layer_transfers=True), **stepping)
-    p = prompt(2, 50)
-    assert await gen(engine, p) == oracle.greedy(p, N)
-    await engine.flush_kv()
-    assert await engine.reset_prefix_cache()
-    assert await gen(engine, p) == oracle.greedy(p, N)
-    stats = await engine.stats()
-    assert tier_hits(stats, "cpu") == 48
-    num_layers = len(engine.core.runner.kv_caches)
-    assert all(set(layers) == set(range(num_layers)) for layers in moved.values()), moved
+    layers = set(range(len(engine.core.runner.kv_caches))) if staged else set()
+    assert all(set(got) == layers for got in moved.values()), moved
     assert_stepped(engine, stepping)
 
 
