@@ -44,7 +44,8 @@ from kvstrata.kernels.layout import KV_LAYOUTS, KVCacheShape, allocate_kv_caches
 from kvstrata.kernels.quant import QUANT_TYPES, PackedWeight, QuantType, cat_rows, dequantize, pack_weight, quant_type
 from kvstrata.kernels.quant_cpu import CpuChoice, QuantScratch, choose_cpu_path, with_cpu_path
 from kvstrata.kernels.quant_linear import packed_embedding, quant_matmul, quant_matmul_ref, quant_matmul_unchecked
-from kvstrata.kernels.streams import KVStreams, KVTransfer, StagedChunks
+from kvstrata.kernels.staging import StagedChunks
+from kvstrata.kernels.streams import KVStreams, KVTransfer
 from kvstrata.kernels.transfer import (
     gather_kv,
     gather_kv_layer,

@@ -86,6 +86,7 @@ from kvstrata.kernels.transfer import (
     scatter_kv_layer_segments,
     scatter_kv_segments,
 )
+from kvstrata.kernels.staging import StagedChunks, layer_groups
 
 log = structlog.get_logger(__name__)
 
@@ -118,45 +119,6 @@ class KVTransfer:
         if self._event is not None:
             self._event.synchronize()
             self._event, self._buffers = None, None
-
-
-class StagedChunks:
-    """S host chunks [L, 2, n, Hkv, D] (one n) moved layer by layer through
-    one device buffer [S, L, 2, n, Hkv, D] (``KVStreams.stage_loads`` /
-    ``stage_saves``), a run of layers (a group) per host copy: loads copy a
-    group in ahead of its layers' scatters, saves gather each layer into the
-    buffer and copy a group out once its last layer is in. One host copy per
-    chunk and group instead of one per chunk and layer.
-
-    Owns: the buffer (on a CPU a host tensor), the groups, how many of them
-    are copied (loads: queued in; saves: queued out), and whether the side
-    stream has waited for the compute stream yet (loads: once per staging)."""
-
-    __slots__ = ("host_chunks", "staging", "groups", "num_copied", "waited")
-
-    def __init__(self, host_chunks: list[torch.Tensor], staging: torch.Tensor, groups: list[range],
-                 num_copied: int = 0) -> None:
-        self.host_chunks = host_chunks
-        self.staging = staging
-        self.groups = groups
-        self.num_copied = num_copied
-        self.waited = False
-
-    def group_of(self, layer: int) -> int:
-        return next(g for g, layers in enumerate(self.groups) if layer in layers)
-
-
-def layer_groups(num_layers: int, num_groups: int) -> list[range]:
-    """``num_layers`` layers in ``num_groups`` (at most one per layer) runs of
-    consecutive layers, the first ones one layer longer where they differ."""
-    num_groups = max(1, min(num_layers, num_groups))
-    size, extra = divmod(num_layers, num_groups)
-    groups, start = [], 0
-    for g in range(num_groups):
-        stop = start + size + (g < extra)
-        groups.append(range(start, stop))
-        start = stop
-    return groups
 
 
 # Lowest CUDA stream priority (larger numbers map to it; torch's range is
@@ -310,7 +272,7 @@ class KVStreams:
             if not staged.waited:
                 self._load.wait_stream(compute)
                 staged.waited = True
-            self._copy_in(staged, min(staged.group_of(layer) + 2, len(staged.groups)))
+            staged.copy_in(min(staged.group_of(layer) + 2, len(staged.groups)))
             scatter_kv_layer_segments(staged.staging, layer, key_cache, value_cache, dev_slots)
             event = torch.cuda.Event()
             event.record(self._load)
@@ -350,7 +312,7 @@ class KVStreams:
         if self._store is None:
             gather_kv_layer_segments(key_cache, value_cache, slot_mapping, staged.staging, layer)
             if last:
-                self._copy_out(staged, g)
+                staged.copy_out(g)
             return KVTransfer(None, (), None)
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(self.device))
@@ -360,7 +322,7 @@ class KVStreams:
             gather_kv_layer_segments(key_cache, value_cache, dev_slots, staged.staging, layer,
                                      max_programs=self.store_programs)
             if last:
-                self._copy_out(staged, g)
+                staged.copy_out(g)
             event = torch.cuda.Event()
             event.record(self._store)
         return self._track(KVTransfer(event, (*staged.host_chunks, staged.staging, dev_slots), None))
@@ -374,26 +336,6 @@ class KVStreams:
         shape = (self.num_layers, 2, chunks[0].shape[2], *key_cache.shape[2:])
         checked = [self._host_buffer(c, shape, key_cache.dtype, "host chunk") for c in chunks]
         return checked, shape, layer_groups(self.num_layers, num_groups)
-
-    @staticmethod
-    def _copy_in(staged: StagedChunks, upto: int) -> None:
-        """Queue (on the current stream: the load stream) the host copies of
-        ``staged``'s layer groups [num_copied, upto) into its buffer: one
-        non-blocking copy per chunk and group, earlier groups first."""
-        for g in range(staged.num_copied, upto):
-            layers = staged.groups[g]
-            for s, chunk in enumerate(staged.host_chunks):
-                staged.staging[s, layers.start:layers.stop].copy_(chunk[layers.start:layers.stop], non_blocking=True)
-        staged.num_copied = max(staged.num_copied, upto)
-
-    @staticmethod
-    def _copy_out(staged: StagedChunks, g: int) -> None:
-        """Queue group ``g`` of ``staged``'s buffer out to its host chunks: one
-        non-blocking copy per chunk (on the current stream)."""
-        layers = staged.groups[g]
-        for s, chunk in enumerate(staged.host_chunks):
-            chunk[layers.start:layers.stop].copy_(staged.staging[s, layers.start:layers.stop], non_blocking=True)
-        staged.num_copied = g + 1
 
     def load_all(self, host_chunk: torch.Tensor, kv_caches, slot_mapping: torch.Tensor) -> KVTransfer:
         """Copy ``host_chunk`` [L, 2, n, Hkv, D] into every layer's slots on the

@@ -304,10 +304,10 @@ def test_staged_layer_transfers_stage_each_batch_once_and_move_each_layer_throug
 
 
 def test_staged_chunks_are_copied_a_run_of_layers_at_a_time():
-    """On CUDA the staging is filled by ``_copy_in``: one copy per chunk
+    """On CUDA the staging is filled by ``StagedChunks.copy_in``: one copy per chunk
     and group of layers, a group when its first layer (or the layer before
     it) is loaded. The groups split the layers in order, evenly."""
-    from kvstrata.kernels.streams import StagedChunks, layer_groups
+    from kvstrata.kernels.staging import StagedChunks, layer_groups
 
     assert layer_groups(22, 2) == [range(0, 11), range(11, 22)]
     assert layer_groups(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
@@ -318,14 +318,13 @@ def test_staged_chunks_are_copied_a_run_of_layers_at_a_time():
             groups = layer_groups(num_layers, num_groups)
             assert [i for g in groups for i in g] == list(range(num_layers))
             assert max(map(len, groups)) - min(map(len, groups)) <= 1
-    streams = make("per_layer")[3].streams
     chunks = [torch.randn(5, 2, 4, H, D, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     staged = StagedChunks(chunks, torch.zeros(3, 5, 2, 4, H, D), layer_groups(5, 3))
     staged.num_copied = 0  # as on CUDA: nothing copied at staging
-    streams._copy_in(staged, 1)
+    staged.copy_in(1)
     assert torch.equal(staged.staging[:, :2], torch.stack(chunks)[:, :2])
     assert not staged.staging[:, 2:].any()
-    streams._copy_in(staged, 3)
+    staged.copy_in(3)
     assert staged.num_copied == 3 and torch.equal(staged.staging, torch.stack(chunks))
     assert staged.group_of(0) == 0 and staged.group_of(3) == 1 and staged.group_of(4) == 2
 
