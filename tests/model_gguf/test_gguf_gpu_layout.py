@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_writing import prompt_logits, write_random_gguf  # noqa: E402
+from gpu_engines import assert_same_up_to_near_ties, greedy  # noqa: E402
 
 from kvstrata.kernels import PackedWeight  # noqa: E402
 from kvstrata.worker.model import load_checkpoint  # noqa: E402
@@ -96,55 +97,18 @@ def test_without_the_interpreter_a_cpu_keeps_its_own_paths(tmp_path, monkeypatch
 
 # ---- on a GPU --------------------------------------------------------------------------------
 
-NEW = 12
-NEAR_TIE = 0.125  # as test_gguf_packed_gpu.py: one bf16 step of a logit of 16-32
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
 def test_engine_with_the_gpu_layout_on_cuda(tmp_path, qtype):
-    from kvstrata.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvstrata.enginecore import AsyncEngine
-    from kvstrata.types import SamplingParams
-
     path = tmp_path / f"rand-{qtype.name}.gguf"
     write_random_gguf(path, qtype, hidden=512, inter=1024, layers=2, heads=8, kv_heads=2, vocab=512,
                       seed=int(qtype), context_length=128)
     tok = tmp_path / "bytes"
     tok.mkdir()
-    prompts = [[1, 17, 250, 3, 99, 42, 42, 7, 300, 5], [1, 5, 6, 7], [1] + list(range(20, 60)), [1, 300, 301, 2, 9]]
-
-    async def greedy(mode: str, layout: bool, logprobs: int | None = None):
-        cfg = EngineConfig(model=ModelConfig(model=str(path), tokenizer=str(tok), max_model_len=128,
-                                             quantized_weights=mode, dtype="bfloat16", gpu_quant_layout=layout,
-                                             cuda_graph_sizes=[1, 2, 4]),
-                           scheduler=SchedulerConfig(max_num_seqs=4), device="cuda",
-                           cache=CacheConfig(num_blocks=128), log_level="WARNING")
-        engine = await AsyncEngine.start(cfg)
-        try:
-            relaid = any(p.gpu_layout is not None for p in _packed_parts(engine.core.runner.model))
-
-            async def one(ids):
-                sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-                toks, margins = [], []
-                async for o in engine.generate(ids, sp):
-                    toks += o.new_token_ids
-                    margins += [lp.logprobs[1] - lp.logprobs[2] for lp in o.logprobs or []]
-                return toks, margins
-
-            return await asyncio.gather(*(one(ids) for ids in prompts)), relaid, engine.core.runner.weight_bytes
-        finally:
-            await engine.aclose()
-
-    got, relaid, packed_bytes = asyncio.run(greedy("packed", True))
-    want, _, dense_bytes = asyncio.run(greedy("dequantize", False, logprobs=2))
+    got, _, packed_bytes, model = asyncio.run(greedy(path, tok, quantized_weights="packed", gpu_quant_layout=True))
+    want, margins, dense_bytes, _ = asyncio.run(greedy(path, tok, logprobs=2, quantized_weights="dequantize"))
+    relaid = any(p.gpu_layout is not None for p in _packed_parts(model))
     assert relaid, "ModelRunner did not pass model.gpu_quant_layout to load_checkpoint"
-    compared = 0
-    for (toks, _), (ref, margins) in zip(got, want, strict=True):
-        parted = next((i for i, (a, b) in enumerate(zip(toks, ref, strict=True)) if a != b), None)
-        if parted is not None:
-            assert margins[parted] <= NEAR_TIE, (toks, ref, margins)
-        compared += NEW if parted is None else parted
-    assert compared >= NEW * len(prompts) // 2
+    assert_same_up_to_near_ties(got, want, margins)
     assert packed_bytes < 0.6 * dense_bytes
